@@ -1,0 +1,221 @@
+/* SPDX-License-Identifier: GPL-2.0 WITH Linux-syscall-note */
+/*
+ * tdrv: ioctl ABI of the tdrv accelerator driver (/dev/tdrv<N>).
+ *
+ * This header is the single source of truth for the ABI. The kernel module
+ * mirrors it in driver/uapi.rs (with compile-time size and offset asserts);
+ * userspace Rust bindings are generated from it by bindgen.
+ *
+ * Rules every struct follows:
+ *  - fixed-width __u types, explicit padding, 8-byte aligned sizes;
+ *  - user pointers are passed as __u64;
+ *  - fields named "reserved" or "pad" must be zero on input (else EINVAL)
+ *    and are zeroed on output;
+ *  - structs may grow at the end. The size encoded in the ioctl number is
+ *    the caller's struct size: the driver accepts any size from the first
+ *    published one up; bytes the driver does not know must be zero (else
+ *    E2BIG); output is written back up to the smaller of the two sizes.
+ *    TDRV_IOC_VERSION reports the ABI version and feature bits.
+ *
+ * Errors are negative errno values from ioctl(2) (errno in userspace):
+ *  EINVAL   malformed argument (reserved bits, bad flags, zero size, ...)
+ *  E2BIG    unknown trailing struct bytes are non-zero
+ *  ENOENT   no such buffer handle in this open file (or it was freed)
+ *  ERANGE   offset + size outside the buffer, or overflows 64 bits
+ *  EFAULT   a user pointer cannot be read or written
+ *  EXDEV    a copy between buffers on different HBM channels
+ *  ENOMEM   no memory; ENOSPC: the channel's byte limit would be exceeded
+ *  ETIMEDOUT a wait timed out; EINTR: a signal interrupted a wait
+ *  ENODEV   the device was removed; its files only support close(2)
+ */
+#ifndef _UAPI_TDRV_H
+#define _UAPI_TDRV_H
+
+#include <linux/ioctl.h>
+#include <linux/types.h>
+
+#define TDRV_ABI_MAJOR 1
+#define TDRV_ABI_MINOR 0
+
+/* Bits of tdrv_version.features. */
+#define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
+#define TDRV_FEAT_SUBMIT	(1ULL << 1) /* asynchronous copy jobs */
+#define TDRV_FEAT_COMPLETION	(1ULL << 2) /* completion counters */
+#define TDRV_FEAT_IRQ		(1ULL << 3) /* completions signalled by interrupt */
+
+/* tdrv_version.device_kind */
+#define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
+#define TDRV_DEVICE_EDU		2 /* QEMU edu PCI device: its DMA engine + MSI */
+
+/* Largest buffer one TDRV_IOC_ALLOC may request. */
+#define TDRV_MAX_BUFFER_SIZE	(1ULL << 30)
+/* Most descriptors one TDRV_IOC_SUBMIT may carry. */
+#define TDRV_MAX_JOB_DESCS	1024
+
+/* Timeouts are in microseconds: 0 polls, negative waits without limit. */
+#define TDRV_TIMEOUT_INFINITE	(-1LL)
+
+/* TDRV_IOC_VERSION: ABI version, features and device description. */
+struct tdrv_version {
+	__u32 abi_major;	/* out: TDRV_ABI_MAJOR */
+	__u32 abi_minor;	/* out: TDRV_ABI_MINOR */
+	__u64 features;		/* out: TDRV_FEAT_* */
+	__u32 device_kind;	/* out: TDRV_DEVICE_* */
+	__u32 num_channels;	/* out: HBM channels; valid channel < this */
+	__u64 max_buffer_size;	/* out: largest ALLOC size accepted */
+	__u64 reserved[4];	/* out: zero */
+};
+
+/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. */
+struct tdrv_channel_info {
+	__u32 channel;		/* in */
+	__u32 pad;		/* in: zero */
+	__u64 limit_bytes;	/* out: byte limit of the channel */
+	__u64 used_bytes;	/* out: bytes allocated now (all files) */
+	__u64 peak_bytes;	/* out: highest used_bytes seen */
+	__u64 buffers;		/* out: live buffers on the channel */
+	__u64 failed_allocs;	/* out: allocations refused for lack of space */
+	__u64 reserved[2];	/* out: zero */
+};
+
+/* TDRV_IOC_ALLOC: allocate a zeroed DMA-coherent buffer. */
+struct tdrv_alloc {
+	__u64 size;		/* in: bytes, 1..max_buffer_size */
+	__u32 channel;		/* in: HBM channel index */
+	__u32 flags;		/* in: zero (no flags defined yet) */
+	__u64 handle;		/* out: buffer handle, valid in this file only */
+	__u64 dma_addr;		/* out: device (bus) address of byte 0 */
+	__u64 mmap_offset;	/* out: offset to pass to mmap(2) */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_FREE: drop the handle. The memory is released when the last
+ * mapping and the last in-flight job using it are gone. */
+struct tdrv_free {
+	__u64 handle;		/* in */
+	__u64 reserved;		/* in: zero */
+};
+
+/* TDRV_IOC_BUF_INFO: describe a buffer and its fence state. */
+struct tdrv_buf_info {
+	__u64 handle;		/* in */
+	__u64 size;		/* out */
+	__u64 dma_addr;		/* out */
+	__u64 mmap_offset;	/* out */
+	__u64 pending_reads;	/* out: in-flight device reads of the buffer */
+	__u64 pending_writes;	/* out: in-flight device writes to the buffer */
+	__u64 completion_count;	/* out: jobs that finished writing it */
+	__u32 channel;		/* out */
+	__u32 pad;		/* in: zero */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_COPY_IN / TDRV_IOC_COPY_OUT: user memory <-> buffer. COPY_IN
+ * waits for all pending device access; COPY_OUT for pending device writes. */
+struct tdrv_xfer {
+	__u64 handle;		/* in */
+	__u64 offset;		/* in: byte offset in the buffer */
+	__u64 size;		/* in: bytes; 0 is a no-op after the checks */
+	__u64 user_ptr;		/* in: source (COPY_IN) or destination */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_MEMSET: fill a range with a byte value. */
+struct tdrv_memset {
+	__u64 handle;		/* in */
+	__u64 offset;		/* in */
+	__u64 size;		/* in */
+	__u32 value;		/* in: 0..255 */
+	__u32 pad;		/* in: zero */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* One buffer-to-buffer copy. Both buffers must be on the same channel. */
+struct tdrv_copy_desc {
+	__u64 src_handle;
+	__u64 src_offset;
+	__u64 dst_handle;
+	__u64 dst_offset;
+	__u64 size;		/* bytes, > 0 */
+};
+
+/* TDRV_IOC_COPY: synchronous buffer-to-buffer copy, fenced like a read of
+ * the source and a write of the destination. */
+struct tdrv_copy {
+	struct tdrv_copy_desc desc; /* in */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_SUBMIT: queue an asynchronous job on the device's engine. It
+ * returns at once; every source gets a pending read and every destination
+ * a pending write until the job ends (successfully or not). */
+struct tdrv_submit {
+	__u64 descs;		/* in: user pointer to desc_count descriptors */
+	__u32 desc_count;	/* in: 1..TDRV_MAX_JOB_DESCS */
+	__u32 desc_size;	/* in: sizeof(struct tdrv_copy_desc) the caller uses */
+	__u32 flags;		/* in: zero */
+	__u32 pad;		/* in: zero */
+	__u64 job_id;		/* out: per-file id, increasing from 1 */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* tdrv_job_wait.state */
+#define TDRV_JOB_PENDING	1 /* queued or running */
+#define TDRV_JOB_DONE		2 /* finished; see status */
+
+/* TDRV_IOC_JOB_WAIT: wait for a job of this file; timeout 0 queries. */
+struct tdrv_job_wait {
+	__u64 job_id;		/* in */
+	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
+	__u32 state;		/* out: TDRV_JOB_* */
+	__s32 status;		/* out: 0, or the job's negative errno */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* tdrv_fence_wait.kind */
+#define TDRV_FENCE_READS	(1U << 0) /* no pending device reads */
+#define TDRV_FENCE_WRITES	(1U << 1) /* no pending device writes */
+#define TDRV_FENCE_ALL		(TDRV_FENCE_READS | TDRV_FENCE_WRITES)
+
+/* TDRV_IOC_FENCE_WAIT: wait until the buffer's chosen counters are zero. */
+struct tdrv_fence_wait {
+	__u64 handle;		/* in */
+	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
+	__u32 kind;		/* in: TDRV_FENCE_* (non-zero) */
+	__u32 pad;		/* in: zero */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_COMPLETION_WAIT: wait until completion_count >= expected. */
+struct tdrv_completion_wait {
+	__u64 handle;		/* in */
+	__u64 expected;		/* in */
+	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
+	__u64 count;		/* out: completion_count when the call returned */
+	__u64 reserved[2];	/* in: zero */
+};
+
+/* TDRV_IOC_COMPLETION_RESET: set the buffer's completion_count to 0. */
+struct tdrv_completion_reset {
+	__u64 handle;		/* in */
+	__u64 reserved;		/* in: zero */
+};
+
+#define TDRV_IOC_MAGIC 0xD7
+
+#define TDRV_IOC_VERSION	_IOR(TDRV_IOC_MAGIC, 0x00, struct tdrv_version)
+#define TDRV_IOC_CHANNEL_INFO	_IOWR(TDRV_IOC_MAGIC, 0x01, struct tdrv_channel_info)
+#define TDRV_IOC_ALLOC		_IOWR(TDRV_IOC_MAGIC, 0x02, struct tdrv_alloc)
+#define TDRV_IOC_FREE		_IOW(TDRV_IOC_MAGIC, 0x03, struct tdrv_free)
+#define TDRV_IOC_BUF_INFO	_IOWR(TDRV_IOC_MAGIC, 0x04, struct tdrv_buf_info)
+#define TDRV_IOC_COPY_IN	_IOW(TDRV_IOC_MAGIC, 0x05, struct tdrv_xfer)
+#define TDRV_IOC_COPY_OUT	_IOW(TDRV_IOC_MAGIC, 0x06, struct tdrv_xfer)
+#define TDRV_IOC_MEMSET		_IOW(TDRV_IOC_MAGIC, 0x07, struct tdrv_memset)
+#define TDRV_IOC_COPY		_IOW(TDRV_IOC_MAGIC, 0x08, struct tdrv_copy)
+#define TDRV_IOC_SUBMIT		_IOWR(TDRV_IOC_MAGIC, 0x09, struct tdrv_submit)
+#define TDRV_IOC_JOB_WAIT	_IOWR(TDRV_IOC_MAGIC, 0x0A, struct tdrv_job_wait)
+#define TDRV_IOC_FENCE_WAIT	_IOW(TDRV_IOC_MAGIC, 0x0B, struct tdrv_fence_wait)
+#define TDRV_IOC_COMPLETION_WAIT _IOWR(TDRV_IOC_MAGIC, 0x0C, struct tdrv_completion_wait)
+#define TDRV_IOC_COMPLETION_RESET _IOW(TDRV_IOC_MAGIC, 0x0D, struct tdrv_completion_reset)
+
+#endif /* _UAPI_TDRV_H */
