@@ -1,0 +1,216 @@
+//! Async-exec fences and the output-completion plane of a tensor.
+//!
+//! Host storages (Malloc, User, Fake) keep the seed's counters in user
+//! space: [`Tensor::mark_async_start`]/[`Tensor::mark_async_finish`] are the
+//! producer side of the fence the I/O operations wait on, and
+//! [`Tensor::record_output_completion`] is the producer of the completion
+//! count. `Dma` storage uses the kernel's counters, driven by jobs
+//! ([`crate::Job`]).
+//!
+//! Completion counts are per view, as in the seed: a new slice starts at 0.
+//! Unlike the seed, which guarded every tensor's count with one global
+//! lock/condvar, a host view's count is guarded by its storage's lock, and a
+//! `Dma` view's count is the buffer's kernel count minus a per-view
+//! baseline (the kernel counts once per job per buffer, so a job writing any
+//! part of the buffer counts for every view of it).
+
+use std::sync::atomic::Ordering;
+
+use crate::error::{Error, Result};
+pub use crate::fence::PendingAccess;
+use crate::log::{heartbeat_interval, log_warn};
+use crate::sys::{FenceKind, SysError};
+use crate::tensor::Tensor;
+use crate::wait::Deadline;
+
+/// A direction of device access, for the async marks and fences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+impl Tensor {
+    /// Marks a device access of the storage as started (the seed's
+    /// `tensor_async_update(.., release = false)`). Host storages only: the
+    /// kernel tracks `Dma` buffers itself.
+    pub fn mark_async_start(&self, access: Access) -> Result<()> {
+        let st = self.storage_for("mark_async_start")?;
+        if st.dma().is_some() {
+            return Err(Error::Unsupported {
+                op: "mark_async_start",
+                kind: st.kind(),
+            });
+        }
+        st.sync.mark_start(access == Access::Write);
+        Ok(())
+    }
+
+    /// Marks a device access as finished; waiters wake when the counter
+    /// reaches zero. Finishing more accesses than were started is an error
+    /// (the counter never wraps).
+    pub fn mark_async_finish(&self, access: Access) -> Result<()> {
+        let st = self.storage_for("mark_async_finish")?;
+        if st.dma().is_some() {
+            return Err(Error::Unsupported {
+                op: "mark_async_finish",
+                kind: st.kind(),
+            });
+        }
+        if !st.sync.mark_finish(access == Access::Write) {
+            return Err(Error::invalid(format!(
+                "no pending async {access:?} on tensor {:?}",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// In-flight device accesses of the storage.
+    pub fn pending_async(&self) -> Result<PendingAccess> {
+        let st = self.storage_for("pending_async")?;
+        match st.dma() {
+            Some(b) => {
+                let info = b.device.buf_info(b.handle)?;
+                Ok(PendingAccess {
+                    reads: info.pending_reads,
+                    writes: info.pending_writes,
+                })
+            }
+            None => Ok(st.sync.pending()),
+        }
+    }
+
+    /// Waits until host access of kind `access` is safe from the device:
+    /// for `Read`, no device write in flight; for `Write`, no device access
+    /// at all. Call it before touching the bytes through [`Tensor::va`].
+    /// `timeout_us`: 0 polls, negative waits without limit.
+    pub fn wait_device_idle(&self, access: Access, timeout_us: i64) -> Result<()> {
+        let st = self.storage_for("wait_device_idle")?;
+        let write = access == Access::Write;
+        let deadline = Deadline::from_timeout_us(timeout_us);
+        match st.dma() {
+            Some(b) => {
+                let kind = if write {
+                    FenceKind::All
+                } else {
+                    FenceKind::Writes
+                };
+                loop {
+                    match b
+                        .device
+                        .fence_wait(b.handle, kind, deadline.remaining_us(None))
+                    {
+                        Ok(()) => return Ok(()),
+                        Err(SysError::Interrupted { .. }) if !deadline.expired() => continue,
+                        Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {
+                            return Err(Error::Timeout {
+                                op: "wait_device_idle",
+                            })
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            None if st.sync.wait_device(write, deadline) => Ok(()),
+            None => Err(Error::Timeout {
+                op: "wait_device_idle",
+            }),
+        }
+    }
+
+    /// Waits until this view's output-completion count reaches `expected`.
+    /// `timeout_us`: 0 polls, negative waits without limit (logging a
+    /// warning every 30 s). Fails with [`Error::Timeout`] when time runs out.
+    pub fn check_output_completion(&self, timeout_us: i64, expected: u64) -> Result<()> {
+        let st = self.storage_for("check_output_completion")?;
+        let deadline = Deadline::from_timeout_us(timeout_us);
+        let heartbeat = || {
+            format!(
+                "still waiting for output tensor {:?} to reach completion count {expected}",
+                self.name()
+            )
+        };
+        let Some(b) = st.dma() else {
+            return if st
+                .sync
+                .wait_count(self.completion_cell(), expected, deadline, &heartbeat)
+            {
+                Ok(())
+            } else {
+                Err(Error::Timeout {
+                    op: "check_output_completion",
+                })
+            };
+        };
+        let target = self
+            .completion_cell()
+            .load(Ordering::Acquire)
+            .saturating_add(expected);
+        let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
+        loop {
+            match b
+                .device
+                .completion_wait(b.handle, target, deadline.remaining_us(cap))
+            {
+                Ok(_) => return Ok(()),
+                Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {
+                    log_warn!("{}", heartbeat());
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
+                    if deadline.expired() =>
+                {
+                    return Err(Error::Timeout {
+                        op: "check_output_completion",
+                    })
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// This view's output-completion count.
+    pub fn output_completion_count(&self) -> Result<u64> {
+        let st = self.storage_for("output_completion_count")?;
+        let cell = self.completion_cell();
+        match st.dma() {
+            Some(b) => {
+                let now = b.device.buf_info(b.handle)?.completion_count;
+                Ok(now.saturating_sub(cell.load(Ordering::Acquire)))
+            }
+            None => Ok(cell.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// Sets this view's output-completion count to 0. Other views of the
+    /// storage keep theirs (for `Dma`, the kernel's count is not reset: the
+    /// view's baseline moves).
+    pub fn reset_output_completion(&self) -> Result<()> {
+        let st = self.storage_for("reset_output_completion")?;
+        let cell = self.completion_cell();
+        match st.dma() {
+            Some(b) => {
+                b.counted.store(true, Ordering::Release);
+                let now = b.device.buf_info(b.handle)?.completion_count;
+                cell.store(now, Ordering::Release);
+            }
+            None => st.sync.reset(cell),
+        }
+        Ok(())
+    }
+
+    /// Counts one output completion of this view and wakes its waiters (the
+    /// producer side for host storages, where no device counts for us).
+    pub fn record_output_completion(&self) -> Result<()> {
+        let st = self.storage_for("record_output_completion")?;
+        if st.dma().is_some() {
+            return Err(Error::Unsupported {
+                op: "record_output_completion",
+                kind: st.kind(),
+            });
+        }
+        st.sync.complete(self.completion_cell());
+        Ok(())
+    }
+}

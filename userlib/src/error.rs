@@ -1,0 +1,77 @@
+//! The tensor layer's error type.
+
+use crate::storage::StorageKind;
+use crate::sys::SysError;
+
+/// Result of the tensor layer.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the tensor layer. A caller's mistake
+/// (bad range, wrong storage kind, ...) is always one of these, never a
+/// panic.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A system call on the device failed.
+    #[error(transparent)]
+    Sys(#[from] SysError),
+    /// `offset + size` reaches past the end of the view.
+    #[error("{op}: bytes [{offset}, {offset}+{size}) are outside the {len}-byte tensor")]
+    OutOfBounds {
+        op: &'static str,
+        offset: usize,
+        size: usize,
+        len: usize,
+    },
+    /// `offset + size` overflows.
+    #[error("{op}: offset {offset} + size {size} overflows")]
+    Overflow {
+        op: &'static str,
+        offset: usize,
+        size: usize,
+    },
+    /// The tensor has no storage (made by `allocate_empty`, never attached).
+    #[error("{op}: tensor {name:?} has no storage")]
+    NoStorage { op: &'static str, name: String },
+    /// The operation does not exist for this kind of storage.
+    #[error("{op} is not supported on {kind:?} storage")]
+    Unsupported { op: &'static str, kind: StorageKind },
+    /// A device-to-device copy between two HBM channels of one device.
+    #[error("Tensors must be allocated on same HBM (SRC: {src}) (DST: {dst})")]
+    CrossChannel { src: u32, dst: u32 },
+    /// A malformed argument.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A wait ran out of time.
+    #[error("{op}: timed out")]
+    Timeout { op: &'static str },
+    /// A host allocation failed.
+    #[error("cannot allocate {0} bytes of host memory")]
+    OutOfMemory(usize),
+    /// `attach_buffer` on a view other handles share.
+    #[error("tensor {0:?} is shared by other references; attach before sharing it")]
+    SharedView(String),
+    /// An asynchronous job ended with an error.
+    #[error("job {job_id} failed: {}", std::io::Error::from_raw_os_error(*errno))]
+    JobFailed { job_id: u64, errno: i32 },
+    /// A file operation (input dump, trace file) failed.
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Whether this is a time-out (of the library or of the driver).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            Error::Timeout { .. } | Error::Sys(SysError::TimedOut { .. })
+        )
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}

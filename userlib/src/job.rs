@@ -1,0 +1,226 @@
+//! Asynchronous copy jobs on `Dma` tensors (`TDRV_IOC_SUBMIT`).
+//!
+//! A job is a list of buffer-to-buffer copies between `Dma` tensors of one
+//! device and one HBM channel. The device runs it in the background: its
+//! sources get pending reads and its destinations pending writes until it
+//! ends, and each destination buffer's completion count goes up by one when
+//! it succeeds, which is what [`Tensor::check_output_completion`] waits for.
+//!
+//! With an input dump directory set ([`crate::dump`]), submitting first
+//! writes the bytes of every source tensor of the job to that directory.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
+use crate::tensor::Tensor;
+use crate::trace::{self, TraceOp};
+use crate::wait::Deadline;
+
+/// Most copies one job may carry.
+pub const MAX_JOB_COPIES: usize = tdrv_uapi::TDRV_MAX_JOB_DESCS as usize;
+
+/// A job being built. See the module documentation.
+#[derive(Default)]
+pub struct Job {
+    device: Option<Arc<Device>>,
+    descs: Vec<tdrv_copy_desc>,
+    inputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
+}
+
+/// State of a submitted job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobState {
+    /// Queued or running.
+    Pending,
+    /// Finished successfully.
+    Done,
+}
+
+/// A submitted job.
+pub struct JobHandle {
+    device: Arc<Device>,
+    id: u64,
+    _tensors: Vec<Tensor>,
+}
+
+impl Job {
+    /// An empty job.
+    pub fn new() -> Job {
+        Job::default()
+    }
+
+    /// Number of copies in the job.
+    pub fn len(&self) -> usize {
+        self.descs.len()
+    }
+
+    /// Whether the job has no copies yet.
+    pub fn is_empty(&self) -> bool {
+        self.descs.is_empty()
+    }
+
+    /// Adds a copy of `size` (> 0) bytes from `src` at `src_offset` to
+    /// `dst` at `dst_offset`. Both must be `Dma` tensors of the job's device
+    /// on one HBM channel.
+    pub fn copy(
+        &mut self,
+        src: &Tensor,
+        src_offset: usize,
+        dst: &Tensor,
+        dst_offset: usize,
+        size: usize,
+    ) -> Result<&mut Self> {
+        if size == 0 {
+            return Err(Error::invalid("a job copy needs a non-zero size"));
+        }
+        if self.descs.len() >= MAX_JOB_COPIES {
+            return Err(Error::invalid(format!(
+                "a job carries at most {MAX_JOB_COPIES} copies"
+            )));
+        }
+        let (ss, sa) = src.locate("job copy (source)", src_offset, size)?;
+        let (ds, da) = dst.locate("job copy (destination)", dst_offset, size)?;
+        let (Some(a), Some(b)) = (ss.dma(), ds.dma()) else {
+            let kind = if ss.dma().is_none() {
+                ss.kind()
+            } else {
+                ds.kind()
+            };
+            return Err(Error::Unsupported {
+                op: "job copy",
+                kind,
+            });
+        };
+        if !Arc::ptr_eq(&a.device, &b.device) {
+            return Err(Error::invalid("a job's tensors must be on one device"));
+        }
+        if let Some(d) = &self.device {
+            if !Arc::ptr_eq(d, &a.device) {
+                return Err(Error::invalid("a job's tensors must be on one device"));
+            }
+        }
+        if a.channel != b.channel {
+            return Err(Error::CrossChannel {
+                src: a.channel,
+                dst: b.channel,
+            });
+        }
+        self.device = Some(a.device.clone());
+        self.descs.push(tdrv_copy_desc {
+            src_handle: a.handle,
+            src_offset: sa as u64,
+            dst_handle: b.handle,
+            dst_offset: da as u64,
+            size: size as u64,
+        });
+        if !self.inputs.iter().any(|t| t.same_view(src)) {
+            self.inputs.push(src.clone());
+        }
+        if !self.outputs.iter().any(|t| t.same_view(dst)) {
+            self.outputs.push(dst.clone());
+        }
+        Ok(self)
+    }
+
+    /// The tensors the job reads, each once.
+    pub fn inputs(&self) -> &[Tensor] {
+        &self.inputs
+    }
+
+    /// The tensors the job writes, each once.
+    pub fn outputs(&self) -> &[Tensor] {
+        &self.outputs
+    }
+
+    /// Queues the job on the device and returns at once.
+    pub fn submit(self) -> Result<JobHandle> {
+        let Some(device) = self.device.clone() else {
+            return Err(Error::invalid("an empty job cannot be submitted"));
+        };
+        let id = {
+            let name = self.outputs.first().map_or("", |t| t.name());
+            let _t = trace::scope(TraceOp::Submit, name, self.descs.len());
+            crate::dump::dump_job_inputs(&self.inputs);
+            for t in &self.outputs {
+                // Before the job can bump the count: see DmaBuffer::counted.
+                if let Some(b) = t.storage_for("submit")?.dma() {
+                    b.counted.store(true, Ordering::Release);
+                }
+            }
+            device.submit(&self.descs)?
+        };
+        let mut tensors = self.inputs;
+        tensors.extend(self.outputs);
+        Ok(JobHandle {
+            device,
+            id,
+            _tensors: tensors,
+        })
+    }
+}
+
+impl JobHandle {
+    /// The driver's id of the job (per open file, increasing from 1).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The job's state now; a failed job is [`Error::JobFailed`].
+    pub fn poll(&self) -> Result<JobState> {
+        match self.device.job_wait(self.id, 0) {
+            Ok(s) => self.state(s),
+            Err(SysError::TimedOut { .. }) => Ok(JobState::Pending),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn state(&self, s: JobStatus) -> Result<JobState> {
+        match s {
+            JobStatus::Pending => Ok(JobState::Pending),
+            JobStatus::Done => Ok(JobState::Done),
+            JobStatus::Failed(errno) => Err(Error::JobFailed {
+                job_id: self.id,
+                errno,
+            }),
+        }
+    }
+
+    /// Waits for the job to end: `Ok` when it succeeded,
+    /// [`Error::JobFailed`] when it failed, [`Error::Timeout`] when it is
+    /// still running after `timeout_us` (0 polls, negative waits without
+    /// limit).
+    pub fn wait(&self, timeout_us: i64) -> Result<()> {
+        let deadline = Deadline::from_timeout_us(timeout_us);
+        loop {
+            let r = self.device.job_wait(self.id, deadline.remaining_us(None));
+            match r {
+                Ok(s) => match self.state(s)? {
+                    JobState::Done => return Ok(()),
+                    JobState::Pending if deadline.expired() => {
+                        return Err(Error::Timeout { op: "job wait" })
+                    }
+                    JobState::Pending => {}
+                },
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
+                    if deadline.expired() =>
+                {
+                    return Err(Error::Timeout { op: "job wait" })
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for JobHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobHandle")
+            .field("device", &self.device.path())
+            .field("id", &self.id)
+            .finish()
+    }
+}

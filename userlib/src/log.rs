@@ -1,0 +1,69 @@
+//! Minimal, pluggable logging (no dependency on a logging framework).
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+use std::time::Duration;
+
+/// Severity of a log message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Error,
+    Warn,
+    Info,
+    Debug,
+}
+
+impl fmt::Display for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Level::Error => "error",
+            Level::Warn => "warning",
+            Level::Info => "info",
+            Level::Debug => "debug",
+        })
+    }
+}
+
+/// A function that receives every log message.
+pub type Logger = Box<dyn Fn(Level, &str) + Send + Sync>;
+
+static LOGGER: RwLock<Option<Logger>> = RwLock::new(None);
+
+/// Installs a logger (or, with `None`, restores the default: warnings and
+/// errors go to stderr as `tdrv: <level>: <message>`).
+pub fn set_logger(logger: Option<Logger>) {
+    *LOGGER.write().unwrap_or_else(|e| e.into_inner()) = logger;
+}
+
+pub(crate) fn log(level: Level, args: fmt::Arguments<'_>) {
+    let guard = LOGGER.read().unwrap_or_else(|e| e.into_inner());
+    match guard.as_ref() {
+        Some(logger) => logger(level, &args.to_string()),
+        None if level <= Level::Warn => eprintln!("tdrv: {level}: {args}"),
+        None => {}
+    }
+}
+
+macro_rules! log_warn {
+    ($($arg:tt)*) => {
+        $crate::log::log($crate::log::Level::Warn, format_args!($($arg)*))
+    };
+}
+pub(crate) use log_warn;
+
+const DEFAULT_HEARTBEAT_MS: u64 = 30_000;
+static HEARTBEAT_MS: AtomicU64 = AtomicU64::new(DEFAULT_HEARTBEAT_MS);
+
+/// Sets how often an unbounded wait logs that it is still waiting (30 s by
+/// default, as in the original runtime). Meant for tests and tools.
+pub fn set_heartbeat_interval(interval: Duration) {
+    let ms = u64::try_from(interval.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
+    HEARTBEAT_MS.store(ms, Ordering::Relaxed);
+}
+
+pub(crate) fn heartbeat_interval() -> Duration {
+    Duration::from_millis(HEARTBEAT_MS.load(Ordering::Relaxed))
+}

@@ -1,0 +1,203 @@
+//! Backing storage of tensors: the bytes and their lifetime.
+//!
+//! A storage is shared by every view (slice) over it through an `Arc`; the
+//! `Arc`'s strong count is the seed's storage refcount, and the backing is
+//! released when the last view goes. Unlike the seed, whose storage struct
+//! was leaked for user-attached buffers (`mem_owned_by_tensor == 0`), the
+//! storage object itself is always freed; only the user's bytes are left
+//! alone.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::fence::HostSync;
+use crate::log::log_warn;
+use crate::sys::{Device, FenceKind, Mapping, SysError};
+
+/// Alignment of host (`Malloc`) allocations: a cache line.
+pub const HOST_ALIGN: usize = 64;
+
+/// The kind of memory behind a tensor (the seed's `nrt_tensor_mem_type_t`,
+/// plus the user-attached case the seed flagged with `mem_owned_by_tensor`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageKind {
+    /// Host memory allocated and owned by the storage.
+    Malloc,
+    /// A tdrv device buffer (and its mapping), freed with `TDRV_IOC_FREE`.
+    Dma,
+    /// Size only: no bytes exist; I/O is a no-op.
+    Fake,
+    /// A caller's buffer; never freed by the library.
+    User,
+}
+
+pub(crate) struct HostAlloc {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl Drop for HostAlloc {
+    fn drop(&mut self) {
+        if self.layout.size() != 0 {
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` with this very
+            // layout and is freed only here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+        }
+    }
+}
+
+/// A tdrv buffer owned by a storage.
+pub(crate) struct DmaBuffer {
+    pub device: Arc<Device>,
+    pub handle: u64,
+    pub channel: u32,
+    pub dma_addr: u64,
+    pub mapping: Option<Mapping>,
+    /// Set before anything can make the kernel's completion count of the
+    /// buffer non-zero (a job writing it, or handing out the raw handle).
+    /// While clear, a new view's completion baseline is 0 without asking the
+    /// kernel, so slicing stays syscall-free.
+    pub counted: AtomicBool,
+}
+
+impl DmaBuffer {
+    /// Waits (without limit, through signals) for the kernel fence `kind`.
+    pub(crate) fn fence(&self, kind: FenceKind) -> Result<()> {
+        loop {
+            match self.device.fence_wait(self.handle, kind, -1) {
+                Err(SysError::Interrupted { .. }) => continue,
+                r => return Ok(r?),
+            }
+        }
+    }
+}
+
+impl Drop for DmaBuffer {
+    fn drop(&mut self) {
+        // Unmap first, then drop the handle; the kernel frees the memory
+        // once no mapping and no in-flight job use it.
+        self.mapping = None;
+        if let Err(e) = self.device.free(self.handle) {
+            log_warn!("freeing tdrv buffer {}: {e}", self.handle);
+        }
+    }
+}
+
+pub(crate) enum Memory {
+    Malloc(HostAlloc),
+    Dma(DmaBuffer),
+    Fake,
+    User(NonNull<u8>),
+}
+
+/// See the module documentation.
+pub(crate) struct Storage {
+    pub size: usize,
+    pub mem: Memory,
+    pub sync: HostSync,
+}
+
+// SAFETY: the raw pointers in `Memory` are addresses of memory the storage
+// owns (Malloc, Dma mapping) or that the caller of the unsafe user
+// constructor promised stays valid; all byte accesses go through raw-pointer
+// copies synchronised by `sync` (see fence.rs), never through references.
+unsafe impl Send for Storage {}
+// SAFETY: as above.
+unsafe impl Sync for Storage {}
+
+impl Storage {
+    fn new(size: usize, mem: Memory) -> Arc<Storage> {
+        Arc::new(Storage {
+            size,
+            mem,
+            sync: HostSync::default(),
+        })
+    }
+
+    /// Zeroed, aligned host memory.
+    pub(crate) fn new_malloc(size: usize) -> Result<Arc<Storage>> {
+        let layout =
+            Layout::from_size_align(size, HOST_ALIGN).map_err(|_| Error::OutOfMemory(size))?;
+        let ptr = if size == 0 {
+            // A dangling, aligned, non-null pointer: never dereferenced for
+            // more than 0 bytes and never freed.
+            NonNull::dangling()
+        } else {
+            // SAFETY: the layout has a non-zero size.
+            NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+                .ok_or(Error::OutOfMemory(size))?
+        };
+        Ok(Self::new(size, Memory::Malloc(HostAlloc { ptr, layout })))
+    }
+
+    pub(crate) fn new_fake(size: usize) -> Arc<Storage> {
+        Self::new(size, Memory::Fake)
+    }
+
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `size` bytes for as long
+    /// as the storage lives, and not accessed otherwise while the library
+    /// copies to or from it. A null `ptr` is allowed only with `size == 0`.
+    pub(crate) unsafe fn new_user(ptr: *mut u8, size: usize) -> Result<Arc<Storage>> {
+        let ptr = match NonNull::new(ptr) {
+            Some(p) => p,
+            None if size == 0 => NonNull::dangling(),
+            None => return Err(Error::invalid("null buffer with a non-zero size")),
+        };
+        Ok(Self::new(size, Memory::User(ptr)))
+    }
+
+    /// A device buffer on `channel`, mapped when the driver supports mmap.
+    pub(crate) fn new_dma(device: &Arc<Device>, channel: u32, size: usize) -> Result<Arc<Storage>> {
+        if channel >= device.num_channels() {
+            return Err(Error::invalid(format!(
+                "HBM channel {channel} does not exist ({} has {})",
+                device.path().display(),
+                device.num_channels()
+            )));
+        }
+        let a = device.alloc(size as u64, channel)?;
+        let mut buf = DmaBuffer {
+            device: device.clone(),
+            handle: a.handle,
+            channel,
+            dma_addr: a.dma_addr,
+            mapping: None,
+            counted: AtomicBool::new(false),
+        };
+        if device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()) {
+            // On failure `buf` is dropped, which frees the handle.
+            buf.mapping = Some(device.map(a.mmap_offset, size as u64)?);
+        }
+        Ok(Self::new(size, Memory::Dma(buf)))
+    }
+
+    pub(crate) fn kind(&self) -> StorageKind {
+        match self.mem {
+            Memory::Malloc(_) => StorageKind::Malloc,
+            Memory::Dma(_) => StorageKind::Dma,
+            Memory::Fake => StorageKind::Fake,
+            Memory::User(_) => StorageKind::User,
+        }
+    }
+
+    /// The host address of byte 0, when the bytes are host-addressable.
+    pub(crate) fn host_base(&self) -> Option<NonNull<u8>> {
+        match &self.mem {
+            Memory::Malloc(h) => Some(h.ptr),
+            Memory::User(p) => Some(*p),
+            Memory::Dma(b) => b.mapping.as_ref().and_then(|m| NonNull::new(m.as_ptr())),
+            Memory::Fake => None,
+        }
+    }
+
+    pub(crate) fn dma(&self) -> Option<&DmaBuffer> {
+        match &self.mem {
+            Memory::Dma(b) => Some(b),
+            _ => None,
+        }
+    }
+}

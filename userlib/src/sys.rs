@@ -1,0 +1,649 @@
+//! Thin, safe layer over a tdrv character device (`/dev/tdrv<N>`).
+//!
+//! [`Device`] owns the open file and offers exactly one safe method per
+//! ioctl of `uapi/tdrv.h`, plus [`Device::map`] for mmap(2). Every failure is
+//! a [`SysError`], built from errno in one place ([`SysError::from_errno`]).
+//! Nothing here knows about tensors: this is the layer the tensor code (and
+//! tests that poke the driver directly) are built on.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use tdrv_uapi as uapi;
+
+pub use uapi::{
+    tdrv_alloc, tdrv_buf_info, tdrv_channel_info, tdrv_copy_desc, tdrv_job_wait, tdrv_version,
+};
+
+/// Where device nodes live.
+pub const DEV_DIR: &str = "/dev";
+/// Prefix of device node names (`tdrv0`, `tdrv1`, ...).
+pub const NODE_PREFIX: &str = "tdrv";
+
+/// An error of a system call on a tdrv device.
+///
+/// `op` names the call (`"ALLOC"`, `"mmap"`, ...). The variants follow the
+/// errno values documented in `uapi/tdrv.h`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SysError {
+    #[error("{op}: invalid argument (EINVAL)")]
+    InvalidArgument { op: &'static str },
+    #[error("{op}: unknown trailing struct bytes are non-zero (E2BIG)")]
+    UnknownFields { op: &'static str },
+    #[error("{op}: no such buffer handle (ENOENT)")]
+    NoSuchBuffer { op: &'static str },
+    #[error("{op}: range outside the buffer (ERANGE)")]
+    OutOfRange { op: &'static str },
+    #[error("{op}: bad user address (EFAULT)")]
+    BadAddress { op: &'static str },
+    #[error("{op}: buffers are on different HBM channels (EXDEV)")]
+    CrossChannel { op: &'static str },
+    #[error("{op}: out of memory (ENOMEM)")]
+    NoMemory { op: &'static str },
+    #[error("{op}: channel byte limit reached (ENOSPC)")]
+    NoSpace { op: &'static str },
+    #[error("{op}: timed out (ETIMEDOUT)")]
+    TimedOut { op: &'static str },
+    #[error("{op}: interrupted by a signal (EINTR)")]
+    Interrupted { op: &'static str },
+    #[error("{op}: device removed (ENODEV)")]
+    DeviceRemoved { op: &'static str },
+    #[error("{op}: not a tdrv device (ENOTTY)")]
+    NotTdrv { op: &'static str },
+    #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
+    Os { op: &'static str, errno: i32 },
+    #[error("open {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
+    Open { path: PathBuf, errno: i32 },
+    #[error("{}: driver ABI {major}.{minor} is not supported (need {}.x)", path.display(), uapi::TDRV_ABI_MAJOR)]
+    AbiMismatch {
+        path: PathBuf,
+        major: u32,
+        minor: u32,
+    },
+}
+
+impl SysError {
+    /// The one place errno values become errors.
+    pub fn from_errno(op: &'static str, errno: i32) -> Self {
+        match errno {
+            libc::EINVAL => Self::InvalidArgument { op },
+            libc::E2BIG => Self::UnknownFields { op },
+            libc::ENOENT => Self::NoSuchBuffer { op },
+            libc::ERANGE => Self::OutOfRange { op },
+            libc::EFAULT => Self::BadAddress { op },
+            libc::EXDEV => Self::CrossChannel { op },
+            libc::ENOMEM => Self::NoMemory { op },
+            libc::ENOSPC => Self::NoSpace { op },
+            libc::ETIMEDOUT => Self::TimedOut { op },
+            libc::EINTR => Self::Interrupted { op },
+            libc::ENODEV => Self::DeviceRemoved { op },
+            libc::ENOTTY => Self::NotTdrv { op },
+            errno => Self::Os { op, errno },
+        }
+    }
+
+    fn last(op: &'static str) -> Self {
+        Self::from_errno(op, last_errno())
+    }
+
+    /// The errno value this error stands for.
+    pub fn errno(&self) -> i32 {
+        match self {
+            Self::InvalidArgument { .. } => libc::EINVAL,
+            Self::UnknownFields { .. } => libc::E2BIG,
+            Self::NoSuchBuffer { .. } => libc::ENOENT,
+            Self::OutOfRange { .. } => libc::ERANGE,
+            Self::BadAddress { .. } => libc::EFAULT,
+            Self::CrossChannel { .. } => libc::EXDEV,
+            Self::NoMemory { .. } => libc::ENOMEM,
+            Self::NoSpace { .. } => libc::ENOSPC,
+            Self::TimedOut { .. } => libc::ETIMEDOUT,
+            Self::Interrupted { .. } => libc::EINTR,
+            Self::DeviceRemoved { .. } => libc::ENODEV,
+            Self::NotTdrv { .. } => libc::ENOTTY,
+            Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
+            Self::AbiMismatch { .. } => libc::EPROTO,
+        }
+    }
+}
+
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+/// What kind of hardware a device node drives (`tdrv_version.device_kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The software device: a CPU copy engine.
+    Soft,
+    /// QEMU's edu PCI device: its DMA engine and MSI.
+    Edu,
+    /// A kind this library does not know.
+    Unknown(u32),
+}
+
+impl DeviceKind {
+    fn from_raw(kind: u32) -> Self {
+        match kind {
+            uapi::TDRV_DEVICE_SOFT => Self::Soft,
+            uapi::TDRV_DEVICE_EDU => Self::Edu,
+            other => Self::Unknown(other),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Soft => f.write_str("soft"),
+            Self::Edu => f.write_str("edu"),
+            Self::Unknown(k) => write!(f, "unknown({k})"),
+        }
+    }
+}
+
+/// Which in-flight device accesses [`Device::fence_wait`] waits out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceKind {
+    /// No pending device reads (`TDRV_FENCE_READS`).
+    Reads,
+    /// No pending device writes (`TDRV_FENCE_WRITES`): before a host read.
+    Writes,
+    /// Neither (`TDRV_FENCE_ALL`): before a host write.
+    All,
+}
+
+impl FenceKind {
+    fn raw(self) -> u32 {
+        match self {
+            Self::Reads => uapi::TDRV_FENCE_READS,
+            Self::Writes => uapi::TDRV_FENCE_WRITES,
+            Self::All => uapi::TDRV_FENCE_ALL,
+        }
+    }
+}
+
+/// Outcome of [`Device::job_wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobStatus {
+    /// Queued or running.
+    Pending,
+    /// Finished successfully.
+    Done,
+    /// Finished with this (positive) errno.
+    Failed(i32),
+}
+
+/// An open tdrv device node. Share it with `Arc`: buffers and mappings keep
+/// their device alive.
+#[derive(Debug)]
+pub struct Device {
+    fd: OwnedFd,
+    path: PathBuf,
+    version: tdrv_version,
+}
+
+impl Device {
+    /// Opens a device node and checks its ABI version.
+    pub fn open(path: impl AsRef<Path>) -> Result<Arc<Device>, SysError> {
+        let path = path.as_ref().to_path_buf();
+        let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::Open {
+            path: path.clone(),
+            errno: libc::EINVAL,
+        })?;
+        // SAFETY: `cpath` is a valid NUL-terminated string that outlives the
+        // call; open(2) has no other memory-safety requirement.
+        let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(SysError::Open {
+                path,
+                errno: last_errno(),
+            });
+        }
+        // SAFETY: open(2) just returned this descriptor and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let mut dev = Device {
+            fd,
+            path,
+            version: tdrv_version::default(),
+        };
+        dev.version = dev.version()?;
+        if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
+            return Err(SysError::AbiMismatch {
+                path: dev.path,
+                major: dev.version.abi_major,
+                minor: dev.version.abi_minor,
+            });
+        }
+        Ok(Arc::new(dev))
+    }
+
+    /// Paths of the tdrv device nodes in `/dev`, in node-number order.
+    pub fn enumerate() -> Vec<PathBuf> {
+        Self::enumerate_in(DEV_DIR)
+    }
+
+    /// Paths of the `tdrv<N>` nodes in `dir`, in node-number order.
+    pub fn enumerate_in(dir: impl AsRef<Path>) -> Vec<PathBuf> {
+        let Ok(entries) = std::fs::read_dir(dir.as_ref()) else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<(u32, PathBuf)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name();
+                let digits = name.to_str()?.strip_prefix(NODE_PREFIX)?;
+                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                Some((digits.parse().ok()?, e.path()))
+            })
+            .collect();
+        nodes.sort();
+        nodes.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Opens every device node of [`Device::enumerate`].
+    pub fn open_all() -> Result<Vec<Arc<Device>>, SysError> {
+        Self::enumerate().into_iter().map(Self::open).collect()
+    }
+
+    /// The node this device was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The `TDRV_IOC_VERSION` answer read at open time.
+    pub fn info(&self) -> &tdrv_version {
+        &self.version
+    }
+
+    /// The hardware kind behind this node.
+    pub fn kind(&self) -> DeviceKind {
+        DeviceKind::from_raw(self.version.device_kind)
+    }
+
+    /// Number of HBM channels; valid channels are below it.
+    pub fn num_channels(&self) -> u32 {
+        self.version.num_channels
+    }
+
+    /// Largest size one [`Device::alloc`] accepts.
+    pub fn max_buffer_size(&self) -> u64 {
+        self.version.max_buffer_size
+    }
+
+    /// Whether the driver reports all of the `TDRV_FEAT_*` bits in `bits`.
+    pub fn has_features(&self, bits: u64) -> bool {
+        self.version.features & bits == bits
+    }
+
+    /// Issues one ioctl. Restarts on EINTR when `restart` is set (for calls
+    /// that do not wait with a caller-chosen timeout).
+    fn ioctl<T>(
+        &self,
+        op: &'static str,
+        request: u64,
+        arg: &mut T,
+        restart: bool,
+    ) -> Result<(), SysError> {
+        loop {
+            // SAFETY: the fd is open for the lifetime of `self`; `request` is
+            // a tdrv request number whose size field is `size_of::<T>()` (the
+            // tdrv-uapi tests pin each number to its struct); `arg` points to
+            // a live, exclusively borrowed `T` the kernel may read and write.
+            // User pointers embedded in `arg` are the callers' concern (each
+            // caller documents them).
+            let rc = unsafe {
+                ioctl_sys::ioctl(self.fd.as_raw_fd(), request as libc::c_ulong, arg as *mut T)
+            };
+            if rc >= 0 {
+                return Ok(());
+            }
+            let err = SysError::last(op);
+            if restart && matches!(err, SysError::Interrupted { .. }) {
+                continue;
+            }
+            return Err(err);
+        }
+    }
+
+    /// `TDRV_IOC_VERSION`: ABI version, features and device description.
+    pub fn version(&self) -> Result<tdrv_version, SysError> {
+        let mut v = tdrv_version::default();
+        self.ioctl("VERSION", uapi::TDRV_IOC_VERSION, &mut v, true)?;
+        Ok(v)
+    }
+
+    /// `TDRV_IOC_CHANNEL_INFO`: memory accounting of one HBM channel.
+    pub fn channel_info(&self, channel: u32) -> Result<tdrv_channel_info, SysError> {
+        let mut info = tdrv_channel_info {
+            channel,
+            ..Default::default()
+        };
+        self.ioctl("CHANNEL_INFO", uapi::TDRV_IOC_CHANNEL_INFO, &mut info, true)?;
+        Ok(info)
+    }
+
+    /// `TDRV_IOC_ALLOC`: a zeroed buffer of `size` bytes on `channel`.
+    pub fn alloc(&self, size: u64, channel: u32) -> Result<tdrv_alloc, SysError> {
+        let mut a = tdrv_alloc {
+            size,
+            channel,
+            ..Default::default()
+        };
+        self.ioctl("ALLOC", uapi::TDRV_IOC_ALLOC, &mut a, true)?;
+        Ok(a)
+    }
+
+    /// `TDRV_IOC_FREE`: drops a buffer handle.
+    pub fn free(&self, handle: u64) -> Result<(), SysError> {
+        let mut f = uapi::tdrv_free {
+            handle,
+            reserved: 0,
+        };
+        self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)
+    }
+
+    /// `TDRV_IOC_BUF_INFO`: a buffer's description and fence state.
+    pub fn buf_info(&self, handle: u64) -> Result<tdrv_buf_info, SysError> {
+        let mut info = tdrv_buf_info {
+            handle,
+            ..Default::default()
+        };
+        self.ioctl("BUF_INFO", uapi::TDRV_IOC_BUF_INFO, &mut info, true)?;
+        Ok(info)
+    }
+
+    /// `TDRV_IOC_COPY_IN`: copies `src` into the buffer at `offset`, after
+    /// all pending device access to the buffer.
+    pub fn copy_in(&self, handle: u64, offset: u64, src: &[u8]) -> Result<(), SysError> {
+        // `user_ptr` points into `src`, which stays borrowed (and so valid
+        // and unchanged) for the whole call; the kernel only reads it.
+        let mut x = uapi::tdrv_xfer {
+            handle,
+            offset,
+            size: src.len() as u64,
+            user_ptr: src.as_ptr() as u64,
+            reserved: [0; 2],
+        };
+        self.ioctl("COPY_IN", uapi::TDRV_IOC_COPY_IN, &mut x, true)
+    }
+
+    /// `TDRV_IOC_COPY_OUT`: copies the buffer at `offset` into `dst`, after
+    /// pending device writes to the buffer.
+    pub fn copy_out(&self, handle: u64, offset: u64, dst: &mut [u8]) -> Result<(), SysError> {
+        // `user_ptr` points into `dst`, exclusively borrowed for the whole
+        // call, so the kernel's writes race with nothing.
+        let mut x = uapi::tdrv_xfer {
+            handle,
+            offset,
+            size: dst.len() as u64,
+            user_ptr: dst.as_mut_ptr() as u64,
+            reserved: [0; 2],
+        };
+        self.ioctl("COPY_OUT", uapi::TDRV_IOC_COPY_OUT, &mut x, true)
+    }
+
+    /// `TDRV_IOC_MEMSET`: fills `size` bytes at `offset` with `value`.
+    pub fn memset(&self, handle: u64, offset: u64, size: u64, value: u8) -> Result<(), SysError> {
+        let mut m = uapi::tdrv_memset {
+            handle,
+            offset,
+            size,
+            value: value.into(),
+            ..Default::default()
+        };
+        self.ioctl("MEMSET", uapi::TDRV_IOC_MEMSET, &mut m, true)
+    }
+
+    /// `TDRV_IOC_COPY`: synchronous buffer-to-buffer copy (same channel).
+    pub fn copy(&self, desc: &tdrv_copy_desc) -> Result<(), SysError> {
+        let mut c = uapi::tdrv_copy {
+            desc: *desc,
+            reserved: [0; 2],
+        };
+        self.ioctl("COPY", uapi::TDRV_IOC_COPY, &mut c, true)
+    }
+
+    /// `TDRV_IOC_SUBMIT`: queues an asynchronous copy job; returns its id.
+    pub fn submit(&self, descs: &[tdrv_copy_desc]) -> Result<u64, SysError> {
+        let desc_count =
+            u32::try_from(descs.len()).map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?;
+        // `descs` points at `descs`, borrowed (valid, unchanged) for the whole
+        // call; the kernel copies the descriptors before returning.
+        let mut s = uapi::tdrv_submit {
+            descs: descs.as_ptr() as u64,
+            desc_count,
+            desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+            ..Default::default()
+        };
+        self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
+        Ok(s.job_id)
+    }
+
+    /// `TDRV_IOC_JOB_WAIT`: waits up to `timeout_us` (0 polls, < 0 forever)
+    /// for a job of this file. A job still running after a positive timeout
+    /// is `Ok(JobStatus::Pending)` or `Err(TimedOut)`, as the driver says.
+    pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> Result<JobStatus, SysError> {
+        let mut w = tdrv_job_wait {
+            job_id,
+            timeout_us,
+            ..Default::default()
+        };
+        self.ioctl("JOB_WAIT", uapi::TDRV_IOC_JOB_WAIT, &mut w, false)?;
+        Ok(match (w.state, w.status) {
+            (uapi::TDRV_JOB_DONE, 0) => JobStatus::Done,
+            (uapi::TDRV_JOB_DONE, status) => JobStatus::Failed(status.saturating_neg()),
+            _ => JobStatus::Pending,
+        })
+    }
+
+    /// `TDRV_IOC_FENCE_WAIT`: waits until the buffer has no pending device
+    /// accesses of `kind`.
+    pub fn fence_wait(
+        &self,
+        handle: u64,
+        kind: FenceKind,
+        timeout_us: i64,
+    ) -> Result<(), SysError> {
+        let mut f = uapi::tdrv_fence_wait {
+            handle,
+            timeout_us,
+            kind: kind.raw(),
+            ..Default::default()
+        };
+        self.ioctl("FENCE_WAIT", uapi::TDRV_IOC_FENCE_WAIT, &mut f, false)
+    }
+
+    /// `TDRV_IOC_COMPLETION_WAIT`: waits until the buffer's completion count
+    /// is at least `expected`; returns the count.
+    pub fn completion_wait(
+        &self,
+        handle: u64,
+        expected: u64,
+        timeout_us: i64,
+    ) -> Result<u64, SysError> {
+        let mut w = uapi::tdrv_completion_wait {
+            handle,
+            expected,
+            timeout_us,
+            ..Default::default()
+        };
+        self.ioctl(
+            "COMPLETION_WAIT",
+            uapi::TDRV_IOC_COMPLETION_WAIT,
+            &mut w,
+            false,
+        )?;
+        Ok(w.count)
+    }
+
+    /// `TDRV_IOC_COMPLETION_RESET`: sets the buffer's completion count to 0.
+    pub fn completion_reset(&self, handle: u64) -> Result<(), SysError> {
+        let mut r = uapi::tdrv_completion_reset {
+            handle,
+            reserved: 0,
+        };
+        self.ioctl(
+            "COMPLETION_RESET",
+            uapi::TDRV_IOC_COMPLETION_RESET,
+            &mut r,
+            true,
+        )
+    }
+
+    /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |
+    /// PROT_WRITE, MAP_SHARED, fd, mmap_offset)`.
+    pub fn map(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {
+        let len = round_up_to_page(size).ok_or(SysError::from_errno("mmap", libc::EINVAL))?;
+        let offset = libc::off_t::try_from(mmap_offset)
+            .map_err(|_| SysError::from_errno("mmap", libc::EINVAL))?;
+        // SAFETY: a fresh shared mapping chosen by the kernel (addr NULL)
+        // cannot alias any Rust object; the fd is open.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.fd.as_raw_fd(),
+                offset,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(SysError::last("mmap"));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(SysError::from_errno("mmap", libc::EIO))?;
+        Ok(Mapping { ptr, len })
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety requirements.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).unwrap_or(4096).max(1)
+}
+
+fn round_up_to_page(size: u64) -> Option<usize> {
+    let size = usize::try_from(size).ok()?;
+    if size == 0 {
+        return None;
+    }
+    let page = page_size();
+    size.checked_add(page - 1).map(|s| s / page * page)
+}
+
+/// A shared mapping of a device buffer; unmapped on drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a Mapping is an address range, not a reference; the bytes are
+// shared with the device anyway, and all accesses go through raw pointers
+// whose users synchronise them.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; &Mapping only hands out the raw address.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// First byte of the mapping.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Length of the mapping (the buffer size rounded up to a page).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty (never true: zero sizes are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: (ptr, len) is exactly the range mmap returned, and it is
+        // unmapped only here, once.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_round_trips() {
+        for e in [
+            libc::EINVAL,
+            libc::E2BIG,
+            libc::ENOENT,
+            libc::ERANGE,
+            libc::EFAULT,
+            libc::EXDEV,
+            libc::ENOMEM,
+            libc::ENOSPC,
+            libc::ETIMEDOUT,
+            libc::EINTR,
+            libc::ENODEV,
+            libc::ENOTTY,
+            libc::EPERM,
+        ] {
+            assert_eq!(SysError::from_errno("X", e).errno(), e);
+        }
+        assert!(matches!(
+            SysError::from_errno("COPY", libc::EXDEV),
+            SysError::CrossChannel { op: "COPY" }
+        ));
+    }
+
+    #[test]
+    fn enumerate_orders_numerically() {
+        let dir = std::env::temp_dir().join(format!("tdrv-enum-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for n in ["tdrv10", "tdrv2", "tdrv0", "tdrvx", "tdrv", "other1"] {
+            std::fs::write(dir.join(n), b"").unwrap();
+        }
+        let names: Vec<_> = Device::enumerate_in(&dir)
+            .into_iter()
+            .map(|p| p.file_name().unwrap().to_str().unwrap().to_owned())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(names, ["tdrv0", "tdrv2", "tdrv10"]);
+    }
+
+    #[test]
+    fn open_errors_are_reported() {
+        let err = Device::open("/nonexistent/tdrv0").unwrap_err();
+        assert_eq!(err.errno(), libc::ENOENT);
+        // A regular file is not a tdrv device: VERSION fails with ENOTTY.
+        let f = std::env::temp_dir().join(format!("tdrv-notdev-{}", std::process::id()));
+        std::fs::write(&f, b"").unwrap();
+        let err = Device::open(&f).unwrap_err();
+        std::fs::remove_file(&f).unwrap();
+        assert!(matches!(err, SysError::NotTdrv { op: "VERSION" }), "{err}");
+    }
+
+    #[test]
+    fn page_rounding() {
+        let p = page_size();
+        assert_eq!(round_up_to_page(1), Some(p));
+        assert_eq!(round_up_to_page(p as u64), Some(p));
+        assert_eq!(round_up_to_page(p as u64 + 1), Some(2 * p));
+        assert_eq!(round_up_to_page(0), None);
+        assert_eq!(round_up_to_page(u64::MAX), None);
+    }
+}

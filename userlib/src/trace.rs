@@ -1,0 +1,328 @@
+//! Tracing of tensor operations.
+//!
+//! Every operation emits a begin and an end event to the installed
+//! [`TraceSink`]. The event ids of the original runtime are kept (read 9,
+//! write 10, read_batch 11, write_batch 12, alloc 27, free 28); operations
+//! the seed does not number use ids of their own from 100 up.
+//!
+//! When the environment variable [`TRACE_FILE_ENV`] (`TDRV_TRACE_FILE`)
+//! names a file, a [`ChromeTraceSink`] writing Chrome trace-event JSON to it
+//! is installed on first use and finished at process exit; open the file in
+//! a browser's trace viewer (chrome://tracing or Perfetto).
+//!
+//! With no sink installed, an operation pays one relaxed atomic load.
+
+use std::fs::File;
+use std::io::{self, BufWriter, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the Chrome trace file.
+pub const TRACE_FILE_ENV: &str = "TDRV_TRACE_FILE";
+
+/// A traced operation. The discriminant is the event id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum TraceOp {
+    Read = 9,
+    Write = 10,
+    ReadBatch = 11,
+    WriteBatch = 12,
+    Alloc = 27,
+    Free = 28,
+    /// tdrv's own id (the seed does not trace memset).
+    Memset = 100,
+    /// tdrv's own id (the seed does not trace copies).
+    Copy = 101,
+    /// tdrv's own id: submission of an asynchronous job.
+    Submit = 102,
+}
+
+impl TraceOp {
+    /// The numeric event id.
+    pub fn id(self) -> u32 {
+        self as u32
+    }
+
+    /// A short name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TraceOp::Read => "read",
+            TraceOp::Write => "write",
+            TraceOp::ReadBatch => "read_batch",
+            TraceOp::WriteBatch => "write_batch",
+            TraceOp::Alloc => "alloc",
+            TraceOp::Free => "free",
+            TraceOp::Memset => "memset",
+            TraceOp::Copy => "copy",
+            TraceOp::Submit => "submit",
+        }
+    }
+}
+
+/// Begin or end of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Begin,
+    End,
+}
+
+/// One trace event.
+#[derive(Debug, Clone, Copy)]
+pub struct TraceEvent<'a> {
+    pub op: TraceOp,
+    pub phase: Phase,
+    /// Name of the tensor the operation is about.
+    pub tensor: &'a str,
+    /// Bytes the operation covers.
+    pub size: u64,
+    /// Time since the first traced event of the process.
+    pub timestamp: Duration,
+    /// Kernel thread id of the caller.
+    pub thread_id: u64,
+}
+
+/// Receives trace events; called on the operation's thread.
+pub trait TraceSink: Send + Sync {
+    fn record(&self, event: &TraceEvent<'_>);
+    /// Writes out anything buffered.
+    fn flush(&self) {}
+}
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static SINK: RwLock<Option<Arc<dyn TraceSink>>> = RwLock::new(None);
+static ENV_INIT: Once = Once::new();
+static ENV_SINK: OnceLock<Arc<ChromeTraceSink>> = OnceLock::new();
+
+fn init_from_env() {
+    let Some(path) = std::env::var_os(TRACE_FILE_ENV) else {
+        return;
+    };
+    if path.is_empty() {
+        return;
+    }
+    match ChromeTraceSink::create(&path) {
+        Ok(sink) => {
+            let sink = Arc::new(sink);
+            let _ = ENV_SINK.set(sink.clone());
+            *SINK.write().unwrap_or_else(|e| e.into_inner()) = Some(sink);
+            ENABLED.store(true, Ordering::Release);
+            // SAFETY: `finish_env_sink` is an `extern "C" fn()` that never
+            // unwinds; atexit has no other requirement.
+            unsafe { libc::atexit(finish_env_sink) };
+        }
+        Err(e) => crate::log::log_warn!("{TRACE_FILE_ENV}={}: {e}", Path::new(&path).display()),
+    }
+}
+
+extern "C" fn finish_env_sink() {
+    if let Some(sink) = ENV_SINK.get() {
+        let _ = std::panic::catch_unwind(|| sink.finish());
+    }
+}
+
+/// Installs `sink` (or, with `None`, disables tracing). Overrides the sink
+/// made from [`TRACE_FILE_ENV`].
+pub fn set_sink(sink: Option<Arc<dyn TraceSink>>) {
+    ENV_INIT.call_once(init_from_env);
+    let on = sink.is_some();
+    *SINK.write().unwrap_or_else(|e| e.into_inner()) = sink;
+    ENABLED.store(on, Ordering::Release);
+}
+
+/// Flushes the installed sink.
+pub fn flush() {
+    if let Some(s) = current() {
+        s.flush();
+    }
+}
+
+fn current() -> Option<Arc<dyn TraceSink>> {
+    ENV_INIT.call_once(init_from_env);
+    if !ENABLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    SINK.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn thread_id() -> u64 {
+    thread_local! {
+        // SAFETY: gettid has no memory-safety requirements.
+        static TID: u64 = unsafe { libc::syscall(libc::SYS_gettid) } as u64;
+    }
+    TID.with(|t| *t)
+}
+
+fn emit(sink: &dyn TraceSink, op: TraceOp, phase: Phase, tensor: &str, size: u64) {
+    sink.record(&TraceEvent {
+        op,
+        phase,
+        tensor,
+        size,
+        timestamp: epoch().elapsed(),
+        thread_id: thread_id(),
+    });
+}
+
+/// Emits the begin event now and the end event when dropped.
+pub(crate) struct Scope<'a> {
+    sink: Option<Arc<dyn TraceSink>>,
+    op: TraceOp,
+    tensor: &'a str,
+    size: u64,
+}
+
+pub(crate) fn scope(op: TraceOp, tensor: &str, size: usize) -> Scope<'_> {
+    let sink = current();
+    let size = size as u64;
+    if let Some(s) = &sink {
+        emit(s.as_ref(), op, Phase::Begin, tensor, size);
+    }
+    Scope {
+        sink,
+        op,
+        tensor,
+        size,
+    }
+}
+
+impl Drop for Scope<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = &self.sink {
+            emit(s.as_ref(), self.op, Phase::End, self.tensor, self.size);
+        }
+    }
+}
+
+/// Whether a sink is installed (to skip work only tracing needs).
+pub(crate) fn enabled() -> bool {
+    current().is_some()
+}
+
+/// Writes Chrome trace-event JSON (the "JSON array" format) to a file.
+pub struct ChromeTraceSink {
+    inner: Mutex<ChromeInner>,
+    pid: u32,
+}
+
+struct ChromeInner {
+    out: Option<BufWriter<File>>,
+    first: bool,
+}
+
+impl ChromeTraceSink {
+    /// Creates (truncates) the trace file.
+    pub fn create(path: impl AsRef<Path>) -> io::Result<Self> {
+        let mut out = BufWriter::new(File::create(path)?);
+        out.write_all(b"[\n")?;
+        Ok(ChromeTraceSink {
+            inner: Mutex::new(ChromeInner {
+                out: Some(out),
+                first: true,
+            }),
+            pid: std::process::id(),
+        })
+    }
+
+    /// Closes the JSON array and the file; later events are dropped.
+    pub fn finish(&self) -> io::Result<()> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match inner.out.take() {
+            Some(mut out) => {
+                out.write_all(b"\n]\n")?;
+                out.flush()
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn format(&self, e: &TraceEvent<'_>) -> String {
+        let ph = match e.phase {
+            Phase::Begin => "B",
+            Phase::End => "E",
+        };
+        let ts = e.timestamp.as_nanos() as f64 / 1000.0;
+        let mut s = format!(
+            "{{\"name\":\"{}\",\"cat\":\"tdrv\",\"ph\":\"{ph}\",\"ts\":{ts:.3},\"pid\":{},\"tid\":{},\"args\":{{\"event_id\":{},\"tensor\":\"",
+            e.op.name(),
+            self.pid,
+            e.thread_id,
+            e.op.id(),
+        );
+        json_escape_into(&mut s, e.tensor);
+        s.push_str(&format!("\",\"size\":{}}}}}", e.size));
+        s
+    }
+}
+
+fn json_escape_into(out: &mut String, s: &str) {
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+}
+
+impl TraceSink for ChromeTraceSink {
+    fn record(&self, event: &TraceEvent<'_>) {
+        let line = self.format(event);
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let sep: &[u8] = if inner.first { b"" } else { b",\n" };
+        inner.first = false;
+        if let Some(out) = inner.out.as_mut() {
+            // Trace output is best effort: an I/O error must not fail the
+            // traced operation.
+            let _ = out
+                .write_all(sep)
+                .and_then(|_| out.write_all(line.as_bytes()));
+        }
+    }
+
+    fn flush(&self) {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(out) = inner.out.as_mut() {
+            let _ = out.flush();
+        }
+    }
+}
+
+impl Drop for ChromeTraceSink {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_json_strings() {
+        let mut s = String::new();
+        json_escape_into(&mut s, "a\"b\\c\n\u{1}é");
+        assert_eq!(s, "a\\\"b\\\\c\\n\\u0001é");
+    }
+
+    #[test]
+    fn ids_match_the_seed() {
+        assert_eq!(TraceOp::Read.id(), 9);
+        assert_eq!(TraceOp::Write.id(), 10);
+        assert_eq!(TraceOp::ReadBatch.id(), 11);
+        assert_eq!(TraceOp::WriteBatch.id(), 12);
+        assert_eq!(TraceOp::Alloc.id(), 27);
+        assert_eq!(TraceOp::Free.id(), 28);
+    }
+}
