@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! State shared by everything that serves one tdrv device: its bus device,
+//! channels, engine and statistics, plus the misc device (`/dev/tdrv<N>`)
+//! that userspace opens.
+//!
+//! Open files, buffers and in-flight jobs each hold an `Arc<TdrvDevice>`, so
+//! the state outlives an unbind; `bound` tells whether the bus device may
+//! still be used for new DMA work.
+
+use kernel::{
+    device::{
+        self,
+        Bound, //
+    },
+    miscdevice::{
+        MiscDeviceOptions,
+        MiscDeviceRegistration, //
+    },
+    new_mutex,
+    prelude::*,
+    sync::{
+        aref::ARef,
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        Arc,
+        Mutex, //
+    },
+};
+
+use crate::{
+    channel::Channels,
+    engine::Engine,
+    file::TdrvFile, //
+};
+
+/// Most tdrv devices at once (software and hardware together).
+pub(crate) const MAX_DEVICES: usize = 8;
+
+/// Node names: `MiscDeviceOptions` needs `'static` names.
+const NAMES: [&CStr; MAX_DEVICES] = [
+    c"tdrv0", c"tdrv1", c"tdrv2", c"tdrv3", c"tdrv4", c"tdrv5", c"tdrv6", c"tdrv7",
+];
+
+/// Bitmap of device numbers in use.
+static USED_INDICES: Atomic<u32> = Atomic::new(0);
+
+/// A device number `N` of `/dev/tdrv<N>`, returned to the pool on drop.
+pub(crate) struct DeviceIndex(u32);
+
+impl DeviceIndex {
+    /// Takes the lowest free number; EBUSY when all are taken.
+    pub(crate) fn take() -> Result<Self> {
+        let mut used = USED_INDICES.load(Relaxed);
+        loop {
+            let free = (!used).trailing_zeros();
+            if free as usize >= MAX_DEVICES {
+                return Err(EBUSY);
+            }
+            match USED_INDICES.cmpxchg(used, used | (1 << free), Relaxed) {
+                Ok(_) => return Ok(Self(free)),
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    pub(crate) fn get(&self) -> u32 {
+        self.0
+    }
+
+    pub(crate) fn name(&self) -> &'static CStr {
+        NAMES[self.0 as usize]
+    }
+}
+
+impl Drop for DeviceIndex {
+    fn drop(&mut self) {
+        let mut used = USED_INDICES.load(Relaxed);
+        while let Err(now) = USED_INDICES.cmpxchg(used, used & !(1 << self.0), Relaxed) {
+            used = now;
+        }
+    }
+}
+
+/// Counters shown in debugfs.
+pub(crate) struct DeviceStats {
+    pub(crate) jobs_submitted: Atomic<u64>,
+    pub(crate) jobs_completed: Atomic<u64>,
+    pub(crate) jobs_failed: Atomic<u64>,
+    pub(crate) waits: Atomic<u64>,
+    pub(crate) wait_timeouts: Atomic<u64>,
+    pub(crate) irqs: Atomic<u64>,
+    pub(crate) spurious_irqs: Atomic<u64>,
+    pub(crate) open_files: Atomic<u64>,
+}
+
+impl DeviceStats {
+    fn new() -> Self {
+        Self {
+            jobs_submitted: Atomic::new(0),
+            jobs_completed: Atomic::new(0),
+            jobs_failed: Atomic::new(0),
+            waits: Atomic::new(0),
+            wait_timeouts: Atomic::new(0),
+            irqs: Atomic::new(0),
+            spurious_irqs: Atomic::new(0),
+            open_files: Atomic::new(0),
+        }
+    }
+}
+
+/// The raw `struct device` behind `dev`, for the C calls 7.2 does not wrap.
+pub(crate) fn raw_device(dev: &device::Device) -> *mut kernel::bindings::device {
+    // `device::Device` is a `#[repr(transparent)]` wrapper of `struct device`.
+    core::ptr::from_ref(dev).cast_mut().cast()
+}
+
+/// One tdrv device.
+#[pin_data]
+pub(crate) struct TdrvDevice {
+    dev: ARef<device::Device>,
+    /// `TDRV_DEVICE_SOFT` or `TDRV_DEVICE_EDU`.
+    pub(crate) kind: u32,
+    pub(crate) index: DeviceIndex,
+    #[pin]
+    pub(crate) channels: Channels,
+    engine: Engine,
+    /// Cleared (under the lock) before the bus device is unbound.
+    #[pin]
+    bound: Mutex<bool>,
+    pub(crate) stats: DeviceStats,
+}
+
+impl TdrvDevice {
+    pub(crate) fn new(
+        dev: &device::Device,
+        kind: u32,
+        index: DeviceIndex,
+        channels: u32,
+        channel_limit: u64,
+        engine: Engine,
+    ) -> Result<Arc<Self>> {
+        Arc::pin_init(
+            try_pin_init!(Self {
+                dev: dev.into(),
+                kind,
+                index,
+                channels <- Channels::new(channels, channel_limit)?,
+                engine,
+                bound <- new_mutex!(true, "TdrvDevice::bound"),
+                stats: DeviceStats::new(),
+            }),
+            GFP_KERNEL,
+        )
+    }
+
+    /// The bus device (PCI or faux) that DMA memory is allocated for.
+    pub(crate) fn bus_device(&self) -> &device::Device {
+        &self.dev
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn name(&self) -> &'static CStr {
+        self.index.name()
+    }
+
+    pub(crate) fn is_bound(&self) -> bool {
+        *self.bound.lock()
+    }
+
+    /// Runs `f` with the bound bus device, or fails with ENODEV after
+    /// unbind. The lock keeps unbind from completing while `f` runs.
+    pub(crate) fn with_bound<R>(&self, f: impl FnOnce(&device::Device<Bound>) -> Result<R>) -> Result<R> {
+        let bound = self.bound.lock();
+        if !*bound {
+            return Err(ENODEV);
+        }
+        // SAFETY: `bound` is true, and `mark_unbound` clears it under this
+        // lock before the bus device is unbound, so the device stays bound
+        // while the guard is held, i.e. for the whole call of `f`.
+        f(unsafe { self.dev.as_bound() })
+    }
+
+    /// Called from the bus driver's unbind, before the device goes away:
+    /// later calls of [`TdrvDevice::with_bound`] fail with ENODEV.
+    pub(crate) fn mark_unbound(&self) {
+        *self.bound.lock() = false;
+    }
+}
+
+/// The misc device of a [`TdrvDevice`]. `open` finds the device through
+/// `container_of!` on the registration.
+#[pin_data]
+pub(crate) struct DeviceNode {
+    pub(crate) device: Arc<TdrvDevice>,
+    #[pin]
+    reg: MiscDeviceRegistration<TdrvFile>,
+}
+
+impl DeviceNode {
+    pub(crate) fn new(device: Arc<TdrvDevice>) -> impl PinInit<Self, Error> {
+        let name = device.name();
+        try_pin_init!(Self {
+            device,
+            reg <- MiscDeviceRegistration::register(MiscDeviceOptions { name }),
+        })
+    }
+
+    /// Recovers the node from the registration `open` is given.
+    pub(crate) fn from_registration(reg: &MiscDeviceRegistration<TdrvFile>) -> &Self {
+        // SAFETY: Every `MiscDeviceRegistration<TdrvFile>` is the `reg` field
+        // of a pinned `DeviceNode` (it is only created in `DeviceNode::new`),
+        // and `misc_open` keeps the registration, hence the node, alive for
+        // the duration of the `open` call that lends us `reg`.
+        unsafe { &*kernel::container_of!(core::ptr::from_ref(reg).cast_mut(), DeviceNode, reg) }
+    }
+}

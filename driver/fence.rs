@@ -1,0 +1,273 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! Per-buffer fence counters and the completion count, with their waiters.
+//!
+//! This is the kernel home of the seed's `tensor_async_update` (producer)
+//! and `tensor_block_while_exec` (waiter): submitting a job marks a pending
+//! device read on each source and a pending device write on each
+//! destination; the completion path undoes the marks and bumps the
+//! destinations' completion counts.
+//!
+//! Unlike the original, which serialised every output-completion waiter of
+//! the process behind one global mutex/condvar pair, each buffer has its own
+//! lock and wait queue: waiters on different buffers never wake each other.
+//! Wake-ups happen only when a watched quantity changes in a way a waiter
+//! can care about (a counter reaching zero, a completion), under the same
+//! lock the waiter sleeps on, so none is lost.
+
+use kernel::{
+    new_condvar,
+    new_mutex,
+    prelude::*,
+    sync::{
+        CondVar,
+        CondVarTimeoutResult,
+        Mutex, //
+    },
+    time::{
+        msecs_to_jiffies,
+        Jiffies, //
+    },
+};
+
+use crate::uapi::{
+    FENCE_READS,
+    FENCE_WRITES, //
+};
+
+/// How long a wait may block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Timeout {
+    /// Check once, never sleep.
+    Poll,
+    /// Sleep until the condition holds or a signal arrives.
+    Forever,
+    /// Sleep at most this many jiffies.
+    Jiffies(Jiffies),
+}
+
+impl Timeout {
+    /// Converts the ABI's microseconds: 0 polls, negative waits forever.
+    pub(crate) fn from_us(us: i64) -> Self {
+        match us {
+            0 => Timeout::Poll,
+            us if us < 0 => Timeout::Forever,
+            us => {
+                // Round up, so a 1 us wait still sleeps; clamp absurd values.
+                let ms = (us as u64).div_ceil(1000).min(u64::from(u32::MAX - 1));
+                Timeout::Jiffies(msecs_to_jiffies(ms as u32).max(1))
+            }
+        }
+    }
+}
+
+/// The counters one buffer's fence lock protects.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub(crate) struct FenceCounts {
+    /// In-flight device reads of the buffer.
+    pub(crate) reads: u64,
+    /// In-flight device writes to the buffer.
+    pub(crate) writes: u64,
+    /// Jobs that finished writing the buffer since the last reset.
+    pub(crate) completions: u64,
+    /// Set when the device is gone: waits end with ENODEV.
+    pub(crate) dead: bool,
+}
+
+impl FenceCounts {
+    /// True when none of the counters selected by `kind` is pending.
+    pub(crate) fn idle(&self, kind: u32) -> bool {
+        (kind & FENCE_READS == 0 || self.reads == 0) && (kind & FENCE_WRITES == 0 || self.writes == 0)
+    }
+}
+
+/// A buffer's fence: counters plus the wait queue of their waiters.
+#[pin_data]
+pub(crate) struct Fence {
+    #[pin]
+    counts: Mutex<FenceCounts>,
+    #[pin]
+    cv: CondVar,
+}
+
+impl Fence {
+    pub(crate) fn new() -> impl PinInit<Self> {
+        pin_init!(Self {
+            counts <- new_mutex!(FenceCounts::default(), "Fence::counts"),
+            cv <- new_condvar!("Fence::cv"),
+        })
+    }
+
+    /// A snapshot of the counters.
+    pub(crate) fn counts(&self) -> FenceCounts {
+        *self.counts.lock()
+    }
+
+    /// Producer: a job that will read (`write == false`) or write the
+    /// buffer was queued.
+    pub(crate) fn begin(&self, write: bool) {
+        let mut c = self.counts.lock();
+        if write {
+            c.writes += 1;
+        } else {
+            c.reads += 1;
+        }
+    }
+
+    /// Completion path: undoes one [`Fence::begin`]; wakes the waiters when
+    /// that counter reaches zero (the seed's "broadcast on the 0 transition",
+    /// evaluated under the lock). A finished write also counts a completion
+    /// when `completed` is set.
+    pub(crate) fn end(&self, write: bool, completed: bool) {
+        let mut c = self.counts.lock();
+        let counter = if write { &mut c.writes } else { &mut c.reads };
+        // An unbalanced end would be a driver bug; never wrap.
+        *counter = counter.saturating_sub(1);
+        let drained = *counter == 0;
+        if write && completed {
+            c.completions += 1;
+        }
+        if drained || (write && completed) {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Sets the completion count to 0.
+    pub(crate) fn reset_completions(&self) {
+        self.counts.lock().completions = 0;
+    }
+
+    /// Marks the fence dead (device removed) and wakes every waiter.
+    pub(crate) fn kill(&self) {
+        self.counts.lock().dead = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until `done` holds for the counters; returns the counters it
+    /// saw last. ETIMEDOUT on timeout (or a failed poll), EINTR on a signal,
+    /// ENODEV if the device went away.
+    pub(crate) fn wait_until(
+        &self,
+        timeout: Timeout,
+        done: impl Fn(&FenceCounts) -> bool,
+    ) -> core::result::Result<FenceCounts, (Error, FenceCounts)> {
+        let mut c = self.counts.lock();
+        let mut left = match timeout {
+            Timeout::Jiffies(j) => j,
+            _ => 0,
+        };
+        loop {
+            if done(&c) {
+                return Ok(*c);
+            }
+            if c.dead {
+                return Err((ENODEV, *c));
+            }
+            match timeout {
+                Timeout::Poll => return Err((ETIMEDOUT, *c)),
+                Timeout::Forever => {
+                    if self.cv.wait_interruptible(&mut c) {
+                        return Err((EINTR, *c));
+                    }
+                }
+                Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut c, left) {
+                    CondVarTimeoutResult::Woken { jiffies } => left = jiffies,
+                    CondVarTimeoutResult::Timeout => {
+                        return if done(&c) { Ok(*c) } else { Err((ETIMEDOUT, *c)) };
+                    }
+                    CondVarTimeoutResult::Signal { .. } => return Err((EINTR, *c)),
+                },
+            }
+        }
+    }
+
+    /// Waits until the counters selected by `kind` are zero.
+    pub(crate) fn wait_idle(&self, kind: u32, timeout: Timeout) -> Result {
+        self.wait_until(timeout, |c| c.idle(kind))
+            .map(drop)
+            .map_err(|(e, _)| e)
+    }
+}
+
+#[kunit_tests(tdrv_fence)]
+mod tests {
+    use super::*;
+    use crate::uapi::FENCE_ALL;
+    use kernel::sync::Arc;
+
+    fn fence() -> Result<Pin<KBox<Fence>>> {
+        KBox::pin_init(Fence::new(), GFP_KERNEL)
+    }
+
+    #[test]
+    fn counters_balance() -> Result {
+        let f = fence()?;
+        f.begin(false);
+        f.begin(true);
+        f.begin(true);
+        let c = f.counts();
+        assert_eq!((c.reads, c.writes, c.completions), (1, 2, 0));
+        assert!(!c.idle(FENCE_READS));
+        assert!(!c.idle(FENCE_WRITES));
+        f.end(true, true);
+        f.end(false, false);
+        let c = f.counts();
+        assert_eq!((c.reads, c.writes, c.completions), (0, 1, 1));
+        assert!(c.idle(FENCE_READS));
+        assert!(!c.idle(FENCE_ALL));
+        f.end(true, true);
+        assert!(f.counts().idle(FENCE_ALL));
+        assert_eq!(f.counts().completions, 2);
+        // An unbalanced end saturates instead of wrapping.
+        f.end(true, false);
+        assert_eq!(f.counts().writes, 0);
+        f.reset_completions();
+        assert_eq!(f.counts().completions, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn poll_and_timeout() -> Result {
+        let f = fence()?;
+        assert_eq!(f.wait_idle(FENCE_ALL, Timeout::Poll), Ok(()));
+        f.begin(true);
+        assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::Poll), Err(ETIMEDOUT));
+        // Reads are idle even while a write is pending.
+        assert_eq!(f.wait_idle(FENCE_READS, Timeout::Poll), Ok(()));
+        assert_eq!(
+            f.wait_idle(FENCE_WRITES, Timeout::from_us(2000)),
+            Err(ETIMEDOUT)
+        );
+        f.end(true, true);
+        assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::from_us(2000)), Ok(()));
+        let r = f.wait_until(Timeout::Poll, |c| c.completions >= 2);
+        assert!(matches!(r, Err((e, c)) if e == ETIMEDOUT && c.completions == 1));
+        Ok(())
+    }
+
+    #[test]
+    fn dead_fence_fails_waits() -> Result {
+        let f = fence()?;
+        f.begin(false);
+        f.kill();
+        assert_eq!(f.wait_idle(FENCE_ALL, Timeout::Forever), Err(ENODEV));
+        Ok(())
+    }
+
+    #[test]
+    fn timeout_conversion() {
+        assert_eq!(Timeout::from_us(0), Timeout::Poll);
+        assert_eq!(Timeout::from_us(-1), Timeout::Forever);
+        assert!(matches!(Timeout::from_us(1), Timeout::Jiffies(j) if j >= 1));
+        assert!(matches!(Timeout::from_us(i64::MAX), Timeout::Jiffies(j) if j >= 1));
+    }
+
+    #[test]
+    fn arc_fence_is_shareable() -> Result {
+        let f = Arc::pin_init(Fence::new(), GFP_KERNEL)?;
+        let g = f.clone();
+        g.begin(true);
+        assert_eq!(f.counts().writes, 1);
+        Ok(())
+    }
+}

@@ -1,0 +1,416 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! One open file of `/dev/tdrv<N>`: its buffer handles, its jobs, and the
+//! ioctl and mmap entry points.
+//!
+//! Every handler validates its argument completely before acting: struct
+//! size, reserved and padding fields, flags, handles (which only exist in
+//! the file that allocated them), channels and `offset + size` ranges.
+
+use kernel::{
+    fs::File,
+    miscdevice::{
+        MiscDevice,
+        MiscDeviceRegistration, //
+    },
+    mm::virt::VmaNew,
+    new_mutex,
+    page::PAGE_SIZE,
+    prelude::*,
+    sync::{
+        atomic::Relaxed,
+        Arc,
+        Mutex, //
+    },
+    uaccess::{
+        UserPtr,
+        UserSlice, //
+    },
+};
+
+use crate::{
+    buffer::Buffer,
+    device::{
+        DeviceNode,
+        TdrvDevice, //
+    },
+    fence::Timeout,
+    handle::HandleTable,
+    job::{
+        JobStatus,
+        JobTracker,
+        Transfer, //
+    },
+    mmap,
+    range::checked_range,
+    uapi::{self, *},
+};
+
+/// Largest descriptor stride `TDRV_IOC_SUBMIT` accepts (room for growth).
+const MAX_DESC_SIZE: usize = 256;
+
+/// Per-open-file state.
+#[pin_data(PinnedDrop)]
+pub(crate) struct TdrvFile {
+    device: Arc<TdrvDevice>,
+    #[pin]
+    handles: Mutex<HandleTable<Arc<Buffer>>>,
+    jobs: Arc<JobTracker>,
+}
+
+#[vtable]
+impl MiscDevice for TdrvFile {
+    type Ptr = Pin<KBox<Self>>;
+
+    fn open(_file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
+        let device = DeviceNode::from_registration(misc).device.clone();
+        if !device.is_bound() {
+            return Err(ENODEV);
+        }
+        let file = KBox::try_pin_init(
+            try_pin_init!(TdrvFile {
+                device,
+                handles <- new_mutex!(HandleTable::new(), "TdrvFile::handles"),
+                jobs: JobTracker::new()?,
+            }),
+            GFP_KERNEL,
+        )?;
+        file.device.stats.open_files.add(1, Relaxed);
+        Ok(file)
+    }
+
+    fn ioctl(me: Pin<&TdrvFile>, _file: &File, cmd: u32, arg: usize) -> Result<isize> {
+        let arg = ArgBuf::new(cmd, arg);
+        let m = |known| ArgBuf::matches(cmd, known);
+        if m(IOC_VERSION) {
+            // Works after unbind too: it tells the caller what it talks to.
+            return me.version(&arg).map(|()| 0);
+        }
+        if !me.device.is_bound() {
+            return Err(ENODEV);
+        }
+        let r = if m(IOC_CHANNEL_INFO) {
+            me.channel_info(&arg)
+        } else if m(IOC_ALLOC) {
+            me.alloc(&arg)
+        } else if m(IOC_FREE) {
+            me.free(&arg)
+        } else if m(IOC_BUF_INFO) {
+            me.buf_info(&arg)
+        } else if m(IOC_COPY_IN) {
+            me.copy_in(&arg)
+        } else if m(IOC_COPY_OUT) {
+            me.copy_out(&arg)
+        } else if m(IOC_MEMSET) {
+            me.memset(&arg)
+        } else if m(IOC_COPY) {
+            me.copy(&arg)
+        } else if m(IOC_SUBMIT) {
+            me.submit(&arg)
+        } else if m(IOC_JOB_WAIT) {
+            me.job_wait(&arg)
+        } else if m(IOC_FENCE_WAIT) {
+            me.fence_wait(&arg)
+        } else if m(IOC_COMPLETION_WAIT) {
+            me.completion_wait(&arg)
+        } else if m(IOC_COMPLETION_RESET) {
+            me.completion_reset(&arg)
+        } else {
+            Err(ENOTTY)
+        };
+        r.map(|()| 0)
+    }
+
+    fn mmap(me: Pin<&TdrvFile>, _file: &File, vma: &VmaNew) -> Result {
+        // SAFETY: `vma` is being set up under the mmap write lock; reading
+        // and then clearing its page offset is part of that set-up.
+        let pgoff = unsafe { (*vma.as_ptr()).vm_pgoff };
+        let buf = me.buffer(pgoff as u64)?;
+        // SAFETY: As above. `dma_mmap_attrs` reads `vm_pgoff` as an offset
+        // into the buffer, so the handle cookie must go.
+        unsafe { (*vma.as_ptr()).vm_pgoff = 0 };
+        mmap::map_buffer(buf, vma)
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for TdrvFile {
+    fn drop(self: Pin<&mut Self>) {
+        // Dropping the table releases the file's buffer references; buffers
+        // still used by in-flight jobs or mappings live on until those end.
+        self.handles.lock().clear();
+        self.device.stats.open_files.fetch_sub(1, Relaxed);
+    }
+}
+
+impl TdrvFile {
+    /// Looks up a buffer of this file: ENOENT for anything else.
+    fn buffer(&self, handle: u64) -> Result<Arc<Buffer>> {
+        self.handles.lock().get(handle).cloned().ok_or(ENOENT)
+    }
+
+    fn version(&self, arg: &ArgBuf) -> Result {
+        let _: Version = arg.read()?;
+        let d = &self.device;
+        let irq = if d.kind == DEVICE_EDU { FEAT_IRQ } else { 0 };
+        arg.write(&Version {
+            abi_major: ABI_MAJOR,
+            abi_minor: ABI_MINOR,
+            features: FEAT_MMAP | FEAT_SUBMIT | FEAT_COMPLETION | irq,
+            device_kind: d.kind,
+            num_channels: d.channels.count(),
+            max_buffer_size: MAX_BUFFER_SIZE,
+            reserved: [0; 4],
+        })
+    }
+
+    fn channel_info(&self, arg: &ArgBuf) -> Result {
+        let a: ChannelInfo = arg.read()?;
+        if a.pad != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let s = self.device.channels.stats(a.channel)?;
+        arg.write(&ChannelInfo {
+            channel: a.channel,
+            pad: 0,
+            limit_bytes: s.limit,
+            used_bytes: s.used,
+            peak_bytes: s.peak,
+            buffers: s.buffers,
+            failed_allocs: s.failed,
+            reserved: [0; 2],
+        })
+    }
+
+    fn alloc(&self, arg: &ArgBuf) -> Result {
+        let a: Alloc = arg.read()?;
+        if a.flags != 0
+            || a.handle != 0
+            || a.dma_addr != 0
+            || a.mmap_offset != 0
+            || any_nonzero(&a.reserved)
+        {
+            return Err(EINVAL);
+        }
+        if a.size == 0 || a.size > MAX_BUFFER_SIZE {
+            return Err(EINVAL);
+        }
+        if a.channel >= self.device.channels.count() {
+            return Err(EINVAL);
+        }
+        let buf = self
+            .device
+            .with_bound(|dev| Buffer::new(&self.device, dev, a.size as usize, a.channel))?;
+        let dma_addr = buf.dma_addr();
+        let handle = self.handles.lock().insert(buf)?;
+        let out = Alloc {
+            handle,
+            dma_addr,
+            mmap_offset: mmap::offset_of_handle(handle),
+            ..a
+        };
+        if let Err(e) = arg.write(&out) {
+            // The caller cannot learn the handle: do not leak the buffer.
+            self.handles.lock().remove(handle);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn free(&self, arg: &ArgBuf) -> Result {
+        let a: Free = arg.read()?;
+        if a.reserved != 0 {
+            return Err(EINVAL);
+        }
+        let buf = self.handles.lock().remove(a.handle).ok_or(ENOENT)?;
+        // Dropped outside the table lock: this may free DMA memory.
+        drop(buf);
+        Ok(())
+    }
+
+    fn buf_info(&self, arg: &ArgBuf) -> Result {
+        let a: BufInfo = arg.read()?;
+        if a.pad != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        let c = buf.fence.counts();
+        arg.write(&BufInfo {
+            handle: a.handle,
+            size: buf.size() as u64,
+            dma_addr: buf.dma_addr(),
+            mmap_offset: mmap::offset_of_handle(a.handle),
+            pending_reads: c.reads,
+            pending_writes: c.writes,
+            completion_count: c.completions,
+            channel: buf.channel(),
+            pad: 0,
+            reserved: [0; 2],
+        })
+    }
+
+    /// Validates a transfer argument and returns its buffer and range.
+    fn xfer(&self, arg: &ArgBuf) -> Result<(Arc<Buffer>, Xfer)> {
+        let a: Xfer = arg.read()?;
+        if any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        Ok((buf, a))
+    }
+
+    fn copy_in(&self, arg: &ArgBuf) -> Result {
+        let (buf, a) = self.xfer(arg)?;
+        let range = checked_range(a.offset, a.size, buf.size())?;
+        // Writing the buffer: wait for every pending device access.
+        buf.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
+        buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize))
+    }
+
+    fn copy_out(&self, arg: &ArgBuf) -> Result {
+        let (buf, a) = self.xfer(arg)?;
+        let range = checked_range(a.offset, a.size, buf.size())?;
+        // Reading the buffer: wait for pending device writes only.
+        buf.fence.wait_idle(FENCE_WRITES, Timeout::Forever)?;
+        let mut w = UserSlice::new(UserPtr::from_addr(a.user_ptr as usize), range.len).writer();
+        buf.copy_to_user(range, &mut w)
+    }
+
+    fn memset(&self, arg: &ArgBuf) -> Result {
+        let a: Memset = arg.read()?;
+        if a.pad != 0 || any_nonzero(&a.reserved) || a.value > 0xff {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        let range = checked_range(a.offset, a.size, buf.size())?;
+        buf.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
+        buf.fill(range, a.value as u8);
+        Ok(())
+    }
+
+    /// Resolves one copy descriptor: both handles, the same-channel rule
+    /// (EXDEV, the seed's "Tensors must be allocated on same HBM") and both
+    /// ranges.
+    fn transfer(&self, d: &CopyDesc) -> Result<Transfer> {
+        if d.size == 0 {
+            return Err(EINVAL);
+        }
+        let src = self.buffer(d.src_handle)?;
+        let dst = self.buffer(d.dst_handle)?;
+        if src.channel() != dst.channel() {
+            return Err(EXDEV);
+        }
+        let src_range = checked_range(d.src_offset, d.size, src.size())?;
+        let dst_range = checked_range(d.dst_offset, d.size, dst.size())?;
+        Ok(Transfer {
+            src,
+            src_range,
+            dst,
+            dst_offset: dst_range.start,
+        })
+    }
+
+    fn copy(&self, arg: &ArgBuf) -> Result {
+        let a: uapi::Copy = arg.read()?;
+        if any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let t = self.transfer(&a.desc)?;
+        // A read of the source and a write of the destination.
+        t.src.fence.wait_idle(FENCE_WRITES, Timeout::Forever)?;
+        t.dst.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
+        t.run_on_cpu();
+        Ok(())
+    }
+
+    fn submit(&self, arg: &ArgBuf) -> Result {
+        let a: Submit = arg.read()?;
+        if a.flags != 0 || a.pad != 0 || a.job_id != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        if a.desc_count == 0 || a.desc_count > MAX_JOB_DESCS {
+            return Err(EINVAL);
+        }
+        let stride = a.desc_size as usize;
+        let ours = core::mem::size_of::<CopyDesc>();
+        if stride < ours || stride > MAX_DESC_SIZE {
+            return Err(EINVAL);
+        }
+        let count = a.desc_count as usize;
+        // Bounded by MAX_JOB_DESCS * MAX_DESC_SIZE: no overflow.
+        let mut reader = UserSlice::new(UserPtr::from_addr(a.descs as usize), count * stride).reader();
+        let mut transfers = KVec::with_capacity(count, GFP_KERNEL)?;
+        let mut tail = [0u8; MAX_DESC_SIZE];
+        for _ in 0..count {
+            let d: CopyDesc = reader.read()?;
+            // Growth rule for descriptors: unknown trailing bytes are zero.
+            let extra = &mut tail[..stride - ours];
+            reader.read_slice(extra)?;
+            if extra.iter().any(|b| *b != 0) {
+                return Err(E2BIG);
+            }
+            transfers.push(self.transfer(&d)?, GFP_KERNEL)?;
+        }
+        let job_id = self.jobs.submit(&self.device, transfers)?;
+        arg.write(&Submit { job_id, ..a })
+    }
+
+    fn job_wait(&self, arg: &ArgBuf) -> Result {
+        let a: JobWait = arg.read()?;
+        if a.state != 0 || a.status != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let (state, status) = match self.jobs.wait(a.job_id, Timeout::from_us(a.timeout_us))? {
+            JobStatus::Pending => (JOB_PENDING, 0),
+            JobStatus::Done(errno) => (JOB_DONE, errno),
+        };
+        arg.write(&JobWait { state, status, ..a })
+    }
+
+    /// Counts a wait and its timeout in the device statistics.
+    fn note_wait<T>(&self, r: &Result<T>) {
+        self.device.stats.waits.add(1, Relaxed);
+        if matches!(r, Err(e) if *e == ETIMEDOUT) {
+            self.device.stats.wait_timeouts.add(1, Relaxed);
+        }
+    }
+
+    fn fence_wait(&self, arg: &ArgBuf) -> Result {
+        let a: FenceWait = arg.read()?;
+        if a.pad != 0 || any_nonzero(&a.reserved) || a.kind == 0 || a.kind & !FENCE_ALL != 0 {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        let r = buf.fence.wait_idle(a.kind, Timeout::from_us(a.timeout_us));
+        self.note_wait(&r);
+        r
+    }
+
+    fn completion_wait(&self, arg: &ArgBuf) -> Result {
+        let a: CompletionWait = arg.read()?;
+        if a.count != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        let r = buf
+            .fence
+            .wait_until(Timeout::from_us(a.timeout_us), |c| c.completions >= a.expected)
+            .map(|c| c.completions)
+            .map_err(|(e, _)| e);
+        self.note_wait(&r);
+        arg.write(&CompletionWait { count: r?, ..a })
+    }
+
+    fn completion_reset(&self, arg: &ArgBuf) -> Result {
+        let a: CompletionReset = arg.read()?;
+        if a.reserved != 0 {
+            return Err(EINVAL);
+        }
+        self.buffer(a.handle)?.fence.reset_completions();
+        Ok(())
+    }
+}
+
+// The mmap length check rounds to pages; make sure that is the unit the
+// handle cookie uses too.
+const _: () = assert!(PAGE_SIZE == 1 << kernel::page::PAGE_SHIFT);

@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! mmap of whole buffers into userspace.
+//!
+//! The pages are mapped with `dma_mmap_attrs`, which goes through the DMA
+//! API and so stays correct behind an IOMMU (the original driver used
+//! `remap_pfn_range` on the physical address). 7.2 has no safe wrapper for
+//! it, nor for `vm_operations_struct`; both are wrapped here.
+//!
+//! Each mapping holds a reference to its buffer in `vm_private_data`: the
+//! `open` callback (VMA split or copy) takes another one, `close` drops one.
+//! So a buffer outlives FREE while it is mapped, and its memory is released
+//! when the last mapping goes.
+
+use kernel::{
+    bindings,
+    error::to_result,
+    mm::virt::{
+        flags,
+        VmaNew, //
+    },
+    page::{
+        PAGE_SHIFT,
+        PAGE_SIZE, //
+    },
+    prelude::*,
+    sync::Arc,
+};
+
+use crate::{
+    buffer::Buffer,
+    device::raw_device, //
+};
+
+/// The mmap offset userspace passes for `handle`: the handle in pages.
+pub(crate) fn offset_of_handle(handle: u64) -> u64 {
+    handle << PAGE_SHIFT
+}
+
+unsafe extern "C" fn vma_open(vma: *mut bindings::vm_area_struct) {
+    // SAFETY: `vma` is a copy of a VMA set up by `map_buffer`, so its
+    // `vm_private_data` came from `Arc::into_raw`, and that reference is
+    // still held by the original VMA.
+    let original = unsafe { Arc::<Buffer>::from_raw((*vma).vm_private_data.cast()) };
+    // The copy's own reference, given back by its `vma_close`.
+    let _ = Arc::into_raw(original.clone());
+    // The original VMA keeps its reference.
+    let _ = Arc::into_raw(original);
+}
+
+unsafe extern "C" fn vma_close(vma: *mut bindings::vm_area_struct) {
+    // SAFETY: Every VMA using `BUFFER_VM_OPS` owns one reference, taken in
+    // `map_buffer` or `vma_open`; `close` runs once per VMA, so this gives
+    // back exactly that reference.
+    drop(unsafe { Arc::<Buffer>::from_raw((*vma).vm_private_data.cast()) });
+}
+
+static BUFFER_VM_OPS: bindings::vm_operations_struct = bindings::vm_operations_struct {
+    open: Some(vma_open),
+    close: Some(vma_close),
+    // SAFETY: All-zero is a valid `vm_operations_struct` (no callbacks).
+    ..unsafe { core::mem::zeroed() }
+};
+
+/// Maps `buf` into `vma`. The VMA must be shared, start at buffer offset 0
+/// (the caller has decoded and cleared the handle cookie in `vm_pgoff`) and
+/// be no longer than the buffer rounded up to pages.
+pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
+    if vma.flags() & flags::SHARED == 0 {
+        return Err(EINVAL);
+    }
+    let len = vma.end() - vma.start();
+    if len > buf.size().next_multiple_of(PAGE_SIZE) {
+        return Err(EINVAL);
+    }
+    vma.set_dontcopy();
+    vma.set_dontexpand();
+    vma.set_dontdump();
+    let mem = buf.coherent();
+    // SAFETY: `vma` is being set up under the mmap write lock and is not yet
+    // visible. `vm_pgoff` is 0, so `dma_mmap_attrs` maps from the start of
+    // the allocation. The device, CPU address, DMA handle and size describe
+    // one live coherent allocation of that device, which stays alive as long
+    // as the mapping does: the VMA holds a buffer reference (below), and
+    // `vma_close` drops it only when the VMA is torn down.
+    to_result(unsafe {
+        bindings::dma_mmap_attrs(
+            raw_device(buf.device().bus_device()),
+            vma.as_ptr(),
+            mem.as_mut_ptr().cast(),
+            mem.dma_handle(),
+            mem.size(),
+            0,
+        )
+    })?;
+    // SAFETY: As above, the VMA is ours to set up; the reference moved into
+    // `vm_private_data` is given back by `vma_close`.
+    unsafe {
+        (*vma.as_ptr()).vm_private_data = Arc::into_raw(buf).cast_mut().cast();
+        (*vma.as_ptr()).vm_ops = &BUFFER_VM_OPS;
+    }
+    Ok(())
+}

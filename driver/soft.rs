@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! The software device: a faux bus device with DMA-coherent memory and the
+//! CPU copy engine, so that tdrv works on any machine.
+
+use kernel::{
+    bindings,
+    device,
+    error::to_result,
+    faux,
+    prelude::*,
+    str::CString,
+    sync::Arc,
+};
+
+use crate::{
+    device::{
+        DeviceIndex,
+        raw_device,
+        DeviceNode,
+        TdrvDevice, //
+    },
+    stats::DeviceDebugfs,
+    engine::{
+        Engine,
+        SoftEngine, //
+    },
+    uapi::DEVICE_SOFT,
+};
+
+/// Sets the coherent DMA mask of a faux device, which 7.2 cannot do safely
+/// (`dma::Device` is implemented for PCI and platform devices only).
+fn set_coherent_mask_all(dev: &device::Device) -> Result {
+    // SAFETY: `dev` is a valid, registered device, and no DMA allocation
+    // exists for it yet. A faux device has no `dma_mask` (so
+    // `dma_set_mask` would fail), but the coherent mask is all that
+    // `dma_alloc_coherent` and `dma_mmap_attrs` consult.
+    to_result(unsafe { bindings::dma_set_coherent_mask(raw_device(dev), u64::MAX) })
+}
+
+/// One software device and its `/dev/tdrv<N>` node.
+#[pin_data(PinnedDrop)]
+pub(crate) struct SoftDevice {
+    #[pin]
+    node: DeviceNode,
+    _debugfs: DeviceDebugfs,
+    // Dropped last: the faux device backs every buffer's DMA memory.
+    _faux: faux::Registration,
+}
+
+impl SoftDevice {
+    pub(crate) fn new(
+        channels: u32,
+        channel_limit: u64,
+        debugfs_root: &kernel::debugfs::Dir,
+    ) -> impl PinInit<Self, Error> + '_ {
+        pin_init::pin_init_scope(move || {
+            let index = DeviceIndex::take()?;
+            let name = CString::try_from_fmt(fmt!("tdrv-soft{}", index.get()))?;
+            let faux = faux::Registration::new(&name, None)?;
+            set_coherent_mask_all(faux.as_ref())?;
+            let device: Arc<TdrvDevice> = TdrvDevice::new(
+                faux.as_ref(),
+                DEVICE_SOFT,
+                index,
+                channels,
+                channel_limit,
+                Engine::Soft(SoftEngine::new()?),
+            )?;
+            let debugfs = DeviceDebugfs::new(debugfs_root, &device)?;
+            Ok(try_pin_init!(SoftDevice {
+                node <- DeviceNode::new(device),
+                _debugfs: debugfs,
+                _faux: faux,
+            }))
+        })
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for SoftDevice {
+    fn drop(self: Pin<&mut Self>) {
+        // No file is open (the module is going away), but jobs submitted
+        // by files that have since closed may still be queued: let them
+        // finish before the faux device and its DMA memory go away.
+        self.node.device.engine().shutdown();
+        self.node.device.mark_unbound();
+    }
+}

@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! Per-device statistics in debugfs: `/sys/kernel/debug/tdrv/tdrv<N>/stats`.
+
+use core::fmt;
+
+use kernel::{
+    debugfs::{
+        Dir,
+        File, //
+    },
+    prelude::*,
+    sync::{
+        atomic::Relaxed,
+        Arc, //
+    },
+};
+
+use crate::{
+    device::TdrvDevice,
+    uapi::DEVICE_EDU, //
+};
+
+/// The debugfs directory and files of one device; removed on drop.
+pub(crate) struct DeviceDebugfs {
+    _stats: Pin<KBox<File<Arc<TdrvDevice>>>>,
+    _dir: Dir,
+}
+
+impl DeviceDebugfs {
+    pub(crate) fn new(root: &Dir, device: &Arc<TdrvDevice>) -> Result<Self> {
+        let dir = root.subdir(device.name());
+        let stats = KBox::pin_init(
+            dir.read_callback_file(c"stats", device.clone(), &write_stats),
+            GFP_KERNEL,
+        )?;
+        Ok(Self {
+            _stats: stats,
+            _dir: dir,
+        })
+    }
+}
+
+fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    let s = &d.stats;
+    let kind = if d.kind == DEVICE_EDU { "edu" } else { "soft" };
+    writeln!(f, "kind: {kind}")?;
+    writeln!(f, "bound: {}", d.is_bound())?;
+    writeln!(f, "open_files: {}", s.open_files.load(Relaxed))?;
+    for ch in 0..d.channels.count() {
+        if let Ok(c) = d.channels.stats(ch) {
+            writeln!(
+                f,
+                "channel{ch}: buffers {} used {} peak {} limit {} failed_allocs {}",
+                c.buffers, c.used, c.peak, c.limit, c.failed
+            )?;
+        }
+    }
+    writeln!(f, "jobs_submitted: {}", s.jobs_submitted.load(Relaxed))?;
+    writeln!(f, "jobs_completed: {}", s.jobs_completed.load(Relaxed))?;
+    writeln!(f, "jobs_failed: {}", s.jobs_failed.load(Relaxed))?;
+    writeln!(f, "waits: {}", s.waits.load(Relaxed))?;
+    writeln!(f, "wait_timeouts: {}", s.wait_timeouts.load(Relaxed))?;
+    writeln!(f, "irqs: {}", s.irqs.load(Relaxed))?;
+    writeln!(f, "spurious_irqs: {}", s.spurious_irqs.load(Relaxed))
+}

@@ -1,0 +1,348 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! Kernel mirror of `uapi/tdrv.h`, the ioctl ABI.
+//!
+//! Every struct is `#[repr(C)]` with the header's field order; the
+//! `const_assert_layout!` blocks pin sizes and offsets at compile time, and
+//! userspace tests pin the same numbers against the C compiler, so the two
+//! sides cannot drift apart silently.
+//!
+//! [`ArgBuf`] implements the header's growth rule: the caller's struct size
+//! (from the request number) may be larger than ours as long as the bytes we
+//! do not know are zero.
+
+use kernel::{
+    ioctl::{
+        _IOC_DIR,
+        _IOC_NR,
+        _IOC_SIZE,
+        _IOC_TYPE,
+        _IOR,
+        _IOW,
+        _IOWR, //
+    },
+    prelude::*,
+    transmute::{
+        AsBytes,
+        FromBytes, //
+    },
+    uaccess::{
+        UserPtr,
+        UserSlice, //
+    },
+};
+
+pub(crate) const ABI_MAJOR: u32 = 1;
+pub(crate) const ABI_MINOR: u32 = 0;
+
+pub(crate) const FEAT_MMAP: u64 = 1 << 0;
+pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
+pub(crate) const FEAT_COMPLETION: u64 = 1 << 2;
+pub(crate) const FEAT_IRQ: u64 = 1 << 3;
+
+pub(crate) const DEVICE_SOFT: u32 = 1;
+pub(crate) const DEVICE_EDU: u32 = 2;
+
+pub(crate) const MAX_BUFFER_SIZE: u64 = 1 << 30;
+pub(crate) const MAX_JOB_DESCS: u32 = 1024;
+
+pub(crate) const JOB_PENDING: u32 = 1;
+pub(crate) const JOB_DONE: u32 = 2;
+
+pub(crate) const FENCE_READS: u32 = 1 << 0;
+pub(crate) const FENCE_WRITES: u32 = 1 << 1;
+pub(crate) const FENCE_ALL: u32 = FENCE_READS | FENCE_WRITES;
+
+/// Largest argument struct a caller may send: anything bigger is surely a
+/// bug, and bounding it bounds the zero-check of unknown trailing bytes.
+const MAX_ARG_SIZE: usize = 4096;
+
+macro_rules! uapi_struct {
+    ($(#[$doc:meta])* $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        pub(crate) struct $name {
+            $(pub(crate) $field: $ty,)*
+        }
+        // SAFETY: `repr(C)` with integer fields only, laid out without
+        // padding (checked by the layout asserts below): every bit pattern
+        // is valid and no byte is uninitialised.
+        unsafe impl FromBytes for $name {}
+        // SAFETY: as above.
+        unsafe impl AsBytes for $name {}
+    };
+}
+
+uapi_struct!(
+    /// `struct tdrv_version`
+    Version {
+        abi_major: u32,
+        abi_minor: u32,
+        features: u64,
+        device_kind: u32,
+        num_channels: u32,
+        max_buffer_size: u64,
+        reserved: [u64; 4],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_channel_info`
+    ChannelInfo {
+        channel: u32,
+        pad: u32,
+        limit_bytes: u64,
+        used_bytes: u64,
+        peak_bytes: u64,
+        buffers: u64,
+        failed_allocs: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_alloc`
+    Alloc {
+        size: u64,
+        channel: u32,
+        flags: u32,
+        handle: u64,
+        dma_addr: u64,
+        mmap_offset: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_free`
+    Free { handle: u64, reserved: u64 }
+);
+uapi_struct!(
+    /// `struct tdrv_buf_info`
+    BufInfo {
+        handle: u64,
+        size: u64,
+        dma_addr: u64,
+        mmap_offset: u64,
+        pending_reads: u64,
+        pending_writes: u64,
+        completion_count: u64,
+        channel: u32,
+        pad: u32,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_xfer`
+    Xfer {
+        handle: u64,
+        offset: u64,
+        size: u64,
+        user_ptr: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_memset`
+    Memset {
+        handle: u64,
+        offset: u64,
+        size: u64,
+        value: u32,
+        pad: u32,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_copy_desc`
+    CopyDesc {
+        src_handle: u64,
+        src_offset: u64,
+        dst_handle: u64,
+        dst_offset: u64,
+        size: u64,
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_copy`
+    Copy { desc: CopyDesc, reserved: [u64; 2] }
+);
+uapi_struct!(
+    /// `struct tdrv_submit`
+    Submit {
+        descs: u64,
+        desc_count: u32,
+        desc_size: u32,
+        flags: u32,
+        pad: u32,
+        job_id: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_job_wait`
+    JobWait {
+        job_id: u64,
+        timeout_us: i64,
+        state: u32,
+        status: i32,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_fence_wait`
+    FenceWait {
+        handle: u64,
+        timeout_us: i64,
+        kind: u32,
+        pad: u32,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_completion_wait`
+    CompletionWait {
+        handle: u64,
+        expected: u64,
+        timeout_us: i64,
+        count: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_completion_reset`
+    CompletionReset { handle: u64, reserved: u64 }
+);
+
+macro_rules! const_assert_layout {
+    ($ty:ident, $size:expr, { $($field:ident @ $off:expr),* $(,)? }) => {
+        const _: () = {
+            assert!(core::mem::size_of::<$ty>() == $size);
+            $(assert!(core::mem::offset_of!($ty, $field) == $off);)*
+        };
+    };
+}
+
+const_assert_layout!(Version, 64, {
+    abi_major @ 0, abi_minor @ 4, features @ 8, device_kind @ 16,
+    num_channels @ 20, max_buffer_size @ 24, reserved @ 32,
+});
+const_assert_layout!(ChannelInfo, 64, {
+    channel @ 0, pad @ 4, limit_bytes @ 8, used_bytes @ 16, peak_bytes @ 24,
+    buffers @ 32, failed_allocs @ 40, reserved @ 48,
+});
+const_assert_layout!(Alloc, 56, {
+    size @ 0, channel @ 8, flags @ 12, handle @ 16, dma_addr @ 24,
+    mmap_offset @ 32, reserved @ 40,
+});
+const_assert_layout!(Free, 16, { handle @ 0, reserved @ 8 });
+const_assert_layout!(BufInfo, 80, {
+    handle @ 0, size @ 8, dma_addr @ 16, mmap_offset @ 24, pending_reads @ 32,
+    pending_writes @ 40, completion_count @ 48, channel @ 56, pad @ 60, reserved @ 64,
+});
+const_assert_layout!(Xfer, 48, {
+    handle @ 0, offset @ 8, size @ 16, user_ptr @ 24, reserved @ 32,
+});
+const_assert_layout!(Memset, 48, {
+    handle @ 0, offset @ 8, size @ 16, value @ 24, pad @ 28, reserved @ 32,
+});
+const_assert_layout!(CopyDesc, 40, {
+    src_handle @ 0, src_offset @ 8, dst_handle @ 16, dst_offset @ 24, size @ 32,
+});
+const_assert_layout!(Copy, 56, { desc @ 0, reserved @ 40 });
+const_assert_layout!(Submit, 48, {
+    descs @ 0, desc_count @ 8, desc_size @ 12, flags @ 16, pad @ 20, job_id @ 24,
+    reserved @ 32,
+});
+const_assert_layout!(JobWait, 40, {
+    job_id @ 0, timeout_us @ 8, state @ 16, status @ 20, reserved @ 24,
+});
+const_assert_layout!(FenceWait, 40, {
+    handle @ 0, timeout_us @ 8, kind @ 16, pad @ 20, reserved @ 24,
+});
+const_assert_layout!(CompletionWait, 48, {
+    handle @ 0, expected @ 8, timeout_us @ 16, count @ 24, reserved @ 32,
+});
+const_assert_layout!(CompletionReset, 16, { handle @ 0, reserved @ 8 });
+
+pub(crate) const MAGIC: u32 = 0xD7;
+
+pub(crate) const IOC_VERSION: u32 = _IOR::<Version>(MAGIC, 0x00);
+pub(crate) const IOC_CHANNEL_INFO: u32 = _IOWR::<ChannelInfo>(MAGIC, 0x01);
+pub(crate) const IOC_ALLOC: u32 = _IOWR::<Alloc>(MAGIC, 0x02);
+pub(crate) const IOC_FREE: u32 = _IOW::<Free>(MAGIC, 0x03);
+pub(crate) const IOC_BUF_INFO: u32 = _IOWR::<BufInfo>(MAGIC, 0x04);
+pub(crate) const IOC_COPY_IN: u32 = _IOW::<Xfer>(MAGIC, 0x05);
+pub(crate) const IOC_COPY_OUT: u32 = _IOW::<Xfer>(MAGIC, 0x06);
+pub(crate) const IOC_MEMSET: u32 = _IOW::<Memset>(MAGIC, 0x07);
+pub(crate) const IOC_COPY: u32 = _IOW::<Copy>(MAGIC, 0x08);
+pub(crate) const IOC_SUBMIT: u32 = _IOWR::<Submit>(MAGIC, 0x09);
+pub(crate) const IOC_JOB_WAIT: u32 = _IOWR::<JobWait>(MAGIC, 0x0A);
+pub(crate) const IOC_FENCE_WAIT: u32 = _IOW::<FenceWait>(MAGIC, 0x0B);
+pub(crate) const IOC_COMPLETION_WAIT: u32 = _IOWR::<CompletionWait>(MAGIC, 0x0C);
+pub(crate) const IOC_COMPLETION_RESET: u32 = _IOW::<CompletionReset>(MAGIC, 0x0D);
+
+// The numbers userspace pins (uapi/src/tests.rs), checked here as well.
+const _: () = {
+    assert!(IOC_VERSION == 0x8040_D700);
+    assert!(IOC_ALLOC == 0xC038_D702);
+    assert!(IOC_FREE == 0x4010_D703);
+    assert!(IOC_COMPLETION_RESET == 0x4010_D70D);
+};
+
+/// Returns true if any of `words` is non-zero (reserved-field check).
+pub(crate) fn any_nonzero(words: &[u64]) -> bool {
+    words.iter().any(|w| *w != 0)
+}
+
+/// The argument of one ioctl call: its user address and the size the
+/// caller's request number declares.
+pub(crate) struct ArgBuf {
+    addr: usize,
+    size: usize,
+}
+
+impl ArgBuf {
+    /// Matches `cmd` against the canonical request `known` by type, number
+    /// and direction; the size may differ (see [`ArgBuf::read`]).
+    pub(crate) fn matches(cmd: u32, known: u32) -> bool {
+        _IOC_TYPE(cmd) == _IOC_TYPE(known)
+            && _IOC_NR(cmd) == _IOC_NR(known)
+            && _IOC_DIR(cmd) == _IOC_DIR(known)
+    }
+
+    pub(crate) fn new(cmd: u32, addr: usize) -> Self {
+        Self {
+            addr,
+            size: _IOC_SIZE(cmd),
+        }
+    }
+
+    /// Reads a `T`, applying the growth rule: the caller's struct must be at
+    /// least ours (EINVAL otherwise, or if absurdly large); bytes past ours
+    /// must be zero (E2BIG otherwise).
+    pub(crate) fn read<T: FromBytes>(&self) -> Result<T> {
+        let ours = core::mem::size_of::<T>();
+        if self.size < ours || self.size > MAX_ARG_SIZE {
+            return Err(EINVAL);
+        }
+        let mut reader = UserSlice::new(UserPtr::from_addr(self.addr), self.size).reader();
+        let value: T = reader.read()?;
+        let mut rest = [0u8; 64];
+        while !reader.is_empty() {
+            let n = reader.len().min(rest.len());
+            reader.read_slice(&mut rest[..n])?;
+            if rest[..n].iter().any(|b| *b != 0) {
+                return Err(E2BIG);
+            }
+        }
+        Ok(value)
+    }
+
+    /// Writes `value` back over the first `size_of::<T>()` bytes of the
+    /// caller's struct (which [`ArgBuf::read`] proved is at least that big).
+    pub(crate) fn write<T: AsBytes>(&self, value: &T) -> Result {
+        let ours = core::mem::size_of::<T>();
+        UserSlice::new(UserPtr::from_addr(self.addr), ours)
+            .writer()
+            .write(value)
+    }
+}
