@@ -1,0 +1,56 @@
+# tdrv: top-level build.
+#
+#   make            build tdrv.ko (for the cached test kernel, or KDIR=...)
+#   make run        boot the test guest with the module and run the demo;
+#                   make run FILES="a b" CMD="./a" runs your own command
+#   make test       host tests + guest tests + KUnit, one verdict
+#   make bench      benchmarks (see README)
+#
+# `run`, `test` and `bench` install what they need (scripts/setup) and
+# build the test kernel once (scripts/kernel, cached outside the repo).
+
+KDIR ?=
+FILES ?=
+CMD ?=
+PARAMS ?=
+TIMEOUT ?= 900
+
+export TDRV_BUILD := $(CURDIR)/build
+
+.PHONY: all module setup kernel userspace run test bench uapi clean
+
+all: module
+
+# With KDIR the module is built for that tree and nothing is installed.
+module:
+ifeq ($(KDIR),)
+	@scripts/setup
+	@scripts/build-module "$$(scripts/kernel)"
+else
+	@scripts/build-module "$(KDIR)"
+endif
+
+setup:
+	@scripts/setup
+
+kernel: setup
+	@scripts/kernel
+
+userspace: setup
+	@scripts/build-userspace
+
+run: setup
+	@scripts/run-guest -c '$(subst ','\'',$(CMD))' -p '$(PARAMS)' -T $(TIMEOUT) $(FILES)
+
+test: setup
+	@scripts/test
+
+bench: setup
+	@scripts/bench
+
+# Regenerates the bindgen bindings of uapi/tdrv.h.
+uapi: setup
+	@scripts/gen-uapi
+
+clean:
+	rm -rf build target
