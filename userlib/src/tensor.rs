@@ -48,7 +48,9 @@ pub struct DeviceAllocationInfo {
     pub hbm_index: u32,
 }
 
-/// The view behind a [`Tensor`] handle.
+/// The view behind a [`Tensor`] handle. `repr(C)` keeps `magic` first, so
+/// that checking a foreign pointer reads only its first bytes.
+#[repr(C)]
 pub(crate) struct View {
     /// Checked by the C ABI to reject pointers that are not tensors.
     magic: u32,

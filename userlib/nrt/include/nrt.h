@@ -1,0 +1,105 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * nrt.h: the tensor API of libnrt.so.1, as implemented over the tdrv driver.
+ *
+ * Signatures and values follow the public Neuron runtime header. Notes on
+ * this implementation:
+ *  - NULL or invalid arguments return an error status; nothing asserts.
+ *  - NRT_TENSOR_PLACEMENT_DEVICE allocates a buffer of the tdrv device named
+ *    by $TDRV_DEVICE (default /dev/tdrv0) on HBM channel `vnc` (0 when
+ *    negative); HOST and VIRTUAL allocate host memory.
+ *  - A tensor set holds its own reference to each tensor it contains, and
+ *    nrt_get_tensor_from_tensor_set returns the pointer that was added.
+ *  - nrt_tensor_attach_buffer fails (NRT_INVALID) on a tensor that is in a
+ *    tensor set: attach before adding it.
+ *  - A device-to-device copy across HBM channels returns NRT_INVALID.
+ */
+#ifndef NRT_H
+#define NRT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+	NRT_SUCCESS = 0,
+	NRT_FAILURE = 1,
+	NRT_INVALID = 2,
+	NRT_INVALID_HANDLE = 3,
+	NRT_RESOURCE = 4,
+	NRT_TIMEOUT = 5,
+	NRT_HW_ERROR = 6,
+	NRT_QUEUE_FULL = 7,
+	NRT_UNINITIALIZED = 13,
+	NRT_CLOSED = 14,
+} NRT_STATUS;
+
+typedef struct nrt_tensor nrt_tensor_t; /* opaque */
+typedef void nrt_tensor_set_t;          /* opaque */
+
+typedef enum {
+	NRT_TENSOR_PLACEMENT_DEVICE = 0,
+	NRT_TENSOR_PLACEMENT_HOST = 1,
+	NRT_TENSOR_PLACEMENT_VIRTUAL = 2,
+} nrt_tensor_placement_t;
+
+typedef struct nrt_tensor_batch_op {
+	uint64_t offset;
+	uint64_t size;
+	void *buffer;
+} nrt_tensor_batch_op_t;
+
+typedef struct nrt_tensor_batch {
+	const nrt_tensor_t *tensor;
+	const nrt_tensor_batch_op_t *ops;
+	uint32_t num_ops;
+} nrt_tensor_batch_t;
+
+typedef struct nrt_tensor_device_allocation_info {
+	uint64_t physical_address;
+	size_t size;
+	int hbm_index;
+} nrt_tensor_device_allocation_info_t;
+
+NRT_STATUS nrt_tensor_allocate(nrt_tensor_placement_t placement, int vnc, size_t size,
+			       const char *name, nrt_tensor_t **tensor);
+/* Frees the caller's reference; sets *tensor = NULL. */
+void nrt_tensor_free(nrt_tensor_t **tensor);
+NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset, size_t size);
+NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size);
+NRT_STATUS nrt_tensor_read_batch(const nrt_tensor_batch_t *batches, uint64_t num_batches,
+				 bool unsafe);
+NRT_STATUS nrt_tensor_write_batch(const nrt_tensor_batch_t *batches, uint64_t num_batches,
+				  bool unsafe);
+NRT_STATUS nrt_tensor_copy(const nrt_tensor_t *src, size_t src_offset, nrt_tensor_t *dst,
+			   size_t dst_offset, size_t size);
+size_t nrt_tensor_get_size(const nrt_tensor_t *tensor);
+NRT_STATUS nrt_tensor_memset(nrt_tensor_t *tensor, uint64_t offset, int value, size_t size);
+NRT_STATUS nrt_tensor_allocate_empty(const char *name, nrt_tensor_t **tensor);
+NRT_STATUS nrt_tensor_attach_buffer(nrt_tensor_t *tensor, void *buffer, size_t size);
+NRT_STATUS nrt_tensor_allocate_slice(const nrt_tensor_t *source, size_t offset, size_t size,
+				     const char *name, nrt_tensor_t **slice);
+void *nrt_tensor_get_va(const nrt_tensor_t *tensor);
+NRT_STATUS nrt_tensor_get_device_allocation_info(const nrt_tensor_t *tensor,
+						 nrt_tensor_device_allocation_info_t *info);
+NRT_STATUS nrt_tensor_check_output_completion(const nrt_tensor_t *output, int64_t timeout_us,
+					      uint64_t expected_completion_count);
+NRT_STATUS nrt_tensor_reset_output_completion(nrt_tensor_t *output);
+
+NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result);
+void nrt_destroy_tensor_set(nrt_tensor_set_t **tensor_set);
+NRT_STATUS nrt_add_tensor_to_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name,
+					nrt_tensor_t *tensor);
+/* NRT_FAILURE when no tensor has that name. */
+NRT_STATUS nrt_get_tensor_from_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name,
+					  nrt_tensor_t **tensor);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NRT_H */

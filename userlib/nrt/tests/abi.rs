@@ -1,0 +1,157 @@
+//! The C ABI called from Rust: status mapping, handle ownership and sets.
+
+use std::ffi::CString;
+use std::ptr::null_mut;
+
+use nrt::*;
+
+fn alloc(size: usize, name: &str) -> *mut nrt_tensor_t {
+    let name = CString::new(name).unwrap();
+    let mut t = null_mut();
+    // SAFETY: valid name and out pointer.
+    let s = unsafe {
+        nrt_tensor_allocate(
+            NRT_TENSOR_PLACEMENT_VIRTUAL,
+            -1,
+            size,
+            name.as_ptr(),
+            &mut t,
+        )
+    };
+    assert_eq!(s, NRT_SUCCESS);
+    t
+}
+
+#[test]
+fn status_mapping() {
+    use tdrv::{Error, SysError};
+    assert_eq!(status_of(&Error::Timeout { op: "x" }), NRT_TIMEOUT);
+    assert_eq!(
+        status_of(&Error::CrossChannel { src: 0, dst: 1 }),
+        NRT_INVALID
+    );
+    assert_eq!(
+        status_of(&Error::Sys(SysError::from_errno("COPY", libc::EXDEV))),
+        NRT_INVALID
+    );
+    assert_eq!(
+        status_of(&Error::Sys(SysError::from_errno("ALLOC", libc::ENOSPC))),
+        NRT_RESOURCE
+    );
+    assert_eq!(
+        status_of(&Error::Sys(SysError::from_errno("WAIT", libc::ETIMEDOUT))),
+        NRT_TIMEOUT
+    );
+    assert_eq!(status_of(&Error::OutOfMemory(1)), NRT_RESOURCE);
+}
+
+#[test]
+fn device_placement_without_a_device_fails_cleanly() {
+    if std::path::Path::new("/dev/tdrv0").exists() || std::env::var_os("TDRV_DEVICE").is_some() {
+        return;
+    }
+    let mut t = null_mut();
+    // SAFETY: valid out pointer, NULL name.
+    let s = unsafe {
+        nrt_tensor_allocate(NRT_TENSOR_PLACEMENT_DEVICE, 0, 64, std::ptr::null(), &mut t)
+    };
+    assert_eq!(s, NRT_UNINITIALIZED);
+    assert!(t.is_null());
+}
+
+#[test]
+fn a_set_keeps_its_tensors_alive() {
+    let mut t = alloc(32, "kept");
+    let mut set = null_mut();
+    let name = CString::new("k").unwrap();
+    // SAFETY: valid pointers throughout; `t` is a live handle until freed.
+    unsafe {
+        assert_eq!(nrt_allocate_tensor_set(&mut set), NRT_SUCCESS);
+        assert_eq!(
+            nrt_tensor_write(t, [9u8; 32].as_ptr().cast(), 0, 32),
+            NRT_SUCCESS
+        );
+        assert_eq!(
+            nrt_add_tensor_to_tensor_set(set, name.as_ptr(), t),
+            NRT_SUCCESS
+        );
+        // Attaching to a tensor in a set is refused.
+        let mut buf = [0u8; 4];
+        assert_eq!(
+            nrt_tensor_attach_buffer(t, buf.as_mut_ptr().cast(), 4),
+            NRT_INVALID
+        );
+        nrt_tensor_free(&mut t);
+        assert!(t.is_null());
+        let mut got = null_mut();
+        assert_eq!(
+            nrt_get_tensor_from_tensor_set(set, name.as_ptr(), &mut got),
+            NRT_SUCCESS
+        );
+        let mut back = [0u8; 32];
+        assert_eq!(
+            nrt_tensor_read(got, back.as_mut_ptr().cast(), 0, 32),
+            NRT_SUCCESS
+        );
+        assert_eq!(back, [9; 32]);
+        assert_eq!(nrt_tensor_get_size(got), 32);
+        nrt_destroy_tensor_set(&mut set);
+        assert!(set.is_null());
+    }
+}
+
+#[test]
+fn the_nrt_cleanup_pattern_frees_through_the_set() {
+    // Programs often free their tensors by fetching them from the set.
+    let t = alloc(8, "t");
+    let mut set = null_mut();
+    let name = CString::new("t").unwrap();
+    // SAFETY: valid pointers; the caller's reference is released once.
+    unsafe {
+        nrt_allocate_tensor_set(&mut set);
+        nrt_add_tensor_to_tensor_set(set, name.as_ptr(), t);
+        let mut got = null_mut();
+        nrt_get_tensor_from_tensor_set(set, name.as_ptr(), &mut got);
+        assert_eq!(got, t);
+        nrt_tensor_free(&mut got);
+        nrt_destroy_tensor_set(&mut set);
+    }
+}
+
+#[test]
+fn attach_replaces_allocated_storage_in_place() {
+    let t = alloc(64, "a");
+    let mut buf = vec![0u8; 16];
+    // SAFETY: `buf` outlives the tensor, which is freed below.
+    unsafe {
+        assert_eq!(
+            nrt_tensor_attach_buffer(t, buf.as_mut_ptr().cast(), 16),
+            NRT_SUCCESS
+        );
+        assert_eq!(nrt_tensor_get_size(t), 16);
+        assert_eq!(nrt_tensor_get_va(t), buf.as_mut_ptr().cast());
+        assert_eq!(nrt_tensor_memset(t, 0, 7, 16), NRT_SUCCESS);
+        // A NULL buffer with a size is refused.
+        assert_eq!(nrt_tensor_attach_buffer(t, null_mut(), 4), NRT_INVALID);
+        let mut t = t;
+        nrt_tensor_free(&mut t);
+    }
+    assert_eq!(buf, vec![7; 16]);
+}
+
+#[test]
+fn host_completion_through_the_c_abi() {
+    let t = alloc(8, "out");
+    // SAFETY: live handle.
+    unsafe {
+        assert_eq!(nrt_tensor_check_output_completion(t, 0, 0), NRT_SUCCESS);
+        assert_eq!(nrt_tensor_check_output_completion(t, 1000, 1), NRT_TIMEOUT);
+        let tensor = tdrv::Tensor::borrow_raw(t.cast_const().cast()).unwrap();
+        tensor.record_output_completion().unwrap();
+        assert_eq!(nrt_tensor_check_output_completion(t, -1, 1), NRT_SUCCESS);
+        assert_eq!(nrt_tensor_reset_output_completion(t), NRT_SUCCESS);
+        assert_eq!(nrt_tensor_check_output_completion(t, 0, 1), NRT_TIMEOUT);
+        let mut t = t;
+        nrt_tensor_free(&mut t);
+    }
+}
