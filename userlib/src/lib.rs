@@ -27,6 +27,11 @@ mod tensor;
 pub mod trace;
 mod wait;
 
+// Accessors, their coherency enforcer and the staging memcpy (seed 003).
+pub mod accessor;
+pub mod coherency;
+pub mod memcpy;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 

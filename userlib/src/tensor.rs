@@ -63,6 +63,10 @@ pub(crate) struct View {
     /// Host storages: this view's output-completion count. Dma storage: the
     /// buffer's kernel completion count at which this view's count was 0.
     pub(crate) completion: AtomicU64,
+    /// Accessors open on this view (see `crate::coherency`): shared by the
+    /// view's handles, fresh for each slice, like the seed's per-TensorBase
+    /// enforcer.
+    pub(crate) coherency: crate::coherency::CoherencyEnforcer,
 }
 
 impl Drop for View {
@@ -117,6 +121,7 @@ impl Tensor {
             offset: 0,
             size,
             completion: AtomicU64::new(0),
+            coherency: Default::default(),
         })
     }
 
@@ -173,6 +178,7 @@ impl Tensor {
             offset: 0,
             size: 0,
             completion: AtomicU64::new(0),
+            coherency: Default::default(),
         })
     }
 
@@ -239,6 +245,7 @@ impl Tensor {
             offset: self.view.offset + offset,
             size,
             completion: AtomicU64::new(baseline),
+            coherency: Default::default(),
         }))
     }
 
@@ -370,6 +377,11 @@ impl Tensor {
 
     pub(crate) fn completion_cell(&self) -> &AtomicU64 {
         &self.view.completion
+    }
+
+    /// The accessor coherency enforcer of this view (`crate::accessor`).
+    pub fn coherency_enforcer(&self) -> &crate::coherency::CoherencyEnforcer {
+        &self.view.coherency
     }
 
     /// Gives up the handle as a raw pointer (for the C ABI). Reclaim it with

@@ -1,0 +1,240 @@
+//! Typed accessors onto a tensor's memory, gated by its
+//! [`CoherencyEnforcer`](crate::coherency::CoherencyEnforcer) (seed 003, §5).
+//!
+//! | accessor                       | slot        | data path                          |
+//! |--------------------------------|-------------|------------------------------------|
+//! | [`TensorAccessor`]             | unbuffered  | direct loads/stores via the mapping |
+//! | [`TensorReadStreamAccessor`]   | reader      | 4 KiB staging buffer, refilled      |
+//! | [`TensorWriteStreamAccessor`]  | writer      | 4 KiB staging buffer, flushed       |
+//! | [`TensorTcmAccessor`]          | unbuffered  | explicit copies to/from scratch     |
+//!
+//! Every accessor is RAII: its constructor acquires a slot of the tensor's
+//! enforcer (failing with [`AccessorError::Coherence`] when the policy is
+//! COHERENT and the slot would be incoherent) and `Drop` releases it. An
+//! accessor borrows its tensor, so it cannot outlive it (the seed deletes
+//! the rvalue-tensor factories for the same reason). Factories made from
+//! `&Tensor` give read-only accessors and those made from `&mut Tensor`
+//! read-write ones, like the seed's `const&`/`&` overloads.
+//!
+//! The enforcer is per view: handles cloned from one another
+//! ([`Tensor::get_reference`]) share it, a slice has its own (as each
+//! `at::Tensor` has its own). Staging copies use [`crate::memcpy`], so the
+//! active `neuron_memcpy` method applies.
+
+mod indexed;
+mod stream;
+mod tcm;
+
+pub use indexed::{TensorAccessor, TensorSubAccessor};
+pub use stream::{TensorReadStreamAccessor, TensorWriteStreamAccessor, STREAM_BUFFER_BYTES};
+pub use tcm::{TcmBuffer, TensorTcmAccessor};
+
+use std::mem::{align_of, size_of};
+use std::ptr::NonNull;
+
+use crate::coherency::{CoherenceError, Policy};
+use crate::storage::StorageKind;
+use crate::tensor::Tensor;
+
+/// Plain data an accessor can load from and store to tensor memory.
+///
+/// # Safety
+/// Every bit pattern of `size_of::<Self>()` bytes must be a valid value and
+/// the type must have no padding, so that arbitrary tensor bytes can be
+/// read as it and its bytes can be written out.
+pub unsafe trait Element: Copy + Send + Sync + 'static {}
+
+macro_rules! elements {
+    ($($t:ty),*) => { $(
+        // SAFETY: a primitive number: no padding, every bit pattern valid.
+        unsafe impl Element for $t {}
+    )* };
+}
+elements!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, usize, isize, f32, f64);
+
+// SAFETY: an array of elements has no padding between them and is valid for
+// any bytes when its element is.
+unsafe impl<T: Element, const K: usize> Element for [T; K] {}
+
+/// Marker of accessors made from a shared tensor: loads only.
+#[derive(Debug, Clone, Copy)]
+pub enum ReadOnly {}
+/// Marker of accessors made from an exclusive tensor: loads and stores.
+#[derive(Debug, Clone, Copy)]
+pub enum ReadWrite {}
+
+/// The access mode of an accessor ([`ReadOnly`] or [`ReadWrite`]).
+pub trait Mode: sealed::Sealed + 'static {
+    /// Whether stores are allowed.
+    const WRITABLE: bool;
+}
+impl Mode for ReadOnly {
+    const WRITABLE: bool = false;
+}
+impl Mode for ReadWrite {
+    const WRITABLE: bool = true;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::ReadOnly {}
+    impl Sealed for super::ReadWrite {}
+}
+
+/// Why an accessor could not be made or used.
+#[derive(Debug, thiserror::Error)]
+pub enum AccessorError {
+    /// The enforcer refused the slot (or an unbalanced release).
+    #[error(transparent)]
+    Coherence(#[from] CoherenceError),
+    /// The tensor layer failed (no storage, a fence, a copy, ...).
+    #[error(transparent)]
+    Tensor(#[from] crate::Error),
+    /// The tensor has no host-addressable bytes for direct access.
+    #[error("{op}: {kind:?} tensor {name:?} has no host-addressable memory")]
+    NotAddressable {
+        op: &'static str,
+        name: String,
+        kind: Option<StorageKind>,
+    },
+    /// The element type cannot be staged or addressed.
+    #[error("{op}: unsupported element type of {size} bytes")]
+    BadElement { op: &'static str, size: usize },
+    /// The tensor's memory is not aligned for the element type.
+    #[error("{op}: tensor address {addr:#x} is not aligned to {align} bytes")]
+    Misaligned {
+        op: &'static str,
+        addr: usize,
+        align: usize,
+    },
+    /// Sizes and strides reach past the end of the tensor (or overflow).
+    #[error("shape {sizes:?} with strides {strides:?} needs {needed} bytes, the tensor has {len}")]
+    ShapeOutOfBounds {
+        sizes: Vec<usize>,
+        strides: Vec<usize>,
+        needed: u128,
+        len: usize,
+    },
+    /// An index is outside the accessor's sizes.
+    #[error("index {index:?} is outside sizes {sizes:?}")]
+    IndexOutOfBounds {
+        index: Vec<usize>,
+        sizes: Vec<usize>,
+    },
+    /// An element range is outside the tensor or the scratch buffer.
+    #[error("{op}: elements [{offset}, {offset}+{count}) are outside the {len} available")]
+    RangeOutOfBounds {
+        op: &'static str,
+        offset: usize,
+        count: usize,
+        len: usize,
+    },
+    /// A write stream already wrote every element of its tensor.
+    #[error("write stream is full: the tensor holds {len} elements")]
+    StreamFull { len: usize },
+    /// The stream was closed.
+    #[error("the stream is closed")]
+    Closed,
+}
+
+/// Result of the accessor API.
+pub type Result<T, E = AccessorError> = std::result::Result<T, E>;
+
+/// Checks that `T` can be staged: not zero-sized, and no bigger than a
+/// stream buffer.
+fn check_element<T: Element>(op: &'static str) -> Result<()> {
+    let size = size_of::<T>();
+    if size == 0 || size > STREAM_BUFFER_BYTES {
+        return Err(AccessorError::BadElement { op, size });
+    }
+    Ok(())
+}
+
+/// The tensor's bytes as a host address aligned for `T`, for direct access.
+fn direct_base<T: Element>(tensor: &Tensor, op: &'static str) -> Result<NonNull<T>> {
+    if size_of::<T>() == 0 {
+        return Err(AccessorError::BadElement { op, size: 0 });
+    }
+    staged_kind(tensor, op)?;
+    let base = tensor.va().ok_or_else(|| AccessorError::NotAddressable {
+        op,
+        name: tensor.name().to_owned(),
+        kind: tensor.kind(),
+    })?;
+    let addr = base.as_ptr() as usize;
+    if addr % align_of::<T>() != 0 {
+        return Err(AccessorError::Misaligned {
+            op,
+            addr,
+            align: align_of::<T>(),
+        });
+    }
+    Ok(base.cast())
+}
+
+/// Accessors need real bytes: refuses empty and size-only tensors.
+fn staged_kind(tensor: &Tensor, op: &'static str) -> Result<StorageKind> {
+    match tensor.kind() {
+        Some(StorageKind::Fake) | None => Err(AccessorError::NotAddressable {
+            op,
+            name: tensor.name().to_owned(),
+            kind: tensor.kind(),
+        }),
+        Some(kind) => Ok(kind),
+    }
+}
+
+/// The seed's tensor-side API (`TensorBase.h`): the enforcer, its policy,
+/// and the accessor factories.
+impl Tensor {
+    /// The view's accessor coherence policy (COHERENT when made).
+    pub fn get_accessor_coherence_policy(&self) -> Policy {
+        self.coherency_enforcer().policy()
+    }
+
+    /// Sets the policy; works through a shared tensor, like the seed's
+    /// `const` setter on its `mutable` enforcer.
+    pub fn set_accessor_coherence_policy(&self, policy: Policy) {
+        self.coherency_enforcer().set_policy(policy);
+    }
+
+    /// A read-only, unbuffered accessor over `sizes` (row-major strides).
+    pub fn accessor<T: Element, const N: usize>(
+        &self,
+        sizes: [usize; N],
+    ) -> Result<TensorAccessor<'_, T, N, ReadOnly>> {
+        TensorAccessor::new(self, sizes)
+    }
+
+    /// A read-write, unbuffered accessor over `sizes` (row-major strides).
+    pub fn accessor_mut<T: Element, const N: usize>(
+        &mut self,
+        sizes: [usize; N],
+    ) -> Result<TensorAccessor<'_, T, N, ReadWrite>> {
+        TensorAccessor::new_mut(self, sizes)
+    }
+
+    /// A buffered reader of the view's `size() / size_of::<T>()` elements.
+    pub fn read_stream_accessor<T: Element>(&self) -> Result<TensorReadStreamAccessor<'_, T>> {
+        TensorReadStreamAccessor::new(self)
+    }
+
+    /// The exclusive buffered writer of the view's elements.
+    pub fn write_stream_accessor<T: Element>(
+        &mut self,
+    ) -> Result<TensorWriteStreamAccessor<'_, T>> {
+        TensorWriteStreamAccessor::new(self)
+    }
+
+    /// A read-only TCM (scratch) stager.
+    pub fn tcm_accessor(&self) -> Result<TensorTcmAccessor<'_, ReadOnly>> {
+        TensorTcmAccessor::new(self)
+    }
+
+    /// A read-write TCM (scratch) stager.
+    pub fn tcm_accessor_mut(&mut self) -> Result<TensorTcmAccessor<'_, ReadWrite>> {
+        TensorTcmAccessor::new_mut(self)
+    }
+}
+
+#[cfg(test)]
+mod tests;
