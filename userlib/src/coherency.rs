@@ -391,7 +391,7 @@ impl CoherencyEnforcer {
                 }
                 Policy::IncoherentVerbose => {
                     warn(&format!(
-                        "Already opened {open} on this tensor; opening a {kind} \
+                        "Already opened {open} on this tensor; opening a new {kind} \
                          may cause incoherent behaviour."
                     ));
                     Admission::Incoherent
