@@ -20,6 +20,37 @@
 //! ([`Tensor::get_reference`]) share it, a slice has its own (as each
 //! `at::Tensor` has its own). Staging copies use [`crate::memcpy`], so the
 //! active `neuron_memcpy` method applies.
+//!
+//! ```
+//! use tdrv::accessor::AccessorError;
+//! use tdrv::coherency::{CoherenceError, Policy};
+//! use tdrv::Tensor;
+//!
+//! let mut t = Tensor::allocate_host(2 * 3 * 4, None)?;
+//! {
+//!     let mut a = t.accessor_mut::<u32, 2>([2, 3])?;
+//!     a.set([1, 2], 7)?;
+//!     assert_eq!(a.get([1, 2])?, 7);
+//! } // the unbuffered slot is released here
+//! let mut r = t.read_stream_accessor::<u32>()?;
+//! assert_eq!(r.next_element()?, Some(0));
+//! // COHERENT (the default): buffered and direct accessors never mix.
+//! assert!(matches!(
+//!     t.accessor::<u32, 2>([2, 3]),
+//!     Err(AccessorError::Coherence(CoherenceError::Incoherent { .. }))
+//! ));
+//! t.set_accessor_coherence_policy(Policy::IncoherentQuiet);
+//! assert_eq!(t.accessor::<u32, 2>([2, 3])?.get([1, 2])?, 7);
+//! # Ok::<(), AccessorError>(())
+//! ```
+//!
+//! A read-only accessor has no `set`:
+//!
+//! ```compile_fail
+//! let t = tdrv::Tensor::allocate_host(16, None).unwrap();
+//! let mut a = t.accessor::<u32, 1>([4]).unwrap();
+//! a.set([0], 1).unwrap();
+//! ```
 
 mod indexed;
 mod stream;

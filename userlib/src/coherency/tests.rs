@@ -392,7 +392,9 @@ fn layout_builds_for_a_32_bit_target() {
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
         .join("layout-32bit");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let cargo = std::env::var_os("CARGO")
+        .or_else(|| option_env!("CARGO").map(Into::into))
+        .unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .args([
             "check", "--quiet", "--lib", "-p", "tdrv", "--target", TARGET,
