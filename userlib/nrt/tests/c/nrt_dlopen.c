@@ -4,16 +4,19 @@
  * the nrt_tensor API. Prints kselftest TAP 13; exits 0 when every check
  * passed, 1 otherwise.
  *
- * usage: nrt_dlopen [virtual|host|device] [library]
- *   placement defaults to virtual; library defaults to "libnrt.so.1"
- *   (found through the loader's search path, e.g. LD_LIBRARY_PATH).
- *   With device, set TDRV_DEVICE to pick the node (default /dev/tdrv0).
+ * usage: nrt_dlopen [virtual|host|device|/dev/tdrvN] [library]
+ *   The placement defaults to virtual. A device path means DEVICE placement
+ *   on that node (it sets TDRV_DEVICE); plain "device" uses $TDRV_DEVICE or
+ *   /dev/tdrv0. The library defaults to "libnrt.so.1", found through the
+ *   loader's search path (LD_LIBRARY_PATH, ...) or else next to this
+ *   program.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nrt.h"
 
@@ -121,13 +124,35 @@ int main(int argc, char **argv)
 		pl = NRT_TENSOR_PLACEMENT_HOST;
 	else if (!strcmp(mode, "device"))
 		pl = NRT_TENSOR_PLACEMENT_DEVICE;
-	else {
-		fprintf(stderr, "usage: %s [virtual|host|device] [library]\n", argv[0]);
+	else if (!strncmp(mode, "/dev/", 5)) {
+		pl = NRT_TENSOR_PLACEMENT_DEVICE;
+		setenv("TDRV_DEVICE", mode, 1);
+	} else {
+		fprintf(stderr, "usage: %s [virtual|host|device|/dev/tdrvN] [library]\n", argv[0]);
 		return 2;
 	}
 
+	/* Many checks make the library log an error on purpose; keep the
+	 * TAP output readable unless the caller asked for logs. */
+	setenv("NEURON_RT_LOG_LEVEL", "OFF", 0);
+
 	printf("TAP version 13\n1..%d\n", PLAN);
+	printf("# placement %s, library %s\n", mode, libname);
 	void *lib = dlopen(libname, RTLD_NOW | RTLD_LOCAL);
+	if (!lib && argc <= 2) {
+		/* Next to this program, under its soname. */
+		static char path[4096];
+		ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 32);
+		if (n > 0) {
+			path[n] = 0;
+			char *slash = strrchr(path, '/');
+			if (slash) {
+				strcpy(slash + 1, "libnrt.so.1");
+				printf("# %s; trying %s\n", dlerror(), path);
+				lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+			}
+		}
+	}
 	if (!lib)
 		printf("# dlopen: %s\n", dlerror());
 	check(lib != NULL, "dlopen libnrt.so.1");

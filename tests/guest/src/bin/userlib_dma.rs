@@ -1,0 +1,653 @@
+//! The tdrv tensor library (`userlib/`) on a real device: Dma storage,
+//! kernel fences, jobs and completion counts, cross-checked against the
+//! driver's own accounting.
+//!
+//! usage: userlib_dma [/dev/tdrvN]   (default /dev/tdrv0)
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tdrv::sys::FenceKind;
+use tdrv::{
+    Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError, Tensor, WriteOp,
+};
+use tdrv_guest_tests::{expect_eq, Tap};
+
+type R = Result<(), String>;
+/// A named check of this program.
+type Test = (&'static str, fn(&Ctx) -> R);
+
+const SECOND_US: i64 = 1_000_000;
+/// How long a job may take (the edu engine moves one 4 KiB chunk per
+/// interrupt).
+const JOB_WAIT_US: i64 = 60 * SECOND_US;
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i * 13 + i / 509) as u8) ^ seed)
+        .collect()
+}
+
+fn e<T>(what: &str, r: tdrv::Result<T>) -> Result<T, String> {
+    r.map_err(|err| format!("{what}: {err}"))
+}
+
+fn same(what: &str, got: &[u8], want: &[u8]) -> R {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} != {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(format!(
+            "{what}: first difference at byte {i}: {:#04x} != {:#04x}",
+            got[i], want[i]
+        )),
+    }
+}
+
+fn read_all(t: &Tensor) -> Result<Vec<u8>, String> {
+    e("read", t.to_vec())
+}
+
+/// Bytes and buffers the driver accounts to a channel.
+fn usage(dev: &Device, channel: u32) -> Result<(u64, u64), String> {
+    let i = dev
+        .channel_info(channel)
+        .map_err(|err| format!("CHANNEL_INFO: {err}"))?;
+    Ok((i.used_bytes, i.buffers))
+}
+
+struct Ctx {
+    path: String,
+    dev: Arc<Device>,
+}
+
+impl Ctx {
+    fn alloc(&self, size: usize, name: &str) -> Result<Tensor, String> {
+        e(
+            "allocate_on",
+            Tensor::allocate_on(&self.dev, 0, size, Some(name)),
+        )
+    }
+}
+
+fn allocate_device_placement(c: &Ctx) -> R {
+    // Placement::Device goes through the lazily opened process-wide
+    // device, which TDRV_DEVICE points at this program's device.
+    let t = e(
+        "allocate",
+        Tensor::allocate(Placement::Device, 0, 65536, Some("dev_tensor")),
+    )?;
+    expect_eq("kind", t.kind(), Some(StorageKind::Dma))?;
+    expect_eq("size", t.size(), 65536)?;
+    expect_eq("channel", t.channel(), Some(0))?;
+    expect_eq("name", t.name(), "dev_tensor")?;
+    let d = t.device().ok_or("no device")?;
+    expect_eq("device path", d.path().to_str(), Some(c.path.as_str()))?;
+    if t.va().is_none() {
+        return Err("a Dma tensor has no mapping".into());
+    }
+    let zero = read_all(&t)?;
+    if zero.iter().any(|&b| b != 0) {
+        return Err("a new buffer is not zeroed".into());
+    }
+    Ok(())
+}
+
+fn drop_frees(c: &Ctx) -> R {
+    let before = usage(&c.dev, 0)?;
+    let t = c.alloc(1 << 20, "accounted")?;
+    let s = e("slice", t.slice(4096, 4096, None))?;
+    let during = usage(&c.dev, 0)?;
+    if during.0 < before.0 + (1 << 20) || during.1 != before.1 + 1 {
+        return Err(format!("after ALLOC: {during:?}, before {before:?}"));
+    }
+    drop(t);
+    // The slice still holds the storage.
+    expect_eq(
+        "buffers with a slice alive",
+        usage(&c.dev, 0)?.1,
+        before.1 + 1,
+    )?;
+    drop(s);
+    expect_eq(
+        "usage after the last view dropped",
+        usage(&c.dev, 0)?,
+        before,
+    )
+}
+
+fn write_read_exact(c: &Ctx) -> R {
+    let t = c.alloc(300_001, "rw")?;
+    let data = pattern(300_001, 0x5c);
+    e("write", t.write(0, &data))?;
+    same("whole read", &read_all(&t)?, &data)?;
+    let odd = pattern(10_007, 0x11);
+    e("odd write", t.write(3, &odd))?;
+    let mut back = vec![0; 10_007];
+    e("odd read", t.read(3, &mut back))?;
+    same("odd range", &back, &odd)?;
+    // The kernel sees the same bytes (COPY_OUT bypasses our mapping).
+    let h = t.dma_handle().ok_or("no handle")?;
+    let mut k = vec![0; 10_010];
+    c.dev
+        .copy_out(h, 0, &mut k)
+        .map_err(|err| format!("COPY_OUT: {err}"))?;
+    same("kernel view", &k[3..], &odd)?;
+    same("kernel view head", &k[..3], &data[..3])?;
+    // Caller mistakes are errors.
+    let mut one = [0u8; 2];
+    match t.read(300_000, &mut one) {
+        Err(Error::OutOfBounds { .. }) => {}
+        other => return Err(format!("read past the end: {other:?}")),
+    }
+    match t.write(usize::MAX, &one) {
+        Err(Error::Overflow { .. }) => Ok(()),
+        other => Err(format!("overflowing write: {other:?}")),
+    }
+}
+
+fn va_through_mapping(c: &Ctx) -> R {
+    let t = c.alloc(8192, "va")?;
+    let s = e("slice", t.slice(4000, 100, None))?;
+    let data = pattern(100, 0x33);
+    e("write", s.write(0, &data))?;
+    let va = s.va().ok_or("no va")?;
+    expect_eq(
+        "slice va",
+        va.as_ptr() as usize,
+        t.va().ok_or("no va")?.as_ptr() as usize + 4000,
+    )?;
+    // SAFETY: the mapping is live while `t` is, and nothing else touches
+    // these bytes now.
+    let via_va = unsafe { std::slice::from_raw_parts(va.as_ptr(), 100) };
+    same("bytes seen through the va", via_va, &data)?;
+    // Direct writes through the mapping, after the fence, are what the
+    // device sees.
+    e("fence", s.wait_device_idle(Access::Write, SECOND_US))?;
+    // SAFETY: as above; the fence says no device access is in flight.
+    unsafe { std::ptr::write_bytes(va.as_ptr(), 0xA5, 100) };
+    let h = t.dma_handle().ok_or("no handle")?;
+    let mut k = [0u8; 100];
+    c.dev
+        .copy_out(h, 4000, &mut k)
+        .map_err(|err| format!("COPY_OUT: {err}"))?;
+    same("kernel view of va writes", &k, &[0xA5; 100])
+}
+
+fn pa_and_device_info(c: &Ctx) -> R {
+    let t = c.alloc(16384, "pa")?;
+    let h = t.dma_handle().ok_or("no handle")?;
+    let info = c
+        .dev
+        .buf_info(h)
+        .map_err(|err| format!("BUF_INFO: {err}"))?;
+    expect_eq("pa", e("pa", t.pa())?, info.dma_addr)?;
+    let s = e("slice", t.slice(1000, 2000, None))?;
+    let s2 = e("slice", s.slice(24, 100, None))?;
+    let d = e("device_allocation_info", s2.device_allocation_info())?;
+    expect_eq("slice pa", d.physical_address, info.dma_addr + 1024)?;
+    expect_eq("slice size", d.size, 100)?;
+    expect_eq("hbm index", d.hbm_index, info.channel)?;
+    let h = Tensor::allocate_host(16, None).map_err(|err| err.to_string())?;
+    match h.pa() {
+        Err(Error::Unsupported { .. }) => Ok(()),
+        other => Err(format!("pa of a host tensor: {other:?}")),
+    }
+}
+
+fn slices(c: &Ctx) -> R {
+    let parent = c.alloc(65536, "parent")?;
+    let data = pattern(65536, 7);
+    e("write", parent.write(0, &data))?;
+    let s1 = e("slice", parent.slice(1000, 30000, Some("s1")))?;
+    let s2 = e("slice", s1.slice(500, 1000, None))?;
+    expect_eq("composed offset", s2.offset(), 1500)?;
+    expect_eq("storage refs", parent.storage_ref_count(), 3)?;
+    same("slice bytes", &read_all(&s2)?, &data[1500..2500])?;
+    match s2.slice(900, 101, None) {
+        Err(Error::OutOfBounds { .. }) => {}
+        other => return Err(format!("slice past its parent view: {other:?}")),
+    }
+    e("write via slice", s2.write(10, &[0xEE; 20]))?;
+    let mut p = [0u8; 20];
+    e("read parent", parent.read(1510, &mut p))?;
+    same("write through a slice seen by the parent", &p, &[0xEE; 20])?;
+    drop(parent);
+    drop(s1);
+    let mut q = [0u8; 20];
+    e("read orphan slice", s2.read(10, &mut q))?;
+    same("slice outlives its parents", &q, &[0xEE; 20])
+}
+
+fn memset(c: &Ctx) -> R {
+    let t = c.alloc(10000, "memset")?;
+    e("write", t.write(0, &[1; 10000]))?;
+    e("memset", t.memset(123, 0x7F, 4567))?;
+    let v = read_all(&t)?;
+    let mut want = vec![1u8; 10000];
+    want[123..123 + 4567].fill(0x7F);
+    same("after memset", &v, &want)?;
+    match t.memset(9000, 0, 1001) {
+        Err(Error::OutOfBounds { .. }) => Ok(()),
+        other => Err(format!("memset past the end: {other:?}")),
+    }
+}
+
+fn copy_same_channel(c: &Ctx) -> R {
+    let a = c.alloc(50000, "copy_a")?;
+    let b = c.alloc(50000, "copy_b")?;
+    let data = pattern(50000, 9);
+    e("write", a.write(0, &data))?;
+    e("copy", Tensor::copy(&a, 17, &b, 33, 40000))?;
+    let v = read_all(&b)?;
+    same("copied range", &v[33..40033], &data[17..40017])?;
+    if v[..33].iter().chain(&v[40033..]).any(|&x| x != 0) {
+        return Err("bytes outside the copy changed".into());
+    }
+    // Overlapping ranges of one buffer: memmove semantics.
+    e("overlapping copy", Tensor::copy(&a, 0, &a, 100, 1000))?;
+    let mut w = vec![0; 1000];
+    e("read", a.read(100, &mut w))?;
+    same("overlapping copy", &w, &data[..1000])?;
+    match Tensor::copy(&a, 49990, &b, 0, 11) {
+        Err(Error::OutOfBounds { .. }) => Ok(()),
+        other => Err(format!("copy past the end: {other:?}")),
+    }
+}
+
+fn copy_host_round_trip(c: &Ctx) -> R {
+    let d = c.alloc(4096, "rt_dev")?;
+    let h = Tensor::allocate_host(4096, Some("rt_host")).map_err(|err| err.to_string())?;
+    let data = pattern(4096, 0x42);
+    e("host write", h.write(0, &data))?;
+    e("host -> device", Tensor::copy(&h, 0, &d, 0, 4096))?;
+    same("device after host->device", &read_all(&d)?, &data)?;
+    e("device memset", d.memset(0, 0x99, 100))?;
+    e("device -> host", Tensor::copy(&d, 0, &h, 1000, 100))?;
+    let v = read_all(&h)?;
+    same("host after device->host", &v[1000..1100], &[0x99; 100])?;
+    // Fake on either side is a no-op.
+    let f = Tensor::allocate_fake(4096, None);
+    e("fake -> device", Tensor::copy(&f, 0, &d, 0, 4096))?;
+    expect_eq("device byte after fake copy", read_all(&d)?[0], 0x99)
+}
+
+fn cross_channel(c: &Ctx, t: &mut Tap) {
+    const NAME: &str = "copy across HBM channels is refused";
+    if c.dev.num_channels() < 2 {
+        t.skip(NAME, "the device has one HBM channel");
+        return;
+    }
+    let r: R = (|| {
+        let a = c.alloc(4096, "ch0")?;
+        let b = e(
+            "alloc ch1",
+            Tensor::allocate_on(&c.dev, 1, 4096, Some("ch1")),
+        )?;
+        expect_eq("channel", b.channel(), Some(1))?;
+        match Tensor::copy(&a, 0, &b, 0, 64) {
+            Err(Error::CrossChannel { src: 0, dst: 1 }) => {}
+            other => return Err(format!("Tensor::copy: {other:?}")),
+        }
+        match Job::new().copy(&a, 0, &b, 0, 64) {
+            Err(Error::CrossChannel { .. }) => {}
+            other => return Err(format!("Job::copy: {:?}", other.map(|_| ()))),
+        }
+        // And the kernel itself says EXDEV.
+        let desc = tdrv::sys::tdrv_copy_desc {
+            src_handle: a.dma_handle().ok_or("no handle")?,
+            src_offset: 0,
+            dst_handle: b.dma_handle().ok_or("no handle")?,
+            dst_offset: 0,
+            size: 64,
+        };
+        match c.dev.copy(&desc) {
+            Err(SysError::CrossChannel { .. }) => Ok(()),
+            other => Err(format!("COPY ioctl: {other:?}")),
+        }
+    })();
+    t.check(NAME, r);
+}
+
+fn job_and_completion(c: &Ctx) -> R {
+    let src = c.alloc(1 << 20, "job_src")?;
+    let dst = c.alloc(1 << 20, "job_dst")?;
+    let early = e("slice before the job", dst.slice(0, 4096, None))?;
+    let data = pattern(1 << 20, 0x21);
+    e("write", src.write(0, &data))?;
+    match dst.check_output_completion(0, 1) {
+        Err(err) if err.is_timeout() => {}
+        other => return Err(format!("poll before any job: {other:?}")),
+    }
+    let mut job = Job::new();
+    e("job copy", job.copy(&src, 0, &dst, 0, 1 << 19))?;
+    e("job copy", job.copy(&src, 1 << 19, &dst, 1 << 19, 1 << 19))?;
+    expect_eq("job length", job.len(), 2)?;
+    let h = e("submit", job.submit())?;
+    e(
+        "check_output_completion",
+        dst.check_output_completion(JOB_WAIT_US, 1),
+    )?;
+    e("job wait", h.wait(JOB_WAIT_US))?;
+    expect_eq("count", e("count", dst.output_completion_count())?, 1)?;
+    expect_eq(
+        "count of a slice made before the job",
+        e("count", early.output_completion_count())?,
+        1,
+    )?;
+    let late = e("slice after the job", dst.slice(0, 4096, None))?;
+    expect_eq(
+        "count of a slice made after the job",
+        e("count", late.output_completion_count())?,
+        0,
+    )?;
+    match late.check_output_completion(0, 1) {
+        Err(err) if err.is_timeout() => {}
+        other => return Err(format!("a new slice starts at 0: {other:?}")),
+    }
+    same("job output", &read_all(&dst)?, &data)?;
+
+    // Reset is per view; the next job counts from 0 again.
+    e("reset", dst.reset_output_completion())?;
+    expect_eq(
+        "count after reset",
+        e("count", dst.output_completion_count())?,
+        0,
+    )?;
+    expect_eq(
+        "other view keeps its count",
+        e("count", early.output_completion_count())?,
+        1,
+    )?;
+    let mut job = Job::new();
+    e("job copy", job.copy(&src, 0, &late, 0, 4096))?;
+    let h = e("submit", job.submit())?;
+    e("wait forever", dst.check_output_completion(-1, 1))?;
+    e("job wait", h.wait(-1))?;
+    expect_eq(
+        "late slice count",
+        e("count", late.output_completion_count())?,
+        1,
+    )?;
+    expect_eq(
+        "early slice count",
+        e("count", early.output_completion_count())?,
+        2,
+    )?;
+    let p = e("pending", dst.pending_async())?;
+    expect_eq(
+        "nothing pending after the jobs",
+        (p.reads, p.writes),
+        (0, 0),
+    )
+}
+
+fn read_fenced_behind_job(c: &Ctx) -> R {
+    // A host read right after submitting must wait for the job's writes.
+    let size = 4 << 20;
+    let src = c.alloc(size, "big_src")?;
+    let dst = c.alloc(size, "big_dst")?;
+    let data = pattern(size, 0x6b);
+    e("write", src.write(0, &data))?;
+    let mut job = Job::new();
+    e("job copy", job.copy(&src, 0, &dst, 0, size))?;
+    let h = e("submit", job.submit())?;
+    let mut tail = vec![0u8; 4096];
+    e("read", dst.read(size - 4096, &mut tail))?;
+    same("tail read right after submit", &tail, &data[size - 4096..])?;
+    // And a host write to the source right after submitting waits for the
+    // job's reads.
+    let mut job = Job::new();
+    e("job copy", job.copy(&src, 0, &dst, 0, size))?;
+    let h2 = e("submit", job.submit())?;
+    e("overwrite source", src.write(0, &vec![0u8; size]))?;
+    e("job wait", h.wait(JOB_WAIT_US))?;
+    e("job wait", h2.wait(JOB_WAIT_US))?;
+    same("second job copied the old source", &read_all(&dst)?, &data)
+}
+
+fn batches(c: &Ctx) -> R {
+    let t = c.alloc(100_000, "batch")?;
+    let a = pattern(1000, 1);
+    let b = pattern(3000, 2);
+    e(
+        "write_batch",
+        t.write_batch(
+            &[
+                WriteOp { offset: 0, buf: &a },
+                WriteOp {
+                    offset: 97_000,
+                    buf: &b,
+                },
+            ],
+            Fencing::Wait,
+        ),
+    )?;
+    let (mut ra, mut rb) = (vec![0; 1000], vec![0; 3000]);
+    e(
+        "read_batch",
+        t.read_batch(
+            &mut [
+                ReadOp {
+                    offset: 0,
+                    buf: &mut ra,
+                },
+                ReadOp {
+                    offset: 97_000,
+                    buf: &mut rb,
+                },
+            ],
+            Fencing::Skip,
+        ),
+    )?;
+    same("batch a", &ra, &a)?;
+    same("batch b", &rb, &b)?;
+    match t.write_batch(
+        &[
+            WriteOp {
+                offset: 2000,
+                buf: &a,
+            },
+            WriteOp {
+                offset: 99_999,
+                buf: &b,
+            },
+        ],
+        Fencing::Wait,
+    ) {
+        Err(Error::OutOfBounds { .. }) => {}
+        other => return Err(format!("bad batch: {other:?}")),
+    }
+    let mut z = vec![1u8; 1000];
+    e("read", t.read(2000, &mut z))?;
+    same("a failed batch wrote nothing", &z, &[0; 1000])
+}
+
+fn threads_on_disjoint_slices(c: &Ctx) -> R {
+    const THREADS: usize = 8;
+    const CHUNK: usize = 64 * 1024;
+    let whole = c.alloc(THREADS * CHUNK, "threads")?;
+    let results: Vec<R> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..THREADS)
+            .map(|i| {
+                let slice = whole.slice(i * CHUNK, CHUNK, None);
+                s.spawn(move || -> R {
+                    let slice = e("slice", slice)?;
+                    for round in 0..20u8 {
+                        let data = pattern(CHUNK, i as u8 ^ round);
+                        e("write", slice.write(0, &data))?;
+                        same("thread read back", &read_all(&slice)?, &data)?;
+                        e("memset", slice.memset(0, i as u8, CHUNK))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+            .collect()
+    });
+    for r in results {
+        r?;
+    }
+    let all = read_all(&whole)?;
+    for i in 0..THREADS {
+        if all[i * CHUNK..(i + 1) * CHUNK]
+            .iter()
+            .any(|&b| b != i as u8)
+        {
+            return Err(format!("chunk {i} has foreign bytes"));
+        }
+    }
+    Ok(())
+}
+
+fn input_dump(c: &Ctx) -> R {
+    let dir = std::env::temp_dir().join(format!("tdrv-dump-{}", std::process::id()));
+    tdrv::dump::set_input_dump_directory(Some(dir.clone()));
+    let r = (|| {
+        let src = c.alloc(5000, "dump me")?;
+        let dst = c.alloc(5000, "dump_out")?;
+        let data = pattern(5000, 0x71);
+        e("write", src.write(0, &data))?;
+        let mut job = Job::new();
+        e("job copy", job.copy(&src, 0, &dst, 0, 5000))?;
+        e("job wait", e("submit", job.submit())?.wait(JOB_WAIT_US))?;
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .map_err(|err| format!("{}: {err}", dir.display()))?
+            .filter_map(|f| f.ok())
+            .map(|f| f.path())
+            .collect();
+        expect_eq("dumped files", files.len(), 1)?;
+        let name = files[0].file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !name.ends_with("_input0_dump_me.bin") {
+            return Err(format!("dump file name {name:?}"));
+        }
+        let bytes = std::fs::read(&files[0]).map_err(|err| err.to_string())?;
+        same("dumped bytes", &bytes, &data)
+    })();
+    tdrv::dump::set_input_dump_directory(None);
+    let _ = std::fs::remove_dir_all(&dir);
+    r
+}
+
+fn device_fences_and_misuse(c: &Ctx) -> R {
+    let t = c.alloc(4096, "fences")?;
+    e("wait_device_idle read", t.wait_device_idle(Access::Read, 0))?;
+    e(
+        "wait_device_idle write",
+        t.wait_device_idle(Access::Write, SECOND_US),
+    )?;
+    let h = t.dma_handle().ok_or("no handle")?;
+    c.dev
+        .fence_wait(h, FenceKind::All, 0)
+        .map_err(|err| format!("FENCE_WAIT: {err}"))?;
+    match t.mark_async_start(Access::Write) {
+        Err(Error::Unsupported { .. }) => {}
+        other => return Err(format!("async marks on Dma: {other:?}")),
+    }
+    match t.record_output_completion() {
+        Err(Error::Unsupported { .. }) => {}
+        other => return Err(format!("host completion on Dma: {other:?}")),
+    }
+    let host = Tensor::allocate_host(64, None).map_err(|err| err.to_string())?;
+    match Job::new().copy(&host, 0, &t, 0, 64) {
+        Err(Error::Unsupported { .. }) => {}
+        other => return Err(format!("job with a host tensor: {:?}", other.map(|_| ()))),
+    }
+    match Job::new().copy(&t, 0, &t, 0, 0) {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("zero-sized job copy: {:?}", other.map(|_| ()))),
+    }
+    match Tensor::allocate_on(&c.dev, c.dev.num_channels(), 64, None) {
+        Err(Error::InvalidArgument(_)) => {}
+        other => return Err(format!("allocation on a missing channel: {other:?}")),
+    }
+    match Tensor::allocate_on(&c.dev, 0, 0, None) {
+        Err(Error::Sys(SysError::InvalidArgument { .. })) => Ok(()),
+        other => Err(format!("zero-sized device allocation: {other:?}")),
+    }
+}
+
+fn main() {
+    let path = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "/dev/tdrv0".to_owned());
+    // Before anything opens the process-wide device (single-threaded here).
+    std::env::set_var(tdrv::DEVICE_ENV, &path);
+    tdrv::set_heartbeat_interval(Duration::from_secs(30));
+
+    let tests: &[Test] = &[
+        ("allocate with DEVICE placement", allocate_device_placement),
+        ("dropping the last view frees the buffer", drop_frees),
+        ("write and read back byte-exact", write_read_exact),
+        ("va addresses the mapping", va_through_mapping),
+        ("pa and device allocation info", pa_and_device_info),
+        (
+            "slices share storage, compose offsets, outlive parents",
+            slices,
+        ),
+        ("memset", memset),
+        ("device copy on one channel", copy_same_channel),
+        (
+            "host round trip copies and fake no-ops",
+            copy_host_round_trip,
+        ),
+        (
+            "submitted job reaches an output completion",
+            job_and_completion,
+        ),
+        (
+            "host access is fenced behind in-flight jobs",
+            read_fenced_behind_job,
+        ),
+        ("read_batch and write_batch", batches),
+        (
+            "threads on disjoint slices of one buffer",
+            threads_on_disjoint_slices,
+        ),
+        ("job inputs are dumped", input_dump),
+        ("kernel fences and misuse errors", device_fences_and_misuse),
+    ];
+    // +1 open, +1 cross channel, +1 final accounting.
+    let mut t = Tap::new(tests.len() + 3);
+    let dev = match Device::open(&path) {
+        Ok(d) => d,
+        Err(err) => {
+            t.check("open the device", Err::<(), _>(err));
+            t.finish();
+        }
+    };
+    t.check("open the device", true);
+    t.note(format!(
+        "{}: {} device, ABI {}.{}, {} channels, features {:#x}",
+        path,
+        dev.kind(),
+        dev.info().abi_major,
+        dev.info().abi_minor,
+        dev.num_channels(),
+        dev.info().features
+    ));
+    let c = Ctx { path, dev };
+    let baseline: Vec<_> = (0..c.dev.num_channels())
+        .map(|ch| usage(&c.dev, ch))
+        .collect();
+
+    for (name, f) in tests {
+        let r =
+            catch_unwind(AssertUnwindSafe(|| f(&c))).unwrap_or_else(|_| Err("panicked".to_owned()));
+        t.check(name, r);
+    }
+    cross_channel(&c, &mut t);
+
+    let now: Vec<_> = (0..c.dev.num_channels())
+        .map(|ch| usage(&c.dev, ch))
+        .collect();
+    t.check(
+        "every buffer was freed",
+        expect_eq("channel usage (bytes, buffers)", now, baseline),
+    );
+    t.finish();
+}
