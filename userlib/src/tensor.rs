@@ -221,7 +221,8 @@ impl Tensor {
     }
 
     /// A sub-view of `size` bytes at `offset` of this view, sharing its
-    /// storage: one allocation and one atomic increment, no copy. Offsets
+    /// storage: one allocation (two with a name other than the default) and
+    /// one atomic increment, no copy, no syscall. Offsets
     /// compose (a slice of a slice addresses the storage directly) and the
     /// range is checked against this view, not the storage. The slice's
     /// output-completion count starts at 0. This view may be dropped before

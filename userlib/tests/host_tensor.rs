@@ -34,6 +34,16 @@ fn allocate_host_and_virtual() {
 }
 
 #[test]
+fn impossible_host_allocations_fail_cleanly() {
+    for size in [usize::MAX, usize::MAX / 2, 1 << 60] {
+        assert!(
+            matches!(Tensor::allocate_host(size, None), Err(Error::OutOfMemory(s)) if s == size),
+            "{size}"
+        );
+    }
+}
+
+#[test]
 fn write_read_round_trip() {
     let t = Tensor::allocate_host(1000, Some("t")).unwrap();
     let data = pattern(300, 3);

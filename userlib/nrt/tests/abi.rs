@@ -60,6 +60,23 @@ fn device_placement_without_a_device_fails_cleanly() {
 }
 
 #[test]
+fn impossible_allocation_is_nrt_resource() {
+    let mut t = null_mut();
+    // SAFETY: valid out pointer, NULL name.
+    let s = unsafe {
+        nrt_tensor_allocate(
+            NRT_TENSOR_PLACEMENT_HOST,
+            0,
+            usize::MAX / 2,
+            std::ptr::null(),
+            &mut t,
+        )
+    };
+    assert_eq!(s, NRT_RESOURCE);
+    assert!(t.is_null());
+}
+
+#[test]
 fn a_set_keeps_its_tensors_alive() {
     let mut t = alloc(32, "kept");
     let mut set = null_mut();
