@@ -33,7 +33,10 @@ use kernel::{
 use crate::{
     channel::Channels,
     engine::Engine,
-    file::TdrvFile, //
+    file::{
+        FileState,
+        TdrvFile, //
+    },
 };
 
 /// Most tdrv devices at once (software and hardware together).
@@ -91,8 +94,6 @@ pub(crate) struct DeviceStats {
     pub(crate) jobs_failed: Atomic<u64>,
     pub(crate) waits: Atomic<u64>,
     pub(crate) wait_timeouts: Atomic<u64>,
-    pub(crate) irqs: Atomic<u64>,
-    pub(crate) spurious_irqs: Atomic<u64>,
     pub(crate) open_files: Atomic<u64>,
 }
 
@@ -104,8 +105,6 @@ impl DeviceStats {
             jobs_failed: Atomic::new(0),
             waits: Atomic::new(0),
             wait_timeouts: Atomic::new(0),
-            irqs: Atomic::new(0),
-            spurious_irqs: Atomic::new(0),
             open_files: Atomic::new(0),
         }
     }
@@ -130,6 +129,9 @@ pub(crate) struct TdrvDevice {
     /// Cleared (under the lock) before the bus device is unbound.
     #[pin]
     bound: Mutex<bool>,
+    /// State of every open file, so that unbind can reach their waiters.
+    #[pin]
+    files: Mutex<KVec<Arc<FileState>>>,
     pub(crate) stats: DeviceStats,
 }
 
@@ -150,6 +152,7 @@ impl TdrvDevice {
                 channels <- Channels::new(channels, channel_limit)?,
                 engine,
                 bound <- new_mutex!(true, "TdrvDevice::bound"),
+                files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 stats: DeviceStats::new(),
             }),
             GFP_KERNEL,
@@ -190,6 +193,30 @@ impl TdrvDevice {
     /// later calls of [`TdrvDevice::with_bound`] fail with ENODEV.
     pub(crate) fn mark_unbound(&self) {
         *self.bound.lock() = false;
+    }
+
+    /// Records an open file.
+    pub(crate) fn add_file(&self, file: Arc<FileState>) -> Result {
+        self.files.lock().push(file, GFP_KERNEL)?;
+        self.stats.open_files.add(1, Relaxed);
+        Ok(())
+    }
+
+    /// Forgets a released file.
+    pub(crate) fn remove_file(&self, file: &Arc<FileState>) {
+        let mut files = self.files.lock();
+        if let Some(i) = files.iter().position(|f| Arc::ptr_eq(f, file)) {
+            files.remove(i).ok();
+            self.stats.open_files.fetch_sub(1, Relaxed);
+        }
+    }
+
+    /// After unbind: wakes every fence waiter of every open file with
+    /// ENODEV (jobs have already failed, which wakes job waiters).
+    pub(crate) fn kill_waiters(&self) {
+        for file in self.files.lock().iter() {
+            file.kill_fences();
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use kernel::{
     new_mutex,
     prelude::*,
     sync::{
+        atomic::Relaxed,
         Arc,
         Mutex, //
     },
@@ -25,11 +26,15 @@ use kernel::{
     },
 };
 
-use crate::job::Job;
+use crate::{
+    edu::EduEngine,
+    job::Job, //
+};
 
 /// The engine of one device.
 pub(crate) enum Engine {
     Soft(Arc<SoftEngine>),
+    Edu(Arc<EduEngine>),
 }
 
 impl Engine {
@@ -37,13 +42,24 @@ impl Engine {
     pub(crate) fn submit(&self, job: Arc<Job>) -> Result {
         match self {
             Engine::Soft(e) => e.submit(job),
+            Engine::Edu(e) => e.submit(job),
         }
     }
 
-    /// Refuses new jobs and returns once every queued job has completed.
-    pub(crate) fn shutdown(&self) {
+    /// Interrupts taken and spurious interrupts (zero for the software
+    /// engine, which has none).
+    pub(crate) fn irq_counts(&self) -> (u64, u64) {
         match self {
-            Engine::Soft(e) => e.shutdown(),
+            Engine::Soft(_) => (0, 0),
+            Engine::Edu(e) => (e.irqs.load(Relaxed), e.spurious_irqs.load(Relaxed)),
+        }
+    }
+
+    /// Jobs failed by the engine's watchdog.
+    pub(crate) fn watchdog_timeouts(&self) -> u64 {
+        match self {
+            Engine::Soft(_) => 0,
+            Engine::Edu(e) => e.watchdog_timeouts.load(Relaxed),
         }
     }
 }
@@ -118,7 +134,8 @@ impl SoftEngine {
         Ok(())
     }
 
-    fn shutdown(&self) {
+    /// Refuses new jobs and returns once every queued job has completed.
+    pub(crate) fn shutdown(&self) {
         self.queue.lock().stopped = true;
         // SAFETY: `self.work` is an initialised, pinned `Work` that lives as
         // long as `self`. After `stopped` is set nothing queues it again, so

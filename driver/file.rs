@@ -49,13 +49,26 @@ use crate::{
 /// Largest descriptor stride `TDRV_IOC_SUBMIT` accepts (room for growth).
 const MAX_DESC_SIZE: usize = 256;
 
-/// Per-open-file state.
-#[pin_data(PinnedDrop)]
-pub(crate) struct TdrvFile {
-    device: Arc<TdrvDevice>,
+/// What an open file owns: its buffer handles and its jobs. The device
+/// keeps a reference too, so that unbind can wake the file's waiters.
+#[pin_data]
+pub(crate) struct FileState {
     #[pin]
     handles: Mutex<HandleTable<Arc<Buffer>>>,
     jobs: Arc<JobTracker>,
+}
+
+impl FileState {
+    /// Marks every buffer's fence dead, waking its waiters with ENODEV.
+    pub(crate) fn kill_fences(&self) {
+        self.handles.lock().for_each(|buf| buf.fence.kill());
+    }
+}
+
+/// Per-open-file private data.
+pub(crate) struct TdrvFile {
+    device: Arc<TdrvDevice>,
+    state: Arc<FileState>,
 }
 
 #[vtable]
@@ -67,16 +80,34 @@ impl MiscDevice for TdrvFile {
         if !device.is_bound() {
             return Err(ENODEV);
         }
-        let file = KBox::try_pin_init(
-            try_pin_init!(TdrvFile {
-                device,
-                handles <- new_mutex!(HandleTable::new(), "TdrvFile::handles"),
+        let state = Arc::pin_init(
+            try_pin_init!(FileState {
+                handles <- new_mutex!(HandleTable::new(), "FileState::handles"),
                 jobs: JobTracker::new()?,
             }),
             GFP_KERNEL,
         )?;
-        file.device.stats.open_files.add(1, Relaxed);
-        Ok(file)
+        device.add_file(state.clone())?;
+        let file = KBox::pin(
+            TdrvFile {
+                device: device.clone(),
+                state: state.clone(),
+            },
+            GFP_KERNEL,
+        );
+        if file.is_err() {
+            device.remove_file(&state);
+        }
+        Ok(file?)
+    }
+
+    fn release(me: Pin<KBox<TdrvFile>>, _file: &File) {
+        me.device.remove_file(&me.state);
+        // Dropping the table releases the file's buffer references (outside
+        // the lock: that may free DMA memory). Buffers still used by
+        // in-flight jobs or mappings live on until those end.
+        let table = core::mem::replace(&mut *me.state.handles.lock(), HandleTable::new());
+        drop(table);
     }
 
     fn ioctl(me: Pin<&TdrvFile>, _file: &File, cmd: u32, arg: usize) -> Result<isize> {
@@ -133,20 +164,10 @@ impl MiscDevice for TdrvFile {
     }
 }
 
-#[pinned_drop]
-impl PinnedDrop for TdrvFile {
-    fn drop(self: Pin<&mut Self>) {
-        // Dropping the table releases the file's buffer references; buffers
-        // still used by in-flight jobs or mappings live on until those end.
-        self.handles.lock().clear();
-        self.device.stats.open_files.fetch_sub(1, Relaxed);
-    }
-}
-
 impl TdrvFile {
     /// Looks up a buffer of this file: ENOENT for anything else.
     fn buffer(&self, handle: u64) -> Result<Arc<Buffer>> {
-        self.handles.lock().get(handle).cloned().ok_or(ENOENT)
+        self.state.handles.lock().get(handle).cloned().ok_or(ENOENT)
     }
 
     fn version(&self, arg: &ArgBuf) -> Result {
@@ -202,7 +223,7 @@ impl TdrvFile {
             .device
             .with_bound(|dev| Buffer::new(&self.device, dev, a.size as usize, a.channel))?;
         let dma_addr = buf.dma_addr();
-        let handle = self.handles.lock().insert(buf)?;
+        let handle = self.state.handles.lock().insert(buf)?;
         let out = Alloc {
             handle,
             dma_addr,
@@ -211,7 +232,7 @@ impl TdrvFile {
         };
         if let Err(e) = arg.write(&out) {
             // The caller cannot learn the handle: do not leak the buffer.
-            self.handles.lock().remove(handle);
+            self.state.handles.lock().remove(handle);
             return Err(e);
         }
         Ok(())
@@ -222,7 +243,7 @@ impl TdrvFile {
         if a.reserved != 0 {
             return Err(EINVAL);
         }
-        let buf = self.handles.lock().remove(a.handle).ok_or(ENOENT)?;
+        let buf = self.state.handles.lock().remove(a.handle).ok_or(ENOENT)?;
         // Dropped outside the table lock: this may free DMA memory.
         drop(buf);
         Ok(())
@@ -351,7 +372,7 @@ impl TdrvFile {
             }
             transfers.push(self.transfer(&d)?, GFP_KERNEL)?;
         }
-        let job_id = self.jobs.submit(&self.device, transfers)?;
+        let job_id = self.state.jobs.submit(&self.device, transfers)?;
         arg.write(&Submit { job_id, ..a })
     }
 
@@ -360,7 +381,7 @@ impl TdrvFile {
         if a.state != 0 || a.status != 0 || any_nonzero(&a.reserved) {
             return Err(EINVAL);
         }
-        let (state, status) = match self.jobs.wait(a.job_id, Timeout::from_us(a.timeout_us))? {
+        let (state, status) = match self.state.jobs.wait(a.job_id, Timeout::from_us(a.timeout_us))? {
             JobStatus::Pending => (JOB_PENDING, 0),
             JobStatus::Done(errno) => (JOB_DONE, errno),
         };

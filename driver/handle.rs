@@ -117,11 +117,9 @@ impl<T> HandleTable<T> {
         Some(item)
     }
 
-    /// Removes every item, e.g. when the file is released.
-    pub(crate) fn clear(&mut self) {
-        self.slots.clear();
-        self.free.clear();
-        self.live = 0;
+    /// Calls `f` on every live item.
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&T)) {
+        self.slots.iter().filter_map(|s| s.item.as_ref()).for_each(|item| f(item));
     }
 }
 

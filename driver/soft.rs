@@ -49,11 +49,7 @@ pub(crate) struct SoftDevice {
 }
 
 impl SoftDevice {
-    pub(crate) fn new(
-        channels: u32,
-        channel_limit: u64,
-        debugfs_root: &kernel::debugfs::Dir,
-    ) -> impl PinInit<Self, Error> + '_ {
+    pub(crate) fn new(channels: u32, channel_limit: u64) -> impl PinInit<Self, Error> {
         pin_init::pin_init_scope(move || {
             let index = DeviceIndex::take()?;
             let name = CString::try_from_fmt(fmt!("tdrv-soft{}", index.get()))?;
@@ -67,7 +63,7 @@ impl SoftDevice {
                 channel_limit,
                 Engine::Soft(SoftEngine::new()?),
             )?;
-            let debugfs = DeviceDebugfs::new(debugfs_root, &device)?;
+            let debugfs = DeviceDebugfs::new(&device)?;
             Ok(try_pin_init!(SoftDevice {
                 node <- DeviceNode::new(device),
                 _debugfs: debugfs,
@@ -83,7 +79,9 @@ impl PinnedDrop for SoftDevice {
         // No file is open (the module is going away), but jobs submitted
         // by files that have since closed may still be queued: let them
         // finish before the faux device and its DMA memory go away.
-        self.node.device.engine().shutdown();
+        if let Engine::Soft(engine) = self.node.device.engine() {
+            engine.shutdown();
+        }
         self.node.device.mark_unbound();
     }
 }

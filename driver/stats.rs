@@ -21,6 +21,28 @@ use crate::{
     uapi::DEVICE_EDU, //
 };
 
+kernel::sync::global_lock! {
+    // SAFETY: `init_root` initialises the lock in module init, before any
+    // device (and so any user of the lock) exists.
+    unsafe(uninit) static ROOT: Mutex<Option<Dir>> = None;
+}
+
+/// Creates `/sys/kernel/debug/tdrv`. Call once, from module init.
+pub(crate) fn init_root() {
+    // SAFETY: Called exactly once, from module init, before any other use.
+    unsafe { ROOT.init() };
+    *ROOT.lock() = Some(Dir::new(c"tdrv"));
+}
+
+/// Removes `/sys/kernel/debug/tdrv` (after every device has gone).
+pub(crate) struct RootGuard;
+
+impl Drop for RootGuard {
+    fn drop(&mut self) {
+        ROOT.lock().take();
+    }
+}
+
 /// The debugfs directory and files of one device; removed on drop.
 pub(crate) struct DeviceDebugfs {
     _stats: Pin<KBox<File<Arc<TdrvDevice>>>>,
@@ -28,8 +50,11 @@ pub(crate) struct DeviceDebugfs {
 }
 
 impl DeviceDebugfs {
-    pub(crate) fn new(root: &Dir, device: &Arc<TdrvDevice>) -> Result<Self> {
-        let dir = root.subdir(device.name());
+    pub(crate) fn new(device: &Arc<TdrvDevice>) -> Result<Self> {
+        let dir = match ROOT.lock().as_ref() {
+            Some(root) => root.subdir(device.name()),
+            None => return Err(ENOENT),
+        };
         let stats = KBox::pin_init(
             dir.read_callback_file(c"stats", device.clone(), &write_stats),
             GFP_KERNEL,
@@ -61,6 +86,8 @@ fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     writeln!(f, "jobs_failed: {}", s.jobs_failed.load(Relaxed))?;
     writeln!(f, "waits: {}", s.waits.load(Relaxed))?;
     writeln!(f, "wait_timeouts: {}", s.wait_timeouts.load(Relaxed))?;
-    writeln!(f, "irqs: {}", s.irqs.load(Relaxed))?;
-    writeln!(f, "spurious_irqs: {}", s.spurious_irqs.load(Relaxed))
+    let (irqs, spurious) = d.engine().irq_counts();
+    writeln!(f, "irqs: {irqs}")?;
+    writeln!(f, "spurious_irqs: {spurious}")?;
+    writeln!(f, "watchdog_timeouts: {}", d.engine().watchdog_timeouts())
 }

@@ -13,20 +13,25 @@
 //!   (`channel.rs`) and mapped by `mmap.rs`;
 //! - `job.rs`: a submitted job, its fence marks and the completion path;
 //! - `engine.rs`: the engine that runs jobs (software: CPU copies in a
-//!   work item);
+//!   work item; edu: DMA chunks advanced by interrupts, see `edu.rs`);
 //! - `fence.rs`: per-buffer pending-read/write counters and completion
 //!   counts, whose wait queues the waiters sleep on;
-//! - `device.rs`, `soft.rs`: the device state and the software device;
-//!   `stats.rs`: statistics in debugfs.
+//! - `device.rs`, `soft.rs`, `edu.rs` (+ `edu_regs.rs`): the device state,
+//!   the software device, and the QEMU edu PCI device whose DMA engine and
+//!   MSI interrupt run jobs in hardware; `stats.rs`: statistics in debugfs.
 
 use kernel::{
-    debugfs,
-    prelude::*, //
+    driver,
+    pci,
+    prelude::*,
+    InPlaceModule, //
 };
 
 mod buffer;
 mod channel;
 mod device;
+mod edu;
+mod edu_regs;
 mod engine;
 mod fence;
 mod file;
@@ -45,7 +50,7 @@ module! {
     type: TdrvModule,
     name: "tdrv",
     authors: ["tdrv developers"],
-    description: "tdrv accelerator driver: DMA buffers, copy engine, fences",
+    description: "tdrv accelerator driver: DMA buffers, copy engines, fences",
     license: "GPL",
     params: {
         soft_devices: u32 {
@@ -60,51 +65,89 @@ module! {
             default: 64,
             description: "Byte limit of each channel, in MiB (1-4096)",
         },
+        edu_dma_bits: u32 {
+            default: 28,
+            description: "DMA mask width of edu devices (28 = QEMU's default; match -device edu,dma_mask=)",
+        },
+        edu_timeout_ms: u32 {
+            default: 5000,
+            description: "Watchdog: time one edu DMA chunk may take before its job fails (10-600000)",
+        },
     },
 }
 
 /// Most software devices, leaving device numbers for hardware.
 const MAX_SOFT_DEVICES: u32 = 4;
 
-struct TdrvModule {
-    soft: KVec<Pin<KBox<SoftDevice>>>,
-    // Dropped after the devices, whose entries live inside it.
-    _debugfs: debugfs::Dir,
+/// The module parameters, checked.
+pub(crate) struct Params {
+    pub(crate) soft_devices: u32,
+    pub(crate) channels: u32,
+    pub(crate) channel_limit: u64,
+    pub(crate) edu_dma_bits: u32,
+    pub(crate) edu_timeout_ms: u32,
 }
 
 /// Reads and range-checks the module parameters.
-fn params() -> Result<(u32, u32, u64)> {
-    let soft = *module_parameters::soft_devices.value();
-    let chans = *module_parameters::channels.value();
-    let mib = *module_parameters::channel_mib.value();
-    if soft > MAX_SOFT_DEVICES || !(1..=16).contains(&chans) || !(1..=4096).contains(&mib) {
-        pr_err!("invalid parameters: soft_devices={soft} channels={chans} channel_mib={mib}\n");
+pub(crate) fn params() -> Result<Params> {
+    let p = Params {
+        soft_devices: *module_parameters::soft_devices.value(),
+        channels: *module_parameters::channels.value(),
+        channel_limit: u64::from(*module_parameters::channel_mib.value()) << 20,
+        edu_dma_bits: *module_parameters::edu_dma_bits.value(),
+        edu_timeout_ms: *module_parameters::edu_timeout_ms.value(),
+    };
+    if p.soft_devices > MAX_SOFT_DEVICES
+        || !(1..=16).contains(&p.channels)
+        || !((1 << 20)..=(4096 << 20)).contains(&p.channel_limit)
+        || !(24..=64).contains(&p.edu_dma_bits)
+        || !(10..=600_000).contains(&p.edu_timeout_ms)
+    {
+        pr_err!("invalid module parameters\n");
         return Err(EINVAL);
     }
-    Ok((soft, chans, u64::from(mib) << 20))
+    Ok(p)
 }
 
-impl kernel::Module for TdrvModule {
-    fn init(_module: &'static ThisModule) -> Result<Self> {
+#[pin_data(PinnedDrop)]
+struct TdrvModule {
+    // Dropped first: unbinds (and so stops) every edu device.
+    #[pin]
+    _pci: driver::Registration<pci::Adapter<edu::EduDriver>>,
+    soft: KVec<Pin<KBox<SoftDevice>>>,
+    // Dropped last: the devices' debugfs entries live inside it.
+    _debugfs: stats::RootGuard,
+}
+
+impl InPlaceModule for TdrvModule {
+    fn init(module: &'static ThisModule) -> impl PinInit<Self, Error> {
         const _: () = assert!(MAX_SOFT_DEVICES as usize <= MAX_DEVICES);
-        let (soft_count, chans, limit) = params()?;
-        let dir = debugfs::Dir::new(c"tdrv");
-        let mut soft = KVec::with_capacity(soft_count as usize, GFP_KERNEL)?;
-        for _ in 0..soft_count {
-            soft.push(KBox::pin_init(SoftDevice::new(chans, limit, &dir), GFP_KERNEL)?, GFP_KERNEL)?;
-        }
-        pr_info!("loaded: {soft_count} software device(s), {chans} channel(s) of {} MiB\n", limit >> 20);
-        Ok(TdrvModule {
-            soft,
-            _debugfs: dir,
+        pin_init::pin_init_scope(move || {
+            let p = params()?;
+            stats::init_root();
+            let root = stats::RootGuard;
+            let mut soft = KVec::with_capacity(p.soft_devices as usize, GFP_KERNEL)?;
+            for _ in 0..p.soft_devices {
+                soft.push(KBox::pin_init(SoftDevice::new(p.channels, p.channel_limit), GFP_KERNEL)?, GFP_KERNEL)?;
+            }
+            pr_info!(
+                "loaded: {} software device(s), {} channel(s) of {} MiB each\n",
+                p.soft_devices,
+                p.channels,
+                p.channel_limit >> 20
+            );
+            Ok(try_pin_init!(TdrvModule {
+                _pci <- driver::Registration::new(c"tdrv", module),
+                soft,
+                _debugfs: root,
+            }))
         })
     }
 }
 
-impl Drop for TdrvModule {
-    fn drop(&mut self) {
-        // Tear devices down in reverse order of creation.
-        while self.soft.pop().is_some() {}
-        pr_info!("unloaded\n");
+#[pinned_drop]
+impl PinnedDrop for TdrvModule {
+    fn drop(self: Pin<&mut Self>) {
+        pr_info!("unloading\n");
     }
 }
