@@ -4,7 +4,9 @@
 //!
 //! Buffers are reference counted (`Arc`). The owning file's handle table,
 //! every mapping (see `mmap.rs`) and every in-flight job hold a reference, so
-//! FREE only drops the handle: the memory goes back when the last user goes.
+//! FREE only drops the handle: the memory goes back when the last user goes,
+//! or earlier, when the device is unbound ([`Buffer::revoke`]): DMA memory
+//! must not outlive the device's binding.
 //!
 //! The CPU touches buffer memory only through raw copies (`copy_from_user`,
 //! `copy_to_user`, `memmove`, `memset`), never through Rust references,
@@ -17,12 +19,13 @@ use kernel::{
         Device, //
     },
     dma::Coherent,
+    new_mutex,
     prelude::*,
-    sync::Arc,
-    uaccess::{
-        UserPtr,
-        UserSliceWriter, //
+    sync::{
+        Arc,
+        Mutex, //
     },
+    uaccess::UserPtr,
 };
 
 use crate::{
@@ -31,12 +34,37 @@ use crate::{
     range::ByteRange, //
 };
 
+/// The CPU address of a buffer's memory.
+#[derive(Clone, Copy)]
+struct CpuAddr(*mut u8);
+
+// SAFETY: The address is only dereferenced through the raw copies of
+// `Buffer`, whose callers guarantee the memory is live (see `Buffer`'s
+// invariant); the pointer itself may be shared and sent freely.
+unsafe impl Send for CpuAddr {}
+// SAFETY: As above.
+unsafe impl Sync for CpuAddr {}
+
 /// One device buffer.
+///
+/// # Invariants
+///
+/// `cpu`, `dma_addr` and `size` describe the allocation in `mem` for as long
+/// as `mem` holds it. `mem` is emptied only by [`Buffer::revoke`], whose
+/// caller guarantees that no ioctl, mapping or job can reach the memory any
+/// more; so every accessor that runs from an ioctl (under the device's
+/// active-user guard) or from a job sees live memory.
 #[pin_data(PinnedDrop)]
 pub(crate) struct Buffer {
-    mem: Coherent<[u8]>,
+    #[pin]
+    mem: Mutex<Option<Coherent<[u8]>>>,
+    cpu: CpuAddr,
+    dma_addr: u64,
+    size: usize,
     channel: u32,
     device: Arc<TdrvDevice>,
+    /// This buffer's key in the device's buffer registry.
+    registry_key: u64,
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
@@ -60,22 +88,45 @@ impl Buffer {
                 return Err(e);
             }
         };
-        // If building the `Arc` fails, `mem` is dropped by the initializer
-        // but `PinnedDrop` never runs: give the reservation back by hand.
-        Arc::pin_init(
+        let cpu = CpuAddr(mem.as_mut_ptr().cast());
+        let dma_addr = mem.dma_handle();
+        let registry_key = match device.register_buffer() {
+            Ok(key) => key,
+            Err(e) => {
+                device.channels.release(channel, size as u64);
+                return Err(e);
+            }
+        };
+        let buf = Arc::pin_init(
             try_pin_init!(Self {
-                mem,
+                mem <- new_mutex!(Some(mem), "Buffer::mem"),
+                cpu,
+                dma_addr,
+                size,
                 channel,
                 device: device.clone(),
+                registry_key,
                 fence <- Fence::new(),
             }),
             GFP_KERNEL,
-        )
-        .inspect_err(|_| device.channels.release(channel, size as u64))
+        );
+        match buf {
+            Ok(buf) => {
+                device.publish_buffer(registry_key, &buf);
+                Ok(buf)
+            }
+            Err(e) => {
+                // `mem` was dropped by the initializer, but `PinnedDrop`
+                // never runs for an unbuilt value: undo the rest by hand.
+                device.unregister_buffer(registry_key);
+                device.channels.release(channel, size as u64);
+                Err(e)
+            }
+        }
     }
 
     pub(crate) fn size(&self) -> usize {
-        self.mem.size()
+        self.size
     }
 
     pub(crate) fn channel(&self) -> u32 {
@@ -83,23 +134,51 @@ impl Buffer {
     }
 
     pub(crate) fn dma_addr(&self) -> u64 {
-        self.mem.dma_handle()
-    }
-
-    pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
-        &self.device
+        self.dma_addr
     }
 
     /// The CPU address of `offset`. Callers have bounds-checked `offset`.
     fn cpu_ptr(&self, offset: usize) -> *mut u8 {
-        debug_assert!(offset <= self.size());
+        debug_assert!(offset <= self.size);
         // SAFETY: `offset <= size`, so the result is inside the allocation
         // or one past its end.
-        unsafe { self.mem.as_mut_ptr().cast::<u8>().add(offset) }
+        unsafe { self.cpu.0.add(offset) }
     }
 
-    pub(crate) fn coherent(&self) -> &Coherent<[u8]> {
-        &self.mem
+    /// Frees the DMA memory now, although references to the buffer remain.
+    ///
+    /// # Safety
+    ///
+    /// The device is unbound, its engine has stopped, no ioctl or mmap of
+    /// the device is running or can start, and no user mapping still has
+    /// the pages mapped: nothing can touch the memory afterwards.
+    pub(crate) unsafe fn revoke(&self) {
+        let mem = self.mem.lock().take();
+        drop(mem);
+    }
+
+    /// Maps the whole buffer into `vma` with `dma_mmap_attrs`.
+    ///
+    /// # Safety
+    ///
+    /// `vma` is a VMA under set-up (mmap write lock held) with `vm_pgoff`
+    /// 0, and the caller keeps the buffer alive while the VMA exists.
+    pub(crate) unsafe fn dma_mmap(&self, vma: *mut bindings::vm_area_struct) -> Result {
+        let mem = self.mem.lock();
+        let mem = mem.as_ref().ok_or(ENODEV)?;
+        // SAFETY: The device, CPU address, DMA handle and size describe one
+        // live coherent allocation of that device (held by the lock guard);
+        // the caller's guarantees cover `vma` and the lifetime.
+        kernel::error::to_result(unsafe {
+            bindings::dma_mmap_attrs(
+                crate::device::raw_device(self.device.bus_device()),
+                vma,
+                mem.as_mut_ptr().cast(),
+                mem.dma_handle(),
+                mem.size(),
+                0,
+            )
+        })
     }
 
     /// Copies `range.len` bytes from user memory at `src` into the buffer.
@@ -109,8 +188,9 @@ impl Buffer {
         while done < range.len {
             let n = (range.len - done).min(CHUNK);
             // SAFETY: `range` lies inside the allocation (checked by the
-            // caller with `checked_range`), so the destination is valid for
-            // `n` bytes; `copy_from_user` validates the user range itself.
+            // caller with `checked_range`), which is live (type invariant),
+            // so the destination is valid for `n` bytes; `copy_from_user`
+            // validates the user range itself.
             let left = unsafe {
                 bindings::copy_from_user(
                     self.cpu_ptr(range.start + done).cast(),
@@ -126,12 +206,22 @@ impl Buffer {
         Ok(())
     }
 
-    /// Copies `range` of the buffer to user memory.
-    pub(crate) fn copy_to_user(&self, range: ByteRange, dst: &mut UserSliceWriter) -> Result {
+    /// Copies `range` of the buffer to user memory at `dst`.
+    pub(crate) fn copy_to_user(&self, range: ByteRange, dst: UserPtr) -> Result {
         let mut done = 0;
         while done < range.len {
             let n = (range.len - done).min(CHUNK);
-            dst.write_dma(&self.mem, range.start + done, n)?;
+            // SAFETY: As in `copy_from_user`, with the directions swapped.
+            let left = unsafe {
+                bindings::copy_to_user(
+                    dst.wrapping_byte_add(done).as_mut_ptr(),
+                    self.cpu_ptr(range.start + done).cast(),
+                    n,
+                )
+            };
+            if left != 0 {
+                return Err(EFAULT);
+            }
             done += n;
         }
         Ok(())
@@ -139,15 +229,16 @@ impl Buffer {
 
     /// Fills `range` with `value`.
     pub(crate) fn fill(&self, range: ByteRange, value: u8) {
-        // SAFETY: `range` lies inside the allocation (checked by caller).
+        // SAFETY: `range` lies inside the live allocation (checked by the
+        // caller; type invariant).
         unsafe { core::ptr::write_bytes(self.cpu_ptr(range.start), value, range.len) };
     }
 
     /// Copies `src_range` of `src` to `dst_offset` of `self` with the CPU.
     /// Overlapping ranges of one buffer behave like `memmove`.
     pub(crate) fn copy_from(&self, dst_offset: usize, src: &Buffer, src_range: ByteRange) {
-        // SAFETY: both ranges were bounds-checked by the caller; `copy`
-        // permits overlap.
+        // SAFETY: Both ranges were bounds-checked by the caller and both
+        // allocations are live (type invariant); `copy` permits overlap.
         unsafe {
             core::ptr::copy(
                 src.cpu_ptr(src_range.start),
@@ -165,8 +256,7 @@ const CHUNK: usize = 1 << 20;
 #[pinned_drop]
 impl PinnedDrop for Buffer {
     fn drop(self: Pin<&mut Self>) {
-        self.device
-            .channels
-            .release(self.channel, self.mem.size() as u64);
+        self.device.unregister_buffer(self.registry_key);
+        self.device.channels.release(self.channel, self.size as u64);
     }
 }

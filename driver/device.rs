@@ -17,6 +17,7 @@ use kernel::{
         MiscDeviceOptions,
         MiscDeviceRegistration, //
     },
+    new_condvar,
     new_mutex,
     prelude::*,
     sync::{
@@ -26,13 +27,16 @@ use kernel::{
             Relaxed, //
         },
         Arc,
+        CondVar,
         Mutex, //
     },
 };
 
 use crate::{
+    buffer::Buffer,
     channel::Channels,
     engine::Engine,
+    handle::HandleTable,
     file::{
         FileState,
         TdrvFile, //
@@ -116,6 +120,21 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut kernel::bindings::device 
     core::ptr::from_ref(dev).cast_mut().cast()
 }
 
+/// Whether the bus device may be used, and how many ioctls or mmaps are
+/// using it right now.
+struct Access {
+    bound: bool,
+    active: u64,
+}
+
+/// Address of a live buffer, kept in the device's buffer registry.
+struct BufferAddr(*const Buffer);
+
+// SAFETY: The registry only dereferences the address under its lock while
+// the buffer is alive (a buffer leaves the registry in its drop, under the
+// same lock), and `Buffer` is `Sync`.
+unsafe impl Send for BufferAddr {}
+
 /// One tdrv device.
 #[pin_data]
 pub(crate) struct TdrvDevice {
@@ -126,9 +145,15 @@ pub(crate) struct TdrvDevice {
     #[pin]
     pub(crate) channels: Channels,
     engine: Engine,
-    /// Cleared (under the lock) before the bus device is unbound.
+    /// `bound` is cleared before the bus device is unbound; unbind then
+    /// waits (on `idle`) for `active` to drop to zero.
     #[pin]
-    bound: Mutex<bool>,
+    access: Mutex<Access>,
+    #[pin]
+    idle: CondVar,
+    /// Every live buffer of the device, so unbind can free their memory.
+    #[pin]
+    buffers: Mutex<HandleTable<BufferAddr>>,
     /// State of every open file, so that unbind can reach their waiters.
     #[pin]
     files: Mutex<KVec<Arc<FileState>>>,
@@ -151,7 +176,9 @@ impl TdrvDevice {
                 index,
                 channels <- Channels::new(channels, channel_limit)?,
                 engine,
-                bound <- new_mutex!(true, "TdrvDevice::bound"),
+                access <- new_mutex!(Access { bound: true, active: 0 }, "TdrvDevice::access"),
+                idle <- new_condvar!("TdrvDevice::idle"),
+                buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 stats: DeviceStats::new(),
             }),
@@ -173,14 +200,25 @@ impl TdrvDevice {
     }
 
     pub(crate) fn is_bound(&self) -> bool {
-        *self.bound.lock()
+        self.access.lock().bound
+    }
+
+    /// Enters an ioctl or mmap that uses the device: ENODEV after unbind.
+    /// Unbind waits until every guard is gone before it frees memory.
+    pub(crate) fn enter(&self) -> Result<ActiveGuard<'_>> {
+        let mut access = self.access.lock();
+        if !access.bound {
+            return Err(ENODEV);
+        }
+        access.active += 1;
+        Ok(ActiveGuard { device: self })
     }
 
     /// Runs `f` with the bound bus device, or fails with ENODEV after
     /// unbind. The lock keeps unbind from completing while `f` runs.
     pub(crate) fn with_bound<R>(&self, f: impl FnOnce(&device::Device<Bound>) -> Result<R>) -> Result<R> {
-        let bound = self.bound.lock();
-        if !*bound {
+        let access = self.access.lock();
+        if !access.bound {
             return Err(ENODEV);
         }
         // SAFETY: `bound` is true, and `mark_unbound` clears it under this
@@ -190,9 +228,67 @@ impl TdrvDevice {
     }
 
     /// Called from the bus driver's unbind, before the device goes away:
-    /// later calls of [`TdrvDevice::with_bound`] fail with ENODEV.
+    /// later [`TdrvDevice::enter`] and [`TdrvDevice::with_bound`] calls fail
+    /// with ENODEV.
     pub(crate) fn mark_unbound(&self) {
-        *self.bound.lock() = false;
+        self.access.lock().bound = false;
+    }
+
+    /// Waits until no ioctl or mmap uses the device. Call after
+    /// [`TdrvDevice::mark_unbound`] and after waking every waiter.
+    fn drain_users(&self) {
+        let mut access = self.access.lock();
+        while access.active > 0 {
+            self.idle.wait(&mut access);
+        }
+    }
+
+    /// Takes a key in the buffer registry for a buffer under construction.
+    pub(crate) fn register_buffer(&self) -> Result<u64> {
+        self.buffers.lock().insert(BufferAddr(core::ptr::null()))
+    }
+
+    /// Records the address of the buffer built under `key`.
+    pub(crate) fn publish_buffer(&self, key: u64, buf: &Arc<Buffer>) {
+        if let Some(slot) = self.buffers.lock().get_mut(key) {
+            slot.0 = Arc::as_ptr(buf);
+        }
+    }
+
+    /// Removes a buffer from the registry (from its drop).
+    pub(crate) fn unregister_buffer(&self, key: u64) {
+        self.buffers.lock().remove(key);
+    }
+
+    /// Unbind, after the engine stopped: wakes every waiter with ENODEV,
+    /// waits for ioctls and mmaps in progress to leave, removes the pages
+    /// of every user mapping, and frees the DMA memory of every buffer, so
+    /// that no DMA allocation outlives the device's binding. Buffers stay
+    /// as empty shells until their last reference goes.
+    pub(crate) fn revoke_all(&self) {
+        // Holding `files` while draining is fine: no ioctl takes it, and a
+        // release that waits for it holds no active guard.
+        let files = self.files.lock();
+        for file in files.iter() {
+            file.kill_fences();
+        }
+        self.drain_users();
+        for file in files.iter() {
+            file.zap_mappings();
+        }
+        drop(files);
+        let buffers = self.buffers.lock();
+        buffers.for_each(|addr| {
+            if !addr.0.is_null() {
+                // SAFETY: Registered addresses belong to live buffers: a
+                // buffer unregisters in its drop, which takes this lock
+                // first. The device is unbound, its engine stopped (the
+                // caller's duty), no ioctl or mmap runs (drained above) or
+                // can start (`bound` is false), and every user mapping's
+                // pages are gone (zapped above).
+                unsafe { (*addr.0).revoke() };
+            }
+        });
     }
 
     /// Records an open file.
@@ -211,11 +307,21 @@ impl TdrvDevice {
         }
     }
 
-    /// After unbind: wakes every fence waiter of every open file with
-    /// ENODEV (jobs have already failed, which wakes job waiters).
-    pub(crate) fn kill_waiters(&self) {
-        for file in self.files.lock().iter() {
-            file.kill_fences();
+
+}
+
+/// Proof that an ioctl or mmap is using the device (see
+/// [`TdrvDevice::enter`]).
+pub(crate) struct ActiveGuard<'a> {
+    device: &'a TdrvDevice,
+}
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        let mut access = self.device.access.lock();
+        access.active -= 1;
+        if access.active == 0 {
+            self.device.idle.notify_all();
         }
     }
 }

@@ -509,7 +509,8 @@ impl pci::Driver for EduDriver {
         device.mark_unbound();
         // ... in-flight jobs fail and the device stops touching memory ...
         this.engine.shutdown();
-        // ... and every waiter wakes with ENODEV.
-        device.kill_waiters();
+        // ... every waiter wakes with ENODEV, and the DMA memory is freed
+        // (user mappings lose their pages first).
+        device.revoke_all();
     }
 }

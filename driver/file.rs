@@ -8,6 +8,7 @@
 //! the file that allocated them), channels and `offset + size` ranges.
 
 use kernel::{
+    bindings,
     fs::File,
     miscdevice::{
         MiscDevice,
@@ -49,19 +50,41 @@ use crate::{
 /// Largest descriptor stride `TDRV_IOC_SUBMIT` accepts (room for growth).
 const MAX_DESC_SIZE: usize = 256;
 
+/// The page-cache mapping (`f_mapping`) of an open file: every VMA that
+/// maps one of its buffers hangs off it.
+struct FileMapping(*mut bindings::address_space);
+
+// SAFETY: Only passed to `unmap_mapping_range` while the file is open (see
+// `FileState::zap_mappings`); the pointer itself may move between threads.
+unsafe impl Send for FileMapping {}
+// SAFETY: As above.
+unsafe impl Sync for FileMapping {}
+
 /// What an open file owns: its buffer handles and its jobs. The device
-/// keeps a reference too, so that unbind can wake the file's waiters.
+/// keeps a reference too, so that unbind can reach the file's waiters and
+/// mappings.
 #[pin_data]
 pub(crate) struct FileState {
     #[pin]
     handles: Mutex<HandleTable<Arc<Buffer>>>,
     jobs: Arc<JobTracker>,
+    mapping: FileMapping,
 }
 
 impl FileState {
     /// Marks every buffer's fence dead, waking its waiters with ENODEV.
     pub(crate) fn kill_fences(&self) {
         self.handles.lock().for_each(|buf| buf.fence.kill());
+    }
+
+    /// Removes the pages of every user mapping made through this file; a
+    /// later access of such a mapping gets SIGBUS.
+    pub(crate) fn zap_mappings(&self) {
+        // SAFETY: The file is open (it leaves the device's registry only in
+        // `release`), so its inode and `f_mapping` are alive.
+        // `unmap_mapping_range` with length 0 covers the whole file, and all
+        // our VMAs have `vm_pgoff` 0.
+        unsafe { bindings::unmap_mapping_range(self.mapping.0, 0, 0, 1) };
     }
 }
 
@@ -75,7 +98,7 @@ pub(crate) struct TdrvFile {
 impl MiscDevice for TdrvFile {
     type Ptr = Pin<KBox<Self>>;
 
-    fn open(_file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
+    fn open(file: &File, misc: &MiscDeviceRegistration<Self>) -> Result<Pin<KBox<Self>>> {
         let device = DeviceNode::from_registration(misc).device.clone();
         if !device.is_bound() {
             return Err(ENODEV);
@@ -84,6 +107,9 @@ impl MiscDevice for TdrvFile {
             try_pin_init!(FileState {
                 handles <- new_mutex!(HandleTable::new(), "FileState::handles"),
                 jobs: JobTracker::new()?,
+                // SAFETY: `file` is a valid file being opened; `f_mapping`
+                // is set before `open` is called.
+                mapping: FileMapping(unsafe { (*file.as_ptr()).f_mapping }),
             }),
             GFP_KERNEL,
         )?;
@@ -117,9 +143,9 @@ impl MiscDevice for TdrvFile {
             // Works after unbind too: it tells the caller what it talks to.
             return me.version(&arg).map(|()| 0);
         }
-        if !me.device.is_bound() {
-            return Err(ENODEV);
-        }
+        // Held until the handler returns: unbind waits for it before it
+        // frees buffer memory.
+        let _active = me.device.enter()?;
         let r = if m(IOC_CHANNEL_INFO) {
             me.channel_info(&arg)
         } else if m(IOC_ALLOC) {
@@ -153,6 +179,7 @@ impl MiscDevice for TdrvFile {
     }
 
     fn mmap(me: Pin<&TdrvFile>, _file: &File, vma: &VmaNew) -> Result {
+        let _active = me.device.enter()?;
         // SAFETY: `vma` is being set up under the mmap write lock; reading
         // and then clearing its page offset is part of that set-up.
         let pgoff = unsafe { (*vma.as_ptr()).vm_pgoff };
@@ -293,8 +320,7 @@ impl TdrvFile {
         let range = checked_range(a.offset, a.size, buf.size())?;
         // Reading the buffer: wait for pending device writes only.
         buf.fence.wait_idle(FENCE_WRITES, Timeout::Forever)?;
-        let mut w = UserSlice::new(UserPtr::from_addr(a.user_ptr as usize), range.len).writer();
-        buf.copy_to_user(range, &mut w)
+        buf.copy_to_user(range, UserPtr::from_addr(a.user_ptr as usize))
     }
 
     fn memset(&self, arg: &ArgBuf) -> Result {

@@ -100,6 +100,16 @@ impl<T> HandleTable<T> {
         entry.item.as_ref()
     }
 
+    /// Returns the item behind `handle` for update, if the handle is current.
+    pub(crate) fn get_mut(&mut self, handle: u64) -> Option<&mut T> {
+        let (slot, generation) = Self::decode(handle)?;
+        let entry = self.slots.get_mut(slot)?;
+        if entry.generation != generation {
+            return None;
+        }
+        entry.item.as_mut()
+    }
+
     /// Removes and returns the item behind `handle`; the handle (and every
     /// copy of it) is dead afterwards.
     pub(crate) fn remove(&mut self, handle: u64) -> Option<T> {

@@ -2,19 +2,19 @@
 
 //! mmap of whole buffers into userspace.
 //!
-//! The pages are mapped with `dma_mmap_attrs`, which goes through the DMA
-//! API and so stays correct behind an IOMMU (the original driver used
-//! `remap_pfn_range` on the physical address). 7.2 has no safe wrapper for
-//! it, nor for `vm_operations_struct`; both are wrapped here.
+//! The pages are mapped with `dma_mmap_attrs` (`Buffer::dma_mmap`), which
+//! goes through the DMA API and so stays correct behind an IOMMU (the
+//! original driver used `remap_pfn_range` on the physical address). 7.2 has
+//! no safe wrapper for it, nor for `vm_operations_struct`.
 //!
 //! Each mapping holds a reference to its buffer in `vm_private_data`: the
 //! `open` callback (VMA split or copy) takes another one, `close` drops one.
 //! So a buffer outlives FREE while it is mapped, and its memory is released
-//! when the last mapping goes.
+//! when the last mapping goes. On unbind the device removes the mappings'
+//! pages before it frees the memory (`TdrvDevice::revoke_all`).
 
 use kernel::{
     bindings,
-    error::to_result,
     mm::virt::{
         flags,
         VmaNew, //
@@ -27,10 +27,7 @@ use kernel::{
     sync::Arc,
 };
 
-use crate::{
-    buffer::Buffer,
-    device::raw_device, //
-};
+use crate::buffer::Buffer;
 
 /// The mmap offset userspace passes for `handle`: the handle in pages.
 pub(crate) fn offset_of_handle(handle: u64) -> u64 {
@@ -76,23 +73,10 @@ pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
     vma.set_dontcopy();
     vma.set_dontexpand();
     vma.set_dontdump();
-    let mem = buf.coherent();
-    // SAFETY: `vma` is being set up under the mmap write lock and is not yet
-    // visible. `vm_pgoff` is 0, so `dma_mmap_attrs` maps from the start of
-    // the allocation. The device, CPU address, DMA handle and size describe
-    // one live coherent allocation of that device, which stays alive as long
-    // as the mapping does: the VMA holds a buffer reference (below), and
-    // `vma_close` drops it only when the VMA is torn down.
-    to_result(unsafe {
-        bindings::dma_mmap_attrs(
-            raw_device(buf.device().bus_device()),
-            vma.as_ptr(),
-            mem.as_mut_ptr().cast(),
-            mem.dma_handle(),
-            mem.size(),
-            0,
-        )
-    })?;
+    // SAFETY: `vma` is under set-up with `vm_pgoff` 0 (see above); the VMA
+    // holds a buffer reference from here on (below), dropped by
+    // `vma_close` only when the VMA is torn down.
+    unsafe { buf.dma_mmap(vma.as_ptr())? };
     // SAFETY: As above, the VMA is ours to set up; the reference moved into
     // `vm_private_data` is given back by `vma_close`.
     unsafe {

@@ -1,0 +1,1237 @@
+//! `make bench`, guest part (issue 7): the figures that need the real
+//! module, each measured next to its baseline in the same run.
+//!
+//! usage: bench [--only fig1,fig2,...] [--profile] [DEVICE]
+//!        (default /dev/tdrv0, the software device; figures fig1 to fig7)
+//!
+//! Every measurement prints one line `BENCH {json}` on stdout; the host's
+//! scripts/bench-report parses them from the console log and computes the
+//! ratios. Progress goes to `# ...` lines. With `--profile`, the figures
+//! that usually miss their target are also sampled with a cpu-clock
+//! perf event (kernel and user instruction pointers), and the hottest
+//! symbols are printed as `BENCH` lines of figure "profile".
+//!
+//! Clocks: the guest runs under QEMU `-icount shift=0,sleep=off`, so
+//! CLOCK_MONOTONIC advances one nanosecond per guest instruction and jumps
+//! over idle time. Times are instruction counts, not host time: only the
+//! ratios between a tdrv figure and its baseline mean something.
+//!
+//! Method: every timed case runs `warm` rounds that are thrown away, then
+//! `reps` rounds; within a round the cases of one figure run one after the
+//! other (interleaved), so drift hits all of them alike. Each round gives
+//! one sample (time per operation); a line reports the median, quartiles,
+//! minimum and maximum of the samples.
+
+use std::ffi::CString;
+use std::hint::black_box;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tdrv::{Device, Job, JobState, Tensor, VIEW_HEAP_SIZE};
+use tdrv_guest_tests::raw;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+// ---------------------------------------------------------------------
+// Statistics and output
+
+/// Summary of the samples of one case.
+#[derive(Clone, Copy, Debug)]
+struct Summary {
+    median: f64,
+    p25: f64,
+    p75: f64,
+    p99: f64,
+    min: f64,
+    max: f64,
+    n: usize,
+}
+
+impl Summary {
+    /// A summary of one value (`n` says how many things it stands for).
+    fn single(x: f64, n: usize) -> Summary {
+        Summary {
+            median: x,
+            p25: x,
+            p75: x,
+            p99: x,
+            min: x,
+            max: x,
+            n,
+        }
+    }
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let pos = q * (sorted.len() - 1) as f64;
+    let lo = pos.floor() as usize;
+    let hi = pos.ceil() as usize;
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo as f64)
+}
+
+fn summarize(mut v: Vec<f64>) -> Summary {
+    assert!(!v.is_empty(), "no samples");
+    v.sort_by(f64::total_cmp);
+    Summary {
+        median: quantile(&v, 0.5),
+        p25: quantile(&v, 0.25),
+        p75: quantile(&v, 0.75),
+        p99: quantile(&v, 0.99),
+        min: v[0],
+        max: v[v.len() - 1],
+        n: v.len(),
+    }
+}
+
+/// A JSON string literal (the names printed here are plain ASCII).
+fn js(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A JSON number (non-finite values become null).
+fn jn(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.6}")
+    } else {
+        "null".into()
+    }
+}
+
+/// Prints one measurement. `case` is the size in bytes for sized figures.
+fn emit(fig: &str, case: &str, method: &str, unit: &str, s: &Summary, extra: &[(&str, f64)]) {
+    let mut line = format!(
+        "BENCH {{\"fig\":{},\"case\":{},\"method\":{},\"unit\":{},\"median\":{},\"p25\":{},\"p75\":{},\"p99\":{},\"min\":{},\"max\":{},\"n\":{}",
+        js(fig),
+        js(case),
+        js(method),
+        js(unit),
+        jn(s.median),
+        jn(s.p25),
+        jn(s.p75),
+        jn(s.p99),
+        jn(s.min),
+        jn(s.max),
+        s.n
+    );
+    for (k, v) in extra {
+        line.push_str(&format!(",{}:{}", js(k), jn(*v)));
+    }
+    line.push('}');
+    println!("{line}");
+}
+
+/// Prints one record of free-form string fields.
+fn emit_info(fig: &str, fields: &[(&str, String)]) {
+    let body: Vec<String> = std::iter::once(format!("\"fig\":{}", js(fig)))
+        .chain(fields.iter().map(|(k, v)| format!("{}:{}", js(k), js(v))))
+        .collect();
+    println!("BENCH {{{}}}", body.join(","));
+}
+
+fn note(msg: impl std::fmt::Display) {
+    println!("# {msg}");
+}
+
+// ---------------------------------------------------------------------
+// Timing
+
+/// One timed case of a figure: runs the operation `iters` times.
+type Case<'a> = (&'a str, Box<dyn FnMut() + 'a>);
+
+/// Runs the cases interleaved: `warm` discarded rounds, then `reps` rounds
+/// of `iters` calls each. Returns the per-call nanoseconds of every round,
+/// per case.
+fn interleave(warm: usize, reps: usize, iters: usize, cases: &mut [Case<'_>]) -> Vec<Vec<f64>> {
+    let mut samples = vec![Vec::with_capacity(reps); cases.len()];
+    for round in 0..warm + reps {
+        for (i, (_, f)) in cases.iter_mut().enumerate() {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            let ns = t.elapsed().as_nanos() as f64 / iters as f64;
+            if round >= warm {
+                samples[i].push(ns);
+            }
+        }
+    }
+    samples
+}
+
+/// Times the cases and prints one line per case, in ns per operation.
+fn time_cases(
+    fig: &str,
+    case: &str,
+    (warm, reps, iters): (usize, usize, usize),
+    cases: &mut [Case<'_>],
+) -> Vec<Summary> {
+    let samples = interleave(warm, reps, iters, cases);
+    let mut out = Vec::new();
+    for ((name, _), s) in cases.iter().zip(samples) {
+        let s = summarize(s);
+        emit(fig, case, name, "ns", &s, &[("iters", iters as f64)]);
+        out.push(s);
+    }
+    out
+}
+
+/// Times copy-like cases of `bytes` each and prints throughput in GB/s
+/// (bytes per nanosecond).
+fn throughput_cases(fig: &str, bytes: usize, reps: usize, cases: &mut [Case<'_>]) {
+    let iters = (16 * MIB / bytes).clamp(1, 4096);
+    let samples = interleave(1, reps, iters, cases);
+    for ((name, _), s) in cases.iter().zip(samples) {
+        // Faster rounds give higher throughput: convert every sample.
+        let gbs: Vec<f64> = s.iter().map(|ns| bytes as f64 / ns).collect();
+        emit(
+            fig,
+            &bytes.to_string(),
+            name,
+            "GB/s",
+            &summarize(gbs),
+            &[("bytes", bytes as f64), ("iters", iters as f64)],
+        );
+    }
+}
+
+/// 4 KiB, 16 KiB, ... up to `max`.
+fn sizes(max: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(4 * KIB), |s| Some(s * 4)).take_while(move |s| *s <= max)
+}
+
+fn ok<T, E: std::fmt::Display>(what: &str, r: Result<T, E>) -> T {
+    r.unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+fn errno_str() -> String {
+    std::io::Error::last_os_error().to_string()
+}
+
+// ---------------------------------------------------------------------
+// System helpers
+
+/// An anonymous private mapping, faulted in, unmapped on drop.
+struct Anon {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Anon {
+    fn new(len: usize, fill: u8) -> Anon {
+        // SAFETY: a fresh private anonymous mapping chosen by the kernel
+        // cannot alias any Rust object.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        assert!(p != libc::MAP_FAILED, "mmap {len}: {}", errno_str());
+        let ptr = p.cast::<u8>();
+        // Touch every page so that no fault lands in a timed loop.
+        // SAFETY: the mapping is `len` writable bytes and nothing else
+        // refers to it yet.
+        unsafe { std::ptr::write_bytes(ptr, fill, len) };
+        Anon { ptr, len }
+    }
+}
+
+impl Drop for Anon {
+    fn drop(&mut self) {
+        // SAFETY: exactly the range mmap returned, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Opens a file read-write (close-on-exec).
+fn open_rw(path: &str) -> OwnedFd {
+    let c = CString::new(path).expect("path");
+    // SAFETY: `c` is a valid NUL-terminated string for the whole call.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    assert!(fd >= 0, "open {path}: {}", errno_str());
+    // SAFETY: open(2) just returned this descriptor; nobody else owns it.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+/// Bytes the C allocator hands out now (arena plus mmapped chunks).
+fn heap_in_use() -> usize {
+    // SAFETY: mallinfo2 only reads the allocator's statistics.
+    let m = unsafe { libc::mallinfo2() };
+    m.uordblks + m.hblkhd
+}
+
+/// A field of /proc/meminfo, in bytes.
+fn meminfo(field: &str) -> usize {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    text.lines()
+        .find_map(|l| {
+            let rest = l.strip_prefix(field)?.strip_prefix(':')?;
+            let kb: usize = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+            Some(kb * 1024)
+        })
+        .unwrap_or(0)
+}
+
+fn read_trim(path: &str) -> String {
+    std::fs::read_to_string(path)
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|e| format!("({e})"))
+}
+
+/// The uapi of the dma-buf heaps (linux/dma-heap.h), defined here.
+mod dma_heap {
+    /// `struct dma_heap_allocation_data`.
+    #[repr(C)]
+    #[derive(Default)]
+    pub struct AllocationData {
+        pub len: u64,
+        pub fd: u32,
+        pub fd_flags: u32,
+        pub heap_flags: u64,
+    }
+
+    /// `_IOWR('H', 0x0, struct dma_heap_allocation_data)`.
+    pub const IOCTL_ALLOC: u64 =
+        (3 << 30) | ((std::mem::size_of::<AllocationData>() as u64) << 16) | ((b'H' as u64) << 8);
+
+    pub const SYSTEM: &str = "/dev/dma_heap/system";
+}
+
+/// A dma-buf from a heap.
+fn heap_alloc(heap: &OwnedFd, len: usize) -> OwnedFd {
+    let mut a = dma_heap::AllocationData {
+        len: len as u64,
+        fd_flags: (libc::O_RDWR | libc::O_CLOEXEC) as u32,
+        ..Default::default()
+    };
+    // SAFETY: `a` is a live, exclusively borrowed struct of exactly the
+    // size encoded in the request number.
+    let r = unsafe {
+        libc::ioctl(
+            heap.as_raw_fd(),
+            dma_heap::IOCTL_ALLOC as _,
+            &mut a as *mut dma_heap::AllocationData,
+        )
+    };
+    assert!(r >= 0, "DMA_HEAP_IOCTL_ALLOC {len}: {}", errno_str());
+    // SAFETY: the kernel just created this descriptor for us.
+    unsafe { OwnedFd::from_raw_fd(a.fd as i32) }
+}
+
+/// A shared read-write mapping of `len` bytes of `fd`.
+fn map_shared(fd: &OwnedFd, len: usize) -> *mut libc::c_void {
+    // SAFETY: a fresh shared mapping chosen by the kernel cannot alias any
+    // Rust object.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    assert!(p != libc::MAP_FAILED, "mmap dma-buf {len}: {}", errno_str());
+    p
+}
+
+fn unmap(p: *mut libc::c_void, len: usize) {
+    // SAFETY: `p`/`len` is a mapping made by `map_shared` that nothing
+    // refers to any more.
+    unsafe { libc::munmap(p, len) };
+}
+
+/// Raises the open-file limit (the dma-heap baseline keeps 10,000 fds).
+fn raise_nofile(n: u64) {
+    let lim = libc::rlimit {
+        rlim_cur: n,
+        rlim_max: n,
+    };
+    // SAFETY: `lim` is a valid rlimit for the duration of the call.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        note(format!("setrlimit(NOFILE, {n}): {}", errno_str()));
+    }
+}
+
+// ---------------------------------------------------------------------
+// A small sampling profiler (perf cpu-clock events, kernel and user IPs)
+
+mod profile {
+    use std::collections::HashMap;
+
+    // perf_event_attr, the fields this profiler sets (layout of
+    // PERF_ATTR_SIZE_VER5, 112 bytes).
+    #[repr(C)]
+    #[derive(Default)]
+    struct Attr {
+        type_: u32,
+        size: u32,
+        config: u64,
+        sample_period: u64,
+        sample_type: u64,
+        read_format: u64,
+        flags: u64,
+        wakeup_events: u32,
+        bp_type: u32,
+        bp_addr: u64,
+        bp_len: u64,
+        branch_sample_type: u64,
+        sample_regs_user: u64,
+        sample_stack_user: u32,
+        clockid: i32,
+        sample_regs_intr: u64,
+        aux_watermark: u32,
+        sample_max_stack: u16,
+        reserved: u16,
+    }
+
+    const PERF_TYPE_SOFTWARE: u32 = 1;
+    const PERF_COUNT_SW_CPU_CLOCK: u64 = 0;
+    const PERF_SAMPLE_IP: u64 = 1;
+    const FLAG_DISABLED: u64 = 1;
+    const PERF_RECORD_SAMPLE: u32 = 9;
+    const IOC_ENABLE: u64 = 0x2400;
+    const IOC_DISABLE: u64 = 0x2401;
+    /// Data pages of the ring buffer (a power of two).
+    const DATA_PAGES: usize = 256;
+
+    /// The first page of the ring buffer (`struct perf_event_mmap_page`):
+    /// only `data_head`/`data_tail` (at byte 1024 and 1032) are used.
+    const DATA_HEAD: usize = 1024;
+    const DATA_TAIL: usize = 1032;
+
+    pub struct Sampler {
+        fd: i32,
+        base: *mut u8,
+        len: usize,
+        page: usize,
+        pub ips: Vec<u64>,
+        pub lost: u64,
+    }
+
+    impl Sampler {
+        /// A disabled sampler of this thread, one sample per `period_ns`.
+        /// With `cpu_wide`, samples every task on CPU 0 (the kernel's
+        /// workers included), else only this thread.
+        pub fn new(period_ns: u64, cpu_wide: bool) -> Result<Sampler, String> {
+            // Under TCG every sample interrupt "takes too long", and the
+            // kernel would throttle the rate to almost nothing.
+            let _ = std::fs::write("/proc/sys/kernel/perf_cpu_time_max_percent", "0");
+            let (pid, cpu) = if cpu_wide { (-1, 0) } else { (0, -1) };
+            let attr = Attr {
+                type_: PERF_TYPE_SOFTWARE,
+                size: std::mem::size_of::<Attr>() as u32,
+                config: PERF_COUNT_SW_CPU_CLOCK,
+                sample_period: period_ns,
+                sample_type: PERF_SAMPLE_IP,
+                flags: FLAG_DISABLED,
+                ..Default::default()
+            };
+            // SAFETY: `attr` is a valid perf_event_attr of the size it
+            // declares; pid 0 / cpu -1 measures this thread on any CPU,
+            // pid -1 / cpu 0 every task on CPU 0.
+            let fd = unsafe {
+                libc::syscall(
+                    libc::SYS_perf_event_open,
+                    &attr as *const Attr,
+                    pid,
+                    cpu,
+                    -1,
+                    0u64,
+                )
+            } as i32;
+            if fd < 0 {
+                return Err(format!("perf_event_open: {}", super::errno_str()));
+            }
+            let page = tdrv_guest_tests::raw::page_size();
+            let len = page * (1 + DATA_PAGES);
+            // SAFETY: maps the event's ring buffer; a fresh mapping chosen
+            // by the kernel aliases no Rust object.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = super::errno_str();
+                // SAFETY: `fd` is ours and closed once.
+                unsafe { libc::close(fd) };
+                return Err(format!("mmap perf ring: {e}"));
+            }
+            Ok(Sampler {
+                fd,
+                base: p.cast(),
+                len,
+                page,
+                ips: Vec::new(),
+                lost: 0,
+            })
+        }
+
+        fn ioctl(&self, req: u64) {
+            // SAFETY: ENABLE/DISABLE take no argument.
+            unsafe { libc::ioctl(self.fd, req as _, 0) };
+        }
+
+        /// Runs `f` with sampling on, draining the ring between calls.
+        pub fn run(&mut self, mut f: impl FnMut(), calls: usize) {
+            for _ in 0..calls {
+                self.ioctl(IOC_ENABLE);
+                f();
+                self.ioctl(IOC_DISABLE);
+                self.drain();
+            }
+        }
+
+        fn drain(&mut self) {
+            let size = DATA_PAGES * self.page;
+            // SAFETY: the control page is mapped for the sampler's
+            // lifetime; data_head is written by the kernel, so it is read
+            // volatile, and the fence orders the data reads after it.
+            let head = unsafe { std::ptr::read_volatile(self.base.add(DATA_HEAD).cast::<u64>()) };
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            // SAFETY: as above; data_tail is only written by us.
+            let mut tail =
+                unsafe { std::ptr::read_volatile(self.base.add(DATA_TAIL).cast::<u64>()) };
+            let data = self.page;
+            let byte = |off: u64| -> u8 {
+                // SAFETY: the data area is `size` bytes after the control
+                // page; offsets are taken modulo `size`.
+                unsafe { *self.base.add(data + (off as usize % size)) }
+            };
+            let read_u64 = |off: u64| -> u64 {
+                let mut b = [0u8; 8];
+                for (i, x) in b.iter_mut().enumerate() {
+                    *x = byte(off + i as u64);
+                }
+                u64::from_ne_bytes(b)
+            };
+            while tail < head {
+                let hdr = read_u64(tail);
+                let type_ = hdr as u32;
+                let rsize = (hdr >> 48) as u16 as u64;
+                if rsize == 0 {
+                    break;
+                }
+                if type_ == PERF_RECORD_SAMPLE {
+                    self.ips.push(read_u64(tail + 8));
+                } else if type_ == 2 {
+                    // PERF_RECORD_LOST: id, lost
+                    self.lost += read_u64(tail + 16);
+                }
+                tail += rsize;
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            // SAFETY: tells the kernel the records up to `tail` are read.
+            unsafe { std::ptr::write_volatile(self.base.add(DATA_TAIL).cast::<u64>(), tail) };
+        }
+    }
+
+    impl Drop for Sampler {
+        fn drop(&mut self) {
+            // SAFETY: the ring mapping and the fd are ours, released once.
+            unsafe {
+                libc::munmap(self.base.cast(), self.len);
+                libc::close(self.fd);
+            }
+        }
+    }
+
+    /// Kernel (and module) text symbols, sorted by address.
+    pub fn kallsyms() -> Vec<(u64, String)> {
+        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        let mut v: Vec<(u64, String)> = text
+            .lines()
+            .filter_map(|l| {
+                let mut it = l.split_whitespace();
+                let addr = u64::from_str_radix(it.next()?, 16).ok()?;
+                let kind = it.next()?;
+                let name = it.next()?;
+                let module = it.next().unwrap_or("");
+                if addr == 0 || !matches!(kind, "t" | "T" | "w" | "W") {
+                    return None;
+                }
+                Some((
+                    addr,
+                    format!("{name}{}", if module.is_empty() { "" } else { " " }) + module,
+                ))
+            })
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Counts samples per symbol: kernel addresses through kallsyms, user
+    /// addresses as one "[user]" bucket (the bench binary is stripped of
+    /// nothing, but resolving it would need an ELF reader).
+    pub fn histogram(ips: &[u64], syms: &[(u64, String)]) -> Vec<(String, usize)> {
+        let mut h: HashMap<String, usize> = HashMap::new();
+        for &ip in ips {
+            let name = if ip < 0xffff_8000_0000_0000 {
+                "[user]".to_owned()
+            } else {
+                match syms.partition_point(|(a, _)| *a <= ip) {
+                    0 => "[kernel ?]".to_owned(),
+                    i => syms[i - 1].1.clone(),
+                }
+            };
+            *h.entry(name).or_default() += 1;
+        }
+        let mut v: Vec<_> = h.into_iter().collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+}
+
+/// Samples `f` (called `calls` times) and prints the hottest symbols.
+fn profile_case(name: &str, cpu_wide: bool, calls: usize, f: impl FnMut()) {
+    let mut s = match profile::Sampler::new(10_000, cpu_wide) {
+        Ok(s) => s,
+        Err(e) => {
+            note(format!("profile {name}: {e}"));
+            return;
+        }
+    };
+    s.run(f, calls);
+    let syms = profile::kallsyms();
+    let total = s.ips.len();
+    note(format!(
+        "profile {name}: {total} samples, {} lost, {} symbols",
+        s.lost,
+        syms.len()
+    ));
+    for (sym, count) in profile::histogram(&s.ips, &syms).into_iter().take(20) {
+        let share = 100.0 * count as f64 / total.max(1) as f64;
+        emit(
+            "profile",
+            name,
+            &sym,
+            "%",
+            &Summary::single(share, total),
+            &[("samples", count as f64)],
+        );
+    }
+}
+
+// ---------------------------------------------------------------------
+// The figures
+
+/// A figure's name (for `--only`) and its function.
+type Figure = (&'static str, fn(&Ctx));
+
+struct Ctx {
+    path: String,
+    dev: Arc<Device>,
+    profile: bool,
+}
+
+fn alloc(c: &Ctx, size: usize, name: &str) -> Tensor {
+    ok(
+        "allocate_on",
+        Tensor::allocate_on(&c.dev, 0, size, Some(name)),
+    )
+}
+
+/// Figure 1: slice create + drop against `Arc::clone` + drop and a `Box` of a
+/// view's size, on a Dma tensor.
+fn fig1(c: &Ctx) {
+    let t = alloc(c, 4096, "fig1");
+    let arc = Arc::new([0u8; 64]);
+    let mut cases: Vec<Case> = vec![
+        (
+            "slice",
+            Box::new(|| {
+                black_box(t.slice(black_box(64), 128, None).expect("slice"));
+            }),
+        ),
+        (
+            "arc_clone",
+            Box::new(|| {
+                black_box(Arc::clone(black_box(&arc)));
+            }),
+        ),
+        (
+            "box",
+            Box::new(|| {
+                black_box(Box::new([0u8; VIEW_HEAP_SIZE]));
+            }),
+        ),
+    ];
+    time_cases("1", "guest", (2, 9, 20_000), &mut cases);
+}
+
+/// Figures 2 and 3: host to device and device to host through the mapping
+/// (`Tensor::write`/`read`, fenced), the raw mapping (no fence) and
+/// COPY_IN/COPY_OUT, against memcpy between two anonymous buffers.
+fn fig23(c: &Ctx) {
+    for size in sizes(64 * MIB) {
+        let t = alloc(c, size, "fig23");
+        let handle = t.dma_handle().expect("Dma handle");
+        let map = t.va().expect("mapped").as_ptr();
+        let src = Anon::new(size, 0x5a);
+        let dst = Anon::new(size, 0xa5);
+        let (sp, dp) = (src.ptr, dst.ptr);
+        let dev = &c.dev;
+        let src_slice = || {
+            // SAFETY: `src` is `size` readable bytes for the whole figure
+            // and only read.
+            unsafe { std::slice::from_raw_parts(sp, size) }
+        };
+        let dst_slice = || {
+            // SAFETY: `dst` is `size` writable bytes; the cases run one at
+            // a time, so this is the only live reference to it.
+            unsafe { std::slice::from_raw_parts_mut(dp, size) }
+        };
+        let reps = 7;
+        {
+            let mut cases: Vec<Case> = vec![
+                (
+                    "memcpy",
+                    Box::new(|| {
+                        // SAFETY: both ranges are `size` valid bytes of two
+                        // distinct anonymous mappings.
+                        unsafe { std::ptr::copy_nonoverlapping(sp, dp, size) }
+                    }),
+                ),
+                (
+                    "tensor_write",
+                    Box::new(|| t.write(0, src_slice()).expect("write")),
+                ),
+                (
+                    "mapping_raw",
+                    Box::new(|| {
+                        // SAFETY: the tensor's mapping is `size` writable
+                        // bytes that no job touches; `src` is `size` bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(sp, map, size) }
+                    }),
+                ),
+                (
+                    "copy_in",
+                    Box::new(|| dev.copy_in(handle, 0, src_slice()).expect("COPY_IN")),
+                ),
+            ];
+            throughput_cases("2", size, reps, &mut cases);
+        }
+        {
+            let mut cases: Vec<Case> = vec![
+                (
+                    "memcpy",
+                    Box::new(|| {
+                        // SAFETY: both ranges are `size` valid bytes of two
+                        // distinct anonymous mappings.
+                        unsafe { std::ptr::copy_nonoverlapping(sp, dp, size) }
+                    }),
+                ),
+                (
+                    "tensor_read",
+                    Box::new(|| t.read(0, dst_slice()).expect("read")),
+                ),
+                (
+                    "mapping_raw",
+                    Box::new(|| {
+                        // SAFETY: the tensor's mapping is `size` readable
+                        // bytes that no job touches; `dst` is `size` bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(map, dp, size) }
+                    }),
+                ),
+                (
+                    "copy_out",
+                    Box::new(|| dev.copy_out(handle, 0, dst_slice()).expect("COPY_OUT")),
+                ),
+            ];
+            throughput_cases("3", size, reps, &mut cases);
+        }
+        if c.profile && size == 64 * KIB {
+            profile_case("fig2 tensor_write 64 KiB", false, 2000, || {
+                t.write(0, src_slice()).expect("write")
+            });
+        }
+        note(format!("fig2/3: {size} bytes done"));
+    }
+}
+
+/// Figure 4: BUF_INFO against getppid, with the steps in between: an ioctl the
+/// VFS refuses (/dev/null), one tdrv refuses (unknown number), VERSION.
+fn fig4(c: &Ctx) {
+    let t = alloc(c, 4096, "fig4");
+    let handle = t.dma_handle().expect("Dma handle");
+    let rawdev = ok("open", raw::Dev::open(&c.path));
+    let null = open_rw("/dev/null");
+    let unknown = (3u64 << 30) | (88 << 16) | (0xD7 << 8) | 0x7f;
+    let dev = &c.dev;
+    let enotty = |fd: i32| {
+        let mut buf = [0u8; 88];
+        // SAFETY: `buf` is as large as the size encoded in the request; the
+        // call fails with ENOTTY before touching it anyway.
+        let r = unsafe { libc::ioctl(fd, unknown as _, buf.as_mut_ptr()) };
+        assert!(r < 0);
+    };
+    let mut cases: Vec<Case> = vec![
+        (
+            "getppid",
+            Box::new(|| {
+                // SAFETY: getppid has no arguments and cannot fail.
+                black_box(unsafe { libc::syscall(libc::SYS_getppid) });
+            }),
+        ),
+        (
+            "buf_info",
+            Box::new(|| {
+                black_box(dev.buf_info(handle).expect("BUF_INFO"));
+            }),
+        ),
+        (
+            "ioctl_devnull_enotty",
+            Box::new(|| enotty(null.as_raw_fd())),
+        ),
+        ("ioctl_tdrv_enotty", Box::new(|| enotty(rawdev.fd()))),
+        (
+            "ioctl_version",
+            Box::new(|| {
+                black_box(rawdev.version().expect("VERSION"));
+            }),
+        ),
+    ];
+    time_cases("4", "small ioctl", (2, 9, 20_000), &mut cases);
+    if c.profile {
+        profile_case("fig4 buf_info", false, 200, || {
+            for _ in 0..2000 {
+                black_box(dev.buf_info(handle).expect("BUF_INFO"));
+            }
+        });
+        profile_case("fig4 getppid", false, 200, || {
+            for _ in 0..2000 {
+                // SAFETY: as above.
+                black_box(unsafe { libc::syscall(libc::SYS_getppid) });
+            }
+        });
+    }
+}
+
+/// Figure 5: alloc + mmap + free of a Dma buffer against the dma-heap system
+/// heap (allocate, mmap, munmap, close).
+fn fig5(c: &Ctx) {
+    let heap = open_rw(dma_heap::SYSTEM);
+    let dev = &c.dev;
+    for size in sizes(16 * MIB) {
+        let iters = (16 * MIB / size).clamp(4, 200);
+        let mut cases: Vec<Case> = vec![
+            (
+                "tensor",
+                Box::new(|| drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"))),
+            ),
+            (
+                "dma_heap",
+                Box::new(|| {
+                    let fd = heap_alloc(&heap, size);
+                    let p = map_shared(&fd, size);
+                    unmap(p, size);
+                    drop(fd);
+                }),
+            ),
+            (
+                "raw_ioctls",
+                Box::new(|| {
+                    let a = dev.alloc(size as u64, 0).expect("ALLOC");
+                    drop(dev.map(a.mmap_offset, size as u64).expect("mmap"));
+                    dev.free(a.handle).expect("FREE");
+                }),
+            ),
+        ];
+        time_cases("5", &size.to_string(), (1, 7, iters), &mut cases);
+        if c.profile && (size == 4 * KIB || size == MIB) {
+            profile_case(&format!("fig5 tensor {size}"), false, 10, || {
+                for _ in 0..iters {
+                    drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"));
+                }
+            });
+            profile_case(&format!("fig5 dma_heap {size}"), false, 10, || {
+                for _ in 0..iters {
+                    let fd = heap_alloc(&heap, size);
+                    let p = map_shared(&fd, size);
+                    unmap(p, size);
+                    drop(fd);
+                }
+            });
+        }
+        note(format!("fig5: {size} bytes done"));
+    }
+}
+
+/// Figure 6: fence wake latency: a thread blocked in the Dma view's
+/// completion wait, woken by a software-engine job, against a thread
+/// blocked in read(2) of an eventfd woken by write(2). Each sample is the
+/// time from the trigger (SUBMIT, or the eventfd write) until the blocked
+/// thread runs again, in microseconds.
+fn fig6(c: &Ctx) {
+    const WARM: usize = 20;
+    const N: usize = 400;
+    let src = alloc(c, 4096, "fig6_src");
+    let dst = alloc(c, 4096, "fig6_dst");
+    let mut done = 0;
+    let (fence, submit) = fence_wakes(&src, &dst, &mut done, WARM, N);
+    let polled = polled_jobs(&src, &dst, WARM, N, true);
+    let event = eventfd_wakes(WARM, N);
+    emit("6", "wake", "fence", "us", &summarize(fence), &[]);
+    emit("6", "wake", "eventfd", "us", &summarize(event), &[]);
+    emit("6", "wake", "submit_ioctl", "us", &summarize(submit), &[]);
+    emit(
+        "6",
+        "wake",
+        "submit_to_done_polled",
+        "us",
+        &summarize(polled),
+        &[],
+    );
+    if c.profile {
+        // Every task of the CPU (the kworker running the jobs too), on a
+        // loop with no idle time: the sampling timer only fires at ticks.
+        profile_case("fig6 submit+poll (whole CPU)", true, 1, || {
+            polled_jobs(&src, &dst, 0, 3000, false);
+        });
+    }
+}
+
+/// How long the trigger waits before firing, so that the waiter is asleep
+/// in the kernel (one CPU: it runs while we sleep).
+const WAKE_PAUSE: Duration = Duration::from_millis(1);
+
+/// Fence wake samples (µs) and the SUBMIT call's own time (µs). `done`
+/// counts the jobs that completed on `dst` so far.
+fn fence_wakes(
+    src: &Tensor,
+    dst: &Tensor,
+    done: &mut u64,
+    warm: usize,
+    n: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    // The waiter blocks in COMPLETION_WAIT for the k-th completion.
+    let (go_tx, go_rx) = mpsc::channel::<u64>();
+    let (done_tx, done_rx) = mpsc::channel::<Instant>();
+    let waiter_view = dst.clone();
+    let waiter = std::thread::spawn(move || {
+        while let Ok(k) = go_rx.recv() {
+            waiter_view
+                .check_output_completion(-1, k)
+                .expect("completion wait");
+            done_tx.send(Instant::now()).expect("send");
+        }
+    });
+    let mut wake = Vec::with_capacity(n);
+    let mut submit = Vec::with_capacity(n);
+    for i in 0..warm + n {
+        let mut job = Job::new();
+        job.copy(src, 0, dst, 0, 64).expect("job copy");
+        *done += 1;
+        go_tx.send(*done).expect("send");
+        std::thread::sleep(WAKE_PAUSE);
+        let t0 = Instant::now();
+        let handle = job.submit().expect("submit");
+        let ts = Instant::now();
+        let t1 = done_rx.recv().expect("recv");
+        if i >= warm {
+            wake.push((t1 - t0).as_nanos() as f64 / 1000.0);
+            submit.push((ts - t0).as_nanos() as f64 / 1000.0);
+        }
+        drop(handle);
+    }
+    drop(go_tx);
+    waiter.join().expect("waiter");
+    (wake, submit)
+}
+
+/// Diagnostic: SUBMIT until the job is seen done by a poller that yields
+/// the CPU between polls (no thread blocked), in µs.
+fn polled_jobs(src: &Tensor, dst: &Tensor, warm: usize, n: usize, pause: bool) -> Vec<f64> {
+    let mut polled = Vec::with_capacity(n);
+    for i in 0..warm + n {
+        let mut job = Job::new();
+        job.copy(src, 0, dst, 0, 64).expect("job copy");
+        if pause {
+            std::thread::sleep(WAKE_PAUSE);
+        }
+        let t0 = Instant::now();
+        let handle = job.submit().expect("submit");
+        while handle.poll().expect("poll") != JobState::Done {
+            std::thread::yield_now();
+        }
+        if i >= warm {
+            polled.push(t0.elapsed().as_nanos() as f64 / 1000.0);
+        }
+    }
+    polled
+}
+
+/// The baseline: write(2) to an eventfd until the thread blocked in its
+/// read(2) runs, in µs.
+fn eventfd_wakes(warm: usize, n: usize) -> Vec<f64> {
+    // SAFETY: eventfd has no memory-safety preconditions.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(efd >= 0, "eventfd: {}", errno_str());
+    // SAFETY: the descriptor was just created and is owned by nobody else.
+    let efd = Arc::new(unsafe { OwnedFd::from_raw_fd(efd) });
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (done_tx, done_rx) = mpsc::channel::<Instant>();
+    let reader_fd = efd.clone();
+    let reader = std::thread::spawn(move || {
+        while go_rx.recv().is_ok() {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into `v`, a live u64.
+            let r = unsafe {
+                libc::read(
+                    reader_fd.as_raw_fd(),
+                    (&mut v as *mut u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            };
+            assert_eq!(r, 8, "eventfd read: {}", errno_str());
+            done_tx.send(Instant::now()).expect("send");
+        }
+    });
+    let mut event = Vec::with_capacity(n);
+    for i in 0..warm + n {
+        go_tx.send(()).expect("send");
+        std::thread::sleep(WAKE_PAUSE);
+        let one = 1u64;
+        let t0 = Instant::now();
+        // SAFETY: writes the 8 bytes of `one`.
+        let r = unsafe {
+            libc::write(
+                efd.as_raw_fd(),
+                (&one as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        };
+        assert_eq!(r, 8, "eventfd write: {}", errno_str());
+        let t1 = done_rx.recv().expect("recv");
+        if i >= warm {
+            event.push((t1 - t0).as_nanos() as f64 / 1000.0);
+        }
+    }
+    drop(go_tx);
+    reader.join().expect("reader");
+    event
+}
+
+/// Figure 7, scale: heap bytes per view with 1M slices (against a Box of a view's
+/// size); bytes per storage, user and kernel, with 10,000 live 4 KiB Dma
+/// tensors (against 10,000 dma-heap buffers); alloc/free time per buffer
+/// with 10 and with 10,000 live buffers in the file.
+fn fig7(c: &Ctx) {
+    const VIEWS: usize = 1_000_000;
+    let t = alloc(c, 4096, "fig7");
+    let mut per_view = Vec::new();
+    let mut per_box = Vec::new();
+    let mut slice_ns = Vec::new();
+    for _ in 0..3 {
+        let mut v: Vec<Tensor> = Vec::with_capacity(VIEWS);
+        let before = heap_in_use();
+        let t0 = Instant::now();
+        for i in 0..VIEWS {
+            v.push(t.slice((i % 64) * 64, 64, None).expect("slice"));
+        }
+        slice_ns.push(t0.elapsed().as_nanos() as f64 / VIEWS as f64);
+        per_view.push((heap_in_use() - before) as f64 / VIEWS as f64);
+        drop(v);
+        let mut b: Vec<Box<[u8; VIEW_HEAP_SIZE]>> = Vec::with_capacity(VIEWS);
+        let before = heap_in_use();
+        for _ in 0..VIEWS {
+            b.push(black_box(Box::new([0u8; VIEW_HEAP_SIZE])));
+        }
+        per_box.push((heap_in_use() - before) as f64 / VIEWS as f64);
+    }
+    let layout = [("view_heap_size", VIEW_HEAP_SIZE as f64)];
+    emit(
+        "7",
+        "view",
+        "tensor_slice",
+        "B",
+        &summarize(per_view),
+        &layout,
+    );
+    emit("7", "view", "box", "B", &summarize(per_box), &layout);
+    emit(
+        "7",
+        "view",
+        "slice_keep_time",
+        "ns",
+        &summarize(slice_ns),
+        &[],
+    );
+    drop(t);
+    note("fig7: 1M views done");
+
+    // Alloc/free time with few and with many live buffers.
+    const FEW: usize = 10;
+    const MANY: usize = 10_000;
+    let dev = &c.dev;
+    let measure = |label: &str| {
+        let mut cases: Vec<Case> = vec![
+            (
+                "tensor",
+                Box::new(|| drop(Tensor::allocate_on(dev, 0, 4096, None).expect("alloc"))),
+            ),
+            (
+                "raw_ioctls",
+                Box::new(|| {
+                    let a = dev.alloc(4096, 0).expect("ALLOC");
+                    dev.free(a.handle).expect("FREE");
+                }),
+            ),
+        ];
+        time_cases("7", label, (1, 7, 500), &mut cases);
+    };
+    let mut live: Vec<Tensor> = Vec::with_capacity(MANY);
+    for _ in 0..FEW {
+        live.push(alloc(c, 4096, "live"));
+    }
+    measure("live_10");
+    let heap0 = heap_in_use();
+    let free0 = meminfo("MemFree");
+    let slab0 = meminfo("Slab");
+    for _ in FEW..MANY {
+        live.push(alloc(c, 4096, "live"));
+    }
+    let added = (MANY - FEW) as f64;
+    let user = (heap_in_use() - heap0) as f64 / added;
+    let kernel = (free0 as f64 - meminfo("MemFree") as f64) / added - 4096.0;
+    let slab = (meminfo("Slab") as f64 - slab0 as f64) / added;
+    measure("live_10000");
+    live.truncate(FEW);
+    measure("live_10_after");
+    drop(live);
+
+    // The dma-heap baseline of the per-buffer kernel memory.
+    raise_nofile(16_384);
+    let heap = open_rw(dma_heap::SYSTEM);
+    let mut bufs = Vec::with_capacity(MANY);
+    let hfree0 = meminfo("MemFree");
+    let hslab0 = meminfo("Slab");
+    for _ in FEW..MANY {
+        let fd = heap_alloc(&heap, 4096);
+        let p = map_shared(&fd, 4096);
+        bufs.push((fd, p));
+    }
+    let hkernel = (hfree0 as f64 - meminfo("MemFree") as f64) / added - 4096.0;
+    let hslab = (meminfo("Slab") as f64 - hslab0 as f64) / added;
+    for (fd, p) in bufs {
+        unmap(p, 4096);
+        drop(fd);
+    }
+    let one = |x: f64| Summary::single(x, MANY - FEW);
+    emit("7", "storage", "tensor_user_heap", "B", &one(user), &[]);
+    emit(
+        "7",
+        "storage",
+        "tensor_kernel",
+        "B",
+        &one(kernel),
+        &[("slab", slab)],
+    );
+    emit(
+        "7",
+        "storage",
+        "dma_heap_kernel",
+        "B",
+        &one(hkernel),
+        &[("slab", hslab)],
+    );
+}
+
+fn main() {
+    let mut only: Option<Vec<String>> = None;
+    let mut path = "/dev/tdrv0".to_owned();
+    let mut profile = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--only" => {
+                let list = args.next().unwrap_or_default();
+                only = Some(list.split(',').map(str::to_owned).collect());
+            }
+            "--profile" => profile = true,
+            p => path = p.to_owned(),
+        }
+    }
+    let dev = ok("open", Device::open(&path));
+    emit_info(
+        "env",
+        &[
+            ("device", path.clone()),
+            ("device_kind", dev.kind().to_string()),
+            ("kernel", read_trim("/proc/sys/kernel/osrelease")),
+            (
+                "cpus",
+                std::thread::available_parallelism()
+                    .map_or(0, |n| n.get())
+                    .to_string(),
+            ),
+            (
+                "clocksource",
+                read_trim("/sys/devices/system/clocksource/clocksource0/current_clocksource"),
+            ),
+            (
+                "channel_mib",
+                read_trim("/sys/module/tdrv/parameters/channel_mib"),
+            ),
+            ("cmdline", read_trim("/proc/cmdline")),
+        ],
+    );
+    let c = Ctx { path, dev, profile };
+    let figs: [Figure; 6] = [
+        ("fig4", fig4),
+        ("fig1", fig1),
+        ("fig6", fig6),
+        ("fig5", fig5),
+        ("fig2", fig23),
+        ("fig7", fig7),
+    ];
+    let start = Instant::now();
+    for (name, f) in figs {
+        let wanted = only.as_ref().is_none_or(|l| {
+            l.iter()
+                .any(|x| x == name || (name == "fig2" && x == "fig3"))
+        });
+        if !wanted {
+            continue;
+        }
+        let t = Instant::now();
+        note(format!("{name}: start"));
+        f(&c);
+        note(format!(
+            "{name}: done in {:.3} s guest time",
+            t.elapsed().as_secs_f64()
+        ));
+    }
+    emit_info(
+        "done",
+        &[(
+            "guest_seconds",
+            format!("{:.3}", start.elapsed().as_secs_f64()),
+        )],
+    );
+}
