@@ -863,7 +863,7 @@ fn fig5(c: &Ctx) {
             ),
         ];
         time_cases("5", &size.to_string(), (1, 7, iters), &mut cases);
-        if c.profile && (size == 4 * KIB || size == MIB) {
+        if c.profile && (size == 4 * KIB || size == 64 * KIB) {
             profile_case(&format!("fig5 tensor {size}"), false, 10, || {
                 for _ in 0..iters {
                     drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"));
@@ -893,11 +893,19 @@ fn fig6(c: &Ctx) {
     let src = alloc(c, 4096, "fig6_src");
     let dst = alloc(c, 4096, "fig6_dst");
     let mut done = 0;
-    let (fence, submit) = fence_wakes(&src, &dst, &mut done, WARM, N);
+    let (fence, submit, after) = fence_wakes(&src, &dst, &mut done, WARM, N);
     let polled = polled_jobs(&src, &dst, WARM, N, true);
     let event = eventfd_wakes(WARM, N);
     emit("6", "wake", "fence", "us", &summarize(fence), &[]);
     emit("6", "wake", "eventfd", "us", &summarize(event), &[]);
+    emit(
+        "6",
+        "wake",
+        "fence_after_submit",
+        "us",
+        &summarize(after),
+        &[],
+    );
     emit("6", "wake", "submit_ioctl", "us", &summarize(submit), &[]);
     emit(
         "6",
@@ -920,15 +928,17 @@ fn fig6(c: &Ctx) {
 /// in the kernel (one CPU: it runs while we sleep).
 const WAKE_PAUSE: Duration = Duration::from_millis(1);
 
-/// Fence wake samples (µs) and the SUBMIT call's own time (µs). `done`
-/// counts the jobs that completed on `dst` so far.
+/// Fence wake samples (µs): from SUBMIT until the waiter runs, the SUBMIT
+/// call's own time, and from SUBMIT's return until the waiter runs (the
+/// engine picking the job up, the copy, the completion and the wake-up).
+/// `done` counts the jobs that completed on `dst` so far.
 fn fence_wakes(
     src: &Tensor,
     dst: &Tensor,
     done: &mut u64,
     warm: usize,
     n: usize,
-) -> (Vec<f64>, Vec<f64>) {
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     // The waiter blocks in COMPLETION_WAIT for the k-th completion.
     let (go_tx, go_rx) = mpsc::channel::<u64>();
     let (done_tx, done_rx) = mpsc::channel::<Instant>();
@@ -943,6 +953,7 @@ fn fence_wakes(
     });
     let mut wake = Vec::with_capacity(n);
     let mut submit = Vec::with_capacity(n);
+    let mut after = Vec::with_capacity(n);
     for i in 0..warm + n {
         let mut job = Job::new();
         job.copy(src, 0, dst, 0, 64).expect("job copy");
@@ -956,12 +967,13 @@ fn fence_wakes(
         if i >= warm {
             wake.push((t1 - t0).as_nanos() as f64 / 1000.0);
             submit.push((ts - t0).as_nanos() as f64 / 1000.0);
+            after.push((t1 - ts).as_nanos() as f64 / 1000.0);
         }
         drop(handle);
     }
     drop(go_tx);
     waiter.join().expect("waiter");
-    (wake, submit)
+    (wake, submit, after)
 }
 
 /// Diagnostic: SUBMIT until the job is seen done by a poller that yields
@@ -1090,6 +1102,9 @@ fn fig7(c: &Ctx) {
     const MANY: usize = 10_000;
     let dev = &c.dev;
     let measure = |label: &str| {
+        // Let deferred frees (RCU callbacks, workers) of earlier steps run
+        // before timing: idle guest time costs no host time.
+        std::thread::sleep(Duration::from_secs(2));
         let mut cases: Vec<Case> = vec![
             (
                 "tensor",
