@@ -25,7 +25,7 @@ use kernel::{
         Arc,
         Mutex, //
     },
-    uaccess::UserPtr,
+    uaccess::UserPtr, //
 };
 
 use crate::{

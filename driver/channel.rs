@@ -90,7 +90,11 @@ impl Channels {
     }
 
     pub(crate) fn stats(&self, channel: u32) -> Result<ChannelStats> {
-        self.stats.lock().get(channel as usize).copied().ok_or(EINVAL)
+        self.stats
+            .lock()
+            .get(channel as usize)
+            .copied()
+            .ok_or(EINVAL)
     }
 }
 

@@ -29,18 +29,18 @@ use kernel::{
         Arc,
         CondVar,
         Mutex, //
-    },
+    }, //
 };
 
 use crate::{
     buffer::Buffer,
     channel::Channels,
     engine::Engine,
-    handle::HandleTable,
     file::{
         FileState,
         TdrvFile, //
     },
+    handle::HandleTable, //
 };
 
 /// Most tdrv devices at once (software and hardware together).
@@ -216,7 +216,10 @@ impl TdrvDevice {
 
     /// Runs `f` with the bound bus device, or fails with ENODEV after
     /// unbind. The lock keeps unbind from completing while `f` runs.
-    pub(crate) fn with_bound<R>(&self, f: impl FnOnce(&device::Device<Bound>) -> Result<R>) -> Result<R> {
+    pub(crate) fn with_bound<R>(
+        &self,
+        f: impl FnOnce(&device::Device<Bound>) -> Result<R>,
+    ) -> Result<R> {
         let access = self.access.lock();
         if !access.bound {
             return Err(ENODEV);
@@ -306,8 +309,6 @@ impl TdrvDevice {
             self.stats.open_files.fetch_sub(1, Relaxed);
         }
     }
-
-
 }
 
 /// Proof that an ioctl or mmap is using the device (see

@@ -66,7 +66,7 @@ use kernel::{
         new_delayed_work,
         DelayedWork,
         WorkItem, //
-    },
+    }, //
 };
 
 use crate::{
@@ -79,7 +79,7 @@ use crate::{
     engine::Engine,
     job::Job,
     stats::DeviceDebugfs,
-    uapi::DEVICE_EDU,
+    uapi::DEVICE_EDU, //
 };
 
 type Bar0 = pci::Bar<'static, BAR0_SIZE>;
@@ -279,6 +279,13 @@ impl EduEngine {
             .unwrap_or(false)
     }
 
+    /// True while a DMA completion interrupt is raised but not handled.
+    fn dma_irq_pending(&self) -> bool {
+        self.bar
+            .try_access_with(|bar| bar.read(IRQ_STATUS).value().get() & IRQ_DMA != 0)
+            .unwrap_or(false)
+    }
+
     /// Watchdog: runs while a chunk is in flight.
     fn check_deadline(self: &Arc<Self>) {
         let finished = {
@@ -296,7 +303,12 @@ impl EduEngine {
                 let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
                 return;
             }
-            if !self.dma_running() {
+            if self.dma_irq_pending() {
+                // The transfer just finished and its interrupt is on its
+                // way: let the interrupt handler advance the engine.
+                let _ = workqueue::system().enqueue_delayed(self.clone(), 1);
+                None
+            } else if !self.dma_running() {
                 // The transfer finished but its interrupt was lost: treat
                 // this as the completion.
                 self.spurious_irqs.add(1, Relaxed);
@@ -482,7 +494,8 @@ impl pci::Driver for EduDriver {
                 Engine::Edu(engine.clone()),
             )?;
             let debugfs = DeviceDebugfs::new(&device)?;
-            let vectors = pdev.alloc_irq_vectors(1, 1, pci::IrqTypes::default().with(pci::IrqType::Msi))?;
+            let vectors =
+                pdev.alloc_irq_vectors(1, 1, pci::IrqTypes::default().with(pci::IrqType::Msi))?;
             dev_info!(
                 pdev.as_ref(),
                 "edu bound as /dev/{} ({}-bit DMA)\n",

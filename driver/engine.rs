@@ -23,7 +23,7 @@ use kernel::{
         new_work,
         Work,
         WorkItem, //
-    },
+    }, //
 };
 
 use crate::{

@@ -27,7 +27,7 @@ use kernel::{
     time::{
         msecs_to_jiffies,
         Jiffies, //
-    },
+    }, //
 };
 
 use crate::uapi::{
@@ -77,7 +77,8 @@ pub(crate) struct FenceCounts {
 impl FenceCounts {
     /// True when none of the counters selected by `kind` is pending.
     pub(crate) fn idle(&self, kind: u32) -> bool {
-        (kind & FENCE_READS == 0 || self.reads == 0) && (kind & FENCE_WRITES == 0 || self.writes == 0)
+        (kind & FENCE_READS == 0 || self.reads == 0)
+            && (kind & FENCE_WRITES == 0 || self.writes == 0)
     }
 }
 
@@ -173,7 +174,11 @@ impl Fence {
                 Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut c, left) {
                     CondVarTimeoutResult::Woken { jiffies } => left = jiffies,
                     CondVarTimeoutResult::Timeout => {
-                        return if done(&c) { Ok(*c) } else { Err((ETIMEDOUT, *c)) };
+                        return if done(&c) {
+                            Ok(*c)
+                        } else {
+                            Err((ETIMEDOUT, *c))
+                        };
                     }
                     CondVarTimeoutResult::Signal { .. } => return Err((EINTR, *c)),
                 },

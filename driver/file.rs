@@ -26,7 +26,7 @@ use kernel::{
     uaccess::{
         UserPtr,
         UserSlice, //
-    },
+    }, //
 };
 
 use crate::{
@@ -44,7 +44,7 @@ use crate::{
     },
     mmap,
     range::checked_range,
-    uapi::{self, *},
+    uapi::{self, *}, //
 };
 
 /// Largest descriptor stride `TDRV_IOC_SUBMIT` accepts (room for growth).
@@ -385,7 +385,8 @@ impl TdrvFile {
         }
         let count = a.desc_count as usize;
         // Bounded by MAX_JOB_DESCS * MAX_DESC_SIZE: no overflow.
-        let mut reader = UserSlice::new(UserPtr::from_addr(a.descs as usize), count * stride).reader();
+        let mut reader =
+            UserSlice::new(UserPtr::from_addr(a.descs as usize), count * stride).reader();
         let mut transfers = KVec::with_capacity(count, GFP_KERNEL)?;
         let mut tail = [0u8; MAX_DESC_SIZE];
         for _ in 0..count {
@@ -407,7 +408,11 @@ impl TdrvFile {
         if a.state != 0 || a.status != 0 || any_nonzero(&a.reserved) {
             return Err(EINVAL);
         }
-        let (state, status) = match self.state.jobs.wait(a.job_id, Timeout::from_us(a.timeout_us))? {
+        let (state, status) = match self
+            .state
+            .jobs
+            .wait(a.job_id, Timeout::from_us(a.timeout_us))?
+        {
             JobStatus::Pending => (JOB_PENDING, 0),
             JobStatus::Done(errno) => (JOB_DONE, errno),
         };
@@ -441,7 +446,9 @@ impl TdrvFile {
         let buf = self.buffer(a.handle)?;
         let r = buf
             .fence
-            .wait_until(Timeout::from_us(a.timeout_us), |c| c.completions >= a.expected)
+            .wait_until(Timeout::from_us(a.timeout_us), |c| {
+                c.completions >= a.expected
+            })
             .map(|c| c.completions)
             .map_err(|(e, _)| e);
         self.note_wait(&r);

@@ -129,7 +129,10 @@ impl<T> HandleTable<T> {
 
     /// Calls `f` on every live item.
     pub(crate) fn for_each(&self, mut f: impl FnMut(&T)) {
-        self.slots.iter().filter_map(|s| s.item.as_ref()).for_each(|item| f(item));
+        self.slots
+            .iter()
+            .filter_map(|s| s.item.as_ref())
+            .for_each(|item| f(item));
     }
 }
 

@@ -28,7 +28,7 @@ use kernel::{
         CondVar,
         CondVarTimeoutResult,
         Mutex, //
-    },
+    }, //
 };
 
 use crate::{
@@ -49,7 +49,8 @@ pub(crate) struct Transfer {
 impl Transfer {
     /// Runs the transfer with the CPU (software engine).
     pub(crate) fn run_on_cpu(&self) {
-        self.dst.copy_from(self.dst_offset, &self.src, self.src_range);
+        self.dst
+            .copy_from(self.dst_offset, &self.src, self.src_range);
     }
 }
 

@@ -24,7 +24,7 @@ use kernel::{
         PAGE_SIZE, //
     },
     prelude::*,
-    sync::Arc,
+    sync::Arc, //
 };
 
 use crate::buffer::Buffer;

@@ -42,9 +42,27 @@ mod tests {
 
     #[test]
     fn inside_and_edges() {
-        assert_eq!(checked_range(0, 4096, 4096), Ok(ByteRange { start: 0, len: 4096 }));
-        assert_eq!(checked_range(4096, 0, 4096), Ok(ByteRange { start: 4096, len: 0 }));
-        assert_eq!(checked_range(4095, 1, 4096), Ok(ByteRange { start: 4095, len: 1 }));
+        assert_eq!(
+            checked_range(0, 4096, 4096),
+            Ok(ByteRange {
+                start: 0,
+                len: 4096
+            })
+        );
+        assert_eq!(
+            checked_range(4096, 0, 4096),
+            Ok(ByteRange {
+                start: 4096,
+                len: 0
+            })
+        );
+        assert_eq!(
+            checked_range(4095, 1, 4096),
+            Ok(ByteRange {
+                start: 4095,
+                len: 1
+            })
+        );
         assert_eq!(checked_range(4095, 2, 4096), Err(ERANGE));
         assert_eq!(checked_range(4097, 0, 4096), Err(ERANGE));
     }
@@ -55,7 +73,13 @@ mod tests {
         assert_eq!(checked_range(1, u64::MAX, 4096), Err(ERANGE));
         assert_eq!(checked_range(u64::MAX, u64::MAX, usize::MAX), Err(ERANGE));
         assert_eq!(checked_range(u64::MAX - 1, 2, usize::MAX), Err(ERANGE));
-        assert_eq!(checked_range(u64::MAX - 1, 1, usize::MAX), Ok(ByteRange { start: usize::MAX - 1, len: 1 }));
+        assert_eq!(
+            checked_range(u64::MAX - 1, 1, usize::MAX),
+            Ok(ByteRange {
+                start: usize::MAX - 1,
+                len: 1
+            })
+        );
     }
 
     #[test]

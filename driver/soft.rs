@@ -3,29 +3,21 @@
 //! The software device: a faux bus device with DMA-coherent memory and the
 //! CPU copy engine, so that tdrv works on any machine.
 
-use kernel::{
-    bindings,
-    device,
-    error::to_result,
-    faux,
-    prelude::*,
-    str::CString,
-    sync::Arc,
-};
+use kernel::{bindings, device, error::to_result, faux, prelude::*, str::CString, sync::Arc};
 
 use crate::{
     device::{
-        DeviceIndex,
         raw_device,
+        DeviceIndex,
         DeviceNode,
         TdrvDevice, //
     },
-    stats::DeviceDebugfs,
     engine::{
         Engine,
         SoftEngine, //
     },
-    uapi::DEVICE_SOFT,
+    stats::DeviceDebugfs,
+    uapi::DEVICE_SOFT, //
 };
 
 /// Sets the coherent DMA mask of a faux device, which 7.2 cannot do safely

@@ -13,7 +13,7 @@ use kernel::{
     sync::{
         atomic::Relaxed,
         Arc, //
-    },
+    }, //
 };
 
 use crate::{

@@ -128,7 +128,10 @@ impl InPlaceModule for TdrvModule {
             let root = stats::RootGuard;
             let mut soft = KVec::with_capacity(p.soft_devices as usize, GFP_KERNEL)?;
             for _ in 0..p.soft_devices {
-                soft.push(KBox::pin_init(SoftDevice::new(p.channels, p.channel_limit), GFP_KERNEL)?, GFP_KERNEL)?;
+                soft.push(
+                    KBox::pin_init(SoftDevice::new(p.channels, p.channel_limit), GFP_KERNEL)?,
+                    GFP_KERNEL,
+                )?;
             }
             pr_info!(
                 "loaded: {} software device(s), {} channel(s) of {} MiB each\n",

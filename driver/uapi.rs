@@ -29,7 +29,7 @@ use kernel::{
     uaccess::{
         UserPtr,
         UserSlice, //
-    },
+    }, //
 };
 
 pub(crate) const ABI_MAJOR: u32 = 1;

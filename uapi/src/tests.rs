@@ -15,7 +15,10 @@ use std::{
 };
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 #[test]
@@ -43,7 +46,10 @@ fn request_numbers_are_pinned() {
 fn request_with_size_replaces_only_the_size() {
     let r = request_with_size(TDRV_IOC_ALLOC, 8);
     assert_eq!(r, 0xC008_D702);
-    assert_eq!(request_with_size(r, size_of::<tdrv_alloc>()), TDRV_IOC_ALLOC);
+    assert_eq!(
+        request_with_size(r, size_of::<tdrv_alloc>()),
+        TDRV_IOC_ALLOC
+    );
 }
 
 /// Compiles a C program against uapi/tdrv.h and compares every struct size,
@@ -122,7 +128,10 @@ fn c_compiler_agrees_with_rust() {
         .collect();
     std::fs::remove_dir_all(&dir).ok();
     let diffs: Vec<_> = rust.iter().filter(|(k, v)| c.get(*k) != Some(v)).collect();
-    assert!(diffs.is_empty(), "Rust and C disagree: {diffs:?} (C: {c:?})");
+    assert!(
+        diffs.is_empty(),
+        "Rust and C disagree: {diffs:?} (C: {c:?})"
+    );
     assert_eq!(c.len(), rust.len());
 }
 

@@ -24,7 +24,11 @@ impl Tap {
     pub fn new(planned: usize) -> Self {
         println!("TAP version 13");
         println!("1..{planned}");
-        Tap { planned, run: 0, failed: 0 }
+        Tap {
+            planned,
+            run: 0,
+            failed: 0,
+        }
     }
 
     /// Records one test: `outcome` is a bool or a `Result` whose error says why.
@@ -40,6 +44,11 @@ impl Tap {
                 }
             }
         }
+    }
+
+    /// Runs one test body and records its outcome.
+    pub fn run(&mut self, name: &str, body: impl FnOnce() -> Result<(), String>) {
+        self.check(name, body());
     }
 
     /// Records a test that cannot run here, with the reason.
@@ -74,7 +83,11 @@ pub trait Outcome {
 
 impl Outcome for bool {
     fn into_result(self) -> Result<(), String> {
-        if self { Ok(()) } else { Err("check was false".into()) }
+        if self {
+            Ok(())
+        } else {
+            Err("check was false".into())
+        }
     }
 }
 
@@ -84,7 +97,60 @@ impl<E: Display> Outcome for Result<(), E> {
     }
 }
 
+/// Turns a raw call's errno into a message naming the step.
+pub fn ok<T>(what: &str, r: Result<T, raw::Errno>) -> Result<T, String> {
+    r.map_err(|e| {
+        format!(
+            "{what}: errno {e} ({})",
+            std::io::Error::from_raw_os_error(e)
+        )
+    })
+}
+
+/// Passes only if `got` failed with exactly `want`.
+pub fn expect_err<T: std::fmt::Debug>(
+    what: &str,
+    got: Result<T, raw::Errno>,
+    want: raw::Errno,
+) -> Result<(), String> {
+    match got {
+        Err(e) if e == want => Ok(()),
+        other => Err(format!("{what}: got {other:?}, want Err({want})")),
+    }
+}
+
+/// Opens the device named by the first argument (default `default`). If it
+/// cannot be opened, or `wanted_kind` is given and differs, prints a
+/// skipped TAP plan and exits with the kselftest skip code.
+pub fn open_device_or_skip(
+    default: &str,
+    wanted_kind: Option<u32>,
+) -> (raw::Dev, String, tdrv_uapi::tdrv_version) {
+    let path = std::env::args().nth(1).unwrap_or_else(|| default.into());
+    let opened = raw::Dev::open(&path).and_then(|d| d.version().map(|v| (d, v)));
+    match opened {
+        Ok((dev, v)) if wanted_kind.is_none_or(|k| k == v.device_kind) => (dev, path, v),
+        Ok(_) => skip_all(&format!(
+            "{path} is not the kind of device this program tests"
+        )),
+        Err(e) => skip_all(&format!("cannot open {path}: errno {e}")),
+    }
+}
+
+fn skip_all(reason: &str) -> ! {
+    println!("TAP version 13\n1..0 # SKIP {reason}");
+    std::process::exit(KSFT_SKIP)
+}
+
 /// Fails with a message naming both values when they differ.
-pub fn expect_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: T, want: T) -> Result<(), String> {
-    if got == want { Ok(()) } else { Err(format!("{what}: got {got:?}, want {want:?}")) }
+pub fn expect_eq<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: T,
+    want: T,
+) -> Result<(), String> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("{what}: got {got:?}, want {want:?}"))
+    }
 }

@@ -31,7 +31,9 @@ impl Dev {
             return Err(errno());
         }
         // SAFETY: `fd` was just returned by open(2) and is owned by nobody else.
-        Ok(Dev { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Dev {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     pub fn fd(&self) -> i32 {
@@ -46,7 +48,11 @@ impl Dev {
         // SAFETY: `arg` is a live, exclusively borrowed buffer at least as
         // large as the size encoded in `request` (asserted above).
         let r = unsafe { libc::ioctl(self.fd(), request as _, arg as *mut T) };
-        if r < 0 { Err(errno()) } else { Ok(r) }
+        if r < 0 {
+            Err(errno())
+        } else {
+            Ok(r)
+        }
     }
 
     /// Issues `request` with an arbitrary address (e.g. unmapped memory).
@@ -57,7 +63,11 @@ impl Dev {
     pub unsafe fn ioctl_addr(&self, request: u64, addr: usize) -> Result<i32, Errno> {
         // SAFETY: delegated to the caller.
         let r = unsafe { libc::ioctl(self.fd(), request as _, addr) };
-        if r < 0 { Err(errno()) } else { Ok(r) }
+        if r < 0 {
+            Err(errno())
+        } else {
+            Ok(r)
+        }
     }
 
     pub fn version(&self) -> Result<tdrv_version, Errno> {
@@ -66,22 +76,35 @@ impl Dev {
     }
 
     pub fn channel_info(&self, channel: u32) -> Result<tdrv_channel_info, Errno> {
-        let mut c = tdrv_channel_info { channel, ..Default::default() };
+        let mut c = tdrv_channel_info {
+            channel,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_CHANNEL_INFO, &mut c).map(|_| c)
     }
 
     pub fn alloc(&self, size: u64, channel: u32) -> Result<tdrv_alloc, Errno> {
-        let mut a = tdrv_alloc { size, channel, ..Default::default() };
+        let mut a = tdrv_alloc {
+            size,
+            channel,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_ALLOC, &mut a).map(|_| a)
     }
 
     pub fn free(&self, handle: u64) -> Result<(), Errno> {
-        let mut f = tdrv_free { handle, ..Default::default() };
+        let mut f = tdrv_free {
+            handle,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_FREE, &mut f).map(drop)
     }
 
     pub fn buf_info(&self, handle: u64) -> Result<tdrv_buf_info, Errno> {
-        let mut b = tdrv_buf_info { handle, ..Default::default() };
+        let mut b = tdrv_buf_info {
+            handle,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_BUF_INFO, &mut b).map(|_| b)
     }
 
@@ -108,12 +131,21 @@ impl Dev {
     }
 
     pub fn memset(&self, handle: u64, offset: u64, size: u64, value: u32) -> Result<(), Errno> {
-        let mut m = tdrv_memset { handle, offset, size, value, ..Default::default() };
+        let mut m = tdrv_memset {
+            handle,
+            offset,
+            size,
+            value,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_MEMSET, &mut m).map(drop)
     }
 
     pub fn copy(&self, desc: tdrv_copy_desc) -> Result<(), Errno> {
-        let mut c = tdrv_copy { desc, ..Default::default() };
+        let mut c = tdrv_copy {
+            desc,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_COPY, &mut c).map(drop)
     }
 
@@ -129,23 +161,48 @@ impl Dev {
 
     /// Waits for a job; returns (state, status).
     pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> Result<(u32, i32), Errno> {
-        let mut w = tdrv_job_wait { job_id, timeout_us, ..Default::default() };
-        self.ioctl(TDRV_IOC_JOB_WAIT, &mut w).map(|_| (w.state, w.status))
+        let mut w = tdrv_job_wait {
+            job_id,
+            timeout_us,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_JOB_WAIT, &mut w)
+            .map(|_| (w.state, w.status))
     }
 
     pub fn fence_wait(&self, handle: u64, kind: u32, timeout_us: i64) -> Result<(), Errno> {
-        let mut f = tdrv_fence_wait { handle, kind, timeout_us, ..Default::default() };
+        let mut f = tdrv_fence_wait {
+            handle,
+            kind,
+            timeout_us,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_FENCE_WAIT, &mut f).map(drop)
     }
 
     /// Waits for `expected` completions; returns the count seen.
-    pub fn completion_wait(&self, handle: u64, expected: u64, timeout_us: i64) -> Result<u64, (Errno, u64)> {
-        let mut c = tdrv_completion_wait { handle, expected, timeout_us, ..Default::default() };
-        self.ioctl(TDRV_IOC_COMPLETION_WAIT, &mut c).map(|_| c.count).map_err(|e| (e, c.count))
+    pub fn completion_wait(
+        &self,
+        handle: u64,
+        expected: u64,
+        timeout_us: i64,
+    ) -> Result<u64, (Errno, u64)> {
+        let mut c = tdrv_completion_wait {
+            handle,
+            expected,
+            timeout_us,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_COMPLETION_WAIT, &mut c)
+            .map(|_| c.count)
+            .map_err(|e| (e, c.count))
     }
 
     pub fn completion_reset(&self, handle: u64) -> Result<(), Errno> {
-        let mut c = tdrv_completion_reset { handle, ..Default::default() };
+        let mut c = tdrv_completion_reset {
+            handle,
+            ..Default::default()
+        };
         self.ioctl(TDRV_IOC_COMPLETION_RESET, &mut c).map(drop)
     }
 

@@ -6,30 +6,24 @@
 use std::mem::size_of;
 
 use tdrv_guest_tests::{
-    expect_eq,
+    expect_eq, expect_err, open_device_or_skip,
     raw::{Dev, Errno},
     Tap,
 };
 use tdrv_uapi::*;
 
-fn device_path() -> String {
-    std::env::args().nth(1).unwrap_or_else(|| "/dev/tdrv0".into())
-}
-
 /// Sends `request` with a buffer of `size` bytes (zeroed unless `fill`).
-fn send_sized(dev: &Dev, request: u64, size: usize, fill: impl Fn(&mut [u8])) -> Result<i32, Errno> {
+fn send_sized(
+    dev: &Dev,
+    request: u64,
+    size: usize,
+    fill: impl Fn(&mut [u8]),
+) -> Result<i32, Errno> {
     let mut buf = vec![0u8; size.max(1) + 64];
     fill(&mut buf[..size]);
     // SAFETY: `buf` is a live heap buffer larger than `size`, the size
     // encoded in the request, so the kernel cannot write past it.
     unsafe { dev.ioctl_addr(request_with_size(request, size), buf.as_mut_ptr() as usize) }
-}
-
-fn expect_err(what: &str, got: Result<i32, Errno>, want: Errno) -> Result<(), String> {
-    match got {
-        Err(e) if e == want => Ok(()),
-        other => Err(format!("{what}: got {other:?}, want Err({want})")),
-    }
 }
 
 /// Size of the argument struct of each request.
@@ -38,180 +32,393 @@ fn arg_size(request: u64) -> usize {
 }
 
 fn main() {
-    let path = device_path();
-    let dev = match Dev::open(&path) {
-        Ok(d) => d,
-        Err(e) => {
-            println!("TAP version 13\n1..0 # SKIP cannot open {path}: errno {e}");
-            std::process::exit(tdrv_guest_tests::KSFT_SKIP);
-        }
-    };
+    let (dev, _, _) = open_device_or_skip("/dev/tdrv0", None);
     let mut t = Tap::new(12);
 
-    t.check("version reports ABI 1 and features", (|| -> Result<(), String> {
-        let v = dev.version().map_err(|e| format!("errno {e}"))?;
-        expect_eq("abi_major", v.abi_major, TDRV_ABI_MAJOR)?;
-        let want = (TDRV_FEAT_MMAP | TDRV_FEAT_SUBMIT | TDRV_FEAT_COMPLETION) as u64;
-        expect_eq("base features", v.features & want, want)?;
-        expect_eq("max_buffer_size", v.max_buffer_size, TDRV_MAX_BUFFER_SIZE as u64)?;
-        if v.num_channels == 0 {
-            return Err("no channels".into());
-        }
-        if v.device_kind != TDRV_DEVICE_SOFT && v.device_kind != TDRV_DEVICE_EDU {
-            return Err(format!("unknown device kind {}", v.device_kind));
-        }
-        expect_eq("reserved", v.reserved, [0; 4])
-    })());
-
-    t.check("every pinned request number is served", (|| -> Result<(), String> {
-        for (name, req) in ALL_REQUESTS {
-            // A zeroed argument is invalid for most requests; what matters
-            // is that the driver recognises the number (no ENOTTY).
-            if let Err(libc::ENOTTY) = send_sized(&dev, *req, arg_size(*req), |_| {}) {
-                return Err(format!("{name} ({req:#x}) gave ENOTTY"));
+    t.run(
+        "version reports ABI 1 and features",
+        || -> Result<(), String> {
+            let v = dev.version().map_err(|e| format!("errno {e}"))?;
+            expect_eq("abi_major", v.abi_major, TDRV_ABI_MAJOR)?;
+            let want = (TDRV_FEAT_MMAP | TDRV_FEAT_SUBMIT | TDRV_FEAT_COMPLETION) as u64;
+            expect_eq("base features", v.features & want, want)?;
+            expect_eq(
+                "max_buffer_size",
+                v.max_buffer_size,
+                TDRV_MAX_BUFFER_SIZE as u64,
+            )?;
+            if v.num_channels == 0 {
+                return Err("no channels".into());
             }
-        }
-        Ok(())
-    })());
+            if v.device_kind != TDRV_DEVICE_SOFT && v.device_kind != TDRV_DEVICE_EDU {
+                return Err(format!("unknown device kind {}", v.device_kind));
+            }
+            expect_eq("reserved", v.reserved, [0; 4])
+        },
+    );
 
-    t.check("unknown number, magic or direction gives ENOTTY", (|| -> Result<(), String> {
-        let alloc = TDRV_IOC_ALLOC;
-        expect_err("nr 0x7f", send_sized(&dev, (alloc & !0xff) | 0x7f, 56, |_| {}), libc::ENOTTY)?;
-        expect_err("magic", send_sized(&dev, (alloc & !0xff00) | (0x42 << 8), 56, |_| {}), libc::ENOTTY)?;
-        // ALLOC as _IOW instead of _IOWR.
-        let wrong_dir = (alloc & !(3 << 30)) | (1 << 30);
-        expect_err("direction", send_sized(&dev, wrong_dir, 56, |_| {}), libc::ENOTTY)
-    })());
+    t.run(
+        "every pinned request number is served",
+        || -> Result<(), String> {
+            for (name, req) in ALL_REQUESTS {
+                // A zeroed argument is invalid for most requests; what matters
+                // is that the driver recognises the number (no ENOTTY).
+                if let Err(libc::ENOTTY) = send_sized(&dev, *req, arg_size(*req), |_| {}) {
+                    return Err(format!("{name} ({req:#x}) gave ENOTTY"));
+                }
+            }
+            Ok(())
+        },
+    );
 
-    t.check("a struct smaller than the ABI's gives EINVAL", (|| -> Result<(), String> {
-        for (name, req) in ALL_REQUESTS {
-            let r = send_sized(&dev, *req, arg_size(*req) - 1, |_| {});
-            expect_err(name, r, libc::EINVAL)?;
-        }
-        Ok(())
-    })());
+    t.run(
+        "unknown number, magic or direction gives ENOTTY",
+        || -> Result<(), String> {
+            let alloc = TDRV_IOC_ALLOC;
+            expect_err(
+                "nr 0x7f",
+                send_sized(&dev, (alloc & !0xff) | 0x7f, 56, |_| {}),
+                libc::ENOTTY,
+            )?;
+            expect_err(
+                "magic",
+                send_sized(&dev, (alloc & !0xff00) | (0x42 << 8), 56, |_| {}),
+                libc::ENOTTY,
+            )?;
+            // ALLOC as _IOW instead of _IOWR.
+            let wrong_dir = (alloc & !(3 << 30)) | (1 << 30);
+            expect_err(
+                "direction",
+                send_sized(&dev, wrong_dir, 56, |_| {}),
+                libc::ENOTTY,
+            )
+        },
+    );
 
-    t.check("a larger struct with a zero tail is accepted", (|| -> Result<(), String> {
-        let size = size_of::<tdrv_alloc>() + 16;
-        send_sized(&dev, TDRV_IOC_ALLOC, size, |b| b[..8].copy_from_slice(&4096u64.to_ne_bytes()))
+    t.run(
+        "a struct smaller than the ABI's gives EINVAL",
+        || -> Result<(), String> {
+            for (name, req) in ALL_REQUESTS {
+                let r = send_sized(&dev, *req, arg_size(*req) - 1, |_| {});
+                expect_err(name, r, libc::EINVAL)?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "a larger struct with a zero tail is accepted",
+        || -> Result<(), String> {
+            let size = size_of::<tdrv_alloc>() + 16;
+            send_sized(&dev, TDRV_IOC_ALLOC, size, |b| {
+                b[..8].copy_from_slice(&4096u64.to_ne_bytes())
+            })
             .map_err(|e| format!("ALLOC with zero tail: errno {e}"))?;
-        send_sized(&dev, TDRV_IOC_VERSION, size_of::<tdrv_version>() + 8, |_| {})
+            send_sized(
+                &dev,
+                TDRV_IOC_VERSION,
+                size_of::<tdrv_version>() + 8,
+                |_| {},
+            )
             .map(drop)
             .map_err(|e| format!("VERSION with zero tail: errno {e}"))
-    })());
+        },
+    );
 
-    t.check("a non-zero unknown tail gives E2BIG", (|| -> Result<(), String> {
-        let size = size_of::<tdrv_alloc>() + 16;
-        let r = send_sized(&dev, TDRV_IOC_ALLOC, size, |b| {
-            b[..8].copy_from_slice(&4096u64.to_ne_bytes());
-            b[size - 1] = 1;
-        });
-        expect_err("ALLOC", r, libc::E2BIG)
-    })());
+    t.run(
+        "a non-zero unknown tail gives E2BIG",
+        || -> Result<(), String> {
+            let size = size_of::<tdrv_alloc>() + 16;
+            let r = send_sized(&dev, TDRV_IOC_ALLOC, size, |b| {
+                b[..8].copy_from_slice(&4096u64.to_ne_bytes());
+                b[size - 1] = 1;
+            });
+            expect_err("ALLOC", r, libc::E2BIG)
+        },
+    );
 
-    t.check("an absurd struct size gives EINVAL", (|| -> Result<(), String> {
-        expect_err("ALLOC 16000 bytes", send_sized(&dev, TDRV_IOC_ALLOC, 16000, |_| {}), libc::EINVAL)
-    })());
+    t.run(
+        "an absurd struct size gives EINVAL",
+        || -> Result<(), String> {
+            expect_err(
+                "ALLOC 16000 bytes",
+                send_sized(&dev, TDRV_IOC_ALLOC, 16000, |_| {}),
+                libc::EINVAL,
+            )
+        },
+    );
 
-    t.check("non-zero reserved or padding fields give EINVAL", (|| -> Result<(), String> {
-        let a = dev.alloc(4096, 0).map_err(|e| format!("alloc: errno {e}"))?;
-        let h = a.handle;
-        let mut alloc = tdrv_alloc { size: 4096, flags: 1, ..Default::default() };
-        expect_err("alloc.flags", dev.ioctl(TDRV_IOC_ALLOC, &mut alloc), libc::EINVAL)?;
-        let mut alloc = tdrv_alloc { size: 4096, reserved: [0, 1], ..Default::default() };
-        expect_err("alloc.reserved", dev.ioctl(TDRV_IOC_ALLOC, &mut alloc), libc::EINVAL)?;
-        let mut alloc = tdrv_alloc { size: 4096, handle: 5, ..Default::default() };
-        expect_err("alloc.handle (out field)", dev.ioctl(TDRV_IOC_ALLOC, &mut alloc), libc::EINVAL)?;
-        let mut ci = tdrv_channel_info { pad: 1, ..Default::default() };
-        expect_err("channel_info.pad", dev.ioctl(TDRV_IOC_CHANNEL_INFO, &mut ci), libc::EINVAL)?;
-        let mut f = tdrv_free { handle: h, reserved: 1 };
-        expect_err("free.reserved", dev.ioctl(TDRV_IOC_FREE, &mut f), libc::EINVAL)?;
-        let mut bi = tdrv_buf_info { handle: h, pad: 1, ..Default::default() };
-        expect_err("buf_info.pad", dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi), libc::EINVAL)?;
-        let mut bi = tdrv_buf_info { handle: h, reserved: [1, 0], ..Default::default() };
-        expect_err("buf_info.reserved", dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi), libc::EINVAL)?;
-        let data = [0u8; 8];
-        let mut x = tdrv_xfer { handle: h, size: 8, user_ptr: data.as_ptr() as u64, reserved: [0, 1], ..Default::default() };
-        expect_err("copy_in.reserved", dev.ioctl(TDRV_IOC_COPY_IN, &mut x), libc::EINVAL)?;
-        expect_err("copy_out.reserved", dev.ioctl(TDRV_IOC_COPY_OUT, &mut x), libc::EINVAL)?;
-        let mut m = tdrv_memset { handle: h, size: 8, pad: 1, ..Default::default() };
-        expect_err("memset.pad", dev.ioctl(TDRV_IOC_MEMSET, &mut m), libc::EINVAL)?;
-        let mut m = tdrv_memset { handle: h, size: 8, value: 256, ..Default::default() };
-        expect_err("memset.value 256", dev.ioctl(TDRV_IOC_MEMSET, &mut m), libc::EINVAL)?;
-        let desc = tdrv_copy_desc { src_handle: h, dst_handle: h, size: 8, dst_offset: 8, ..Default::default() };
-        let mut c = tdrv_copy { desc, reserved: [1, 0] };
-        expect_err("copy.reserved", dev.ioctl(TDRV_IOC_COPY, &mut c), libc::EINVAL)?;
-        let descs = [desc];
-        let base = tdrv_submit {
-            descs: descs.as_ptr() as u64,
-            desc_count: 1,
-            desc_size: size_of::<tdrv_copy_desc>() as u32,
-            ..Default::default()
-        };
-        for (field, s) in [
-            ("flags", tdrv_submit { flags: 1, ..base }),
-            ("pad", tdrv_submit { pad: 1, ..base }),
-            ("job_id (out field)", tdrv_submit { job_id: 1, ..base }),
-            ("reserved", tdrv_submit { reserved: [0, 1], ..base }),
-        ] {
-            let mut s = s;
-            expect_err(&format!("submit.{field}"), dev.ioctl(TDRV_IOC_SUBMIT, &mut s), libc::EINVAL)?;
-        }
-        let mut jw = tdrv_job_wait { job_id: 1, reserved: [1, 0], ..Default::default() };
-        expect_err("job_wait.reserved", dev.ioctl(TDRV_IOC_JOB_WAIT, &mut jw), libc::EINVAL)?;
-        let mut fw = tdrv_fence_wait { handle: h, kind: TDRV_FENCE_ALL, pad: 1, ..Default::default() };
-        expect_err("fence_wait.pad", dev.ioctl(TDRV_IOC_FENCE_WAIT, &mut fw), libc::EINVAL)?;
-        let mut cw = tdrv_completion_wait { handle: h, reserved: [0, 1], ..Default::default() };
-        expect_err("completion_wait.reserved", dev.ioctl(TDRV_IOC_COMPLETION_WAIT, &mut cw), libc::EINVAL)?;
-        let mut cr = tdrv_completion_reset { handle: h, reserved: 1 };
-        expect_err("completion_reset.reserved", dev.ioctl(TDRV_IOC_COMPLETION_RESET, &mut cr), libc::EINVAL)?;
-        dev.free(h).map_err(|e| format!("free: errno {e}"))
-    })());
-
-    t.check("an unreadable argument pointer gives EFAULT", (|| -> Result<(), String> {
-        for (name, req) in ALL_REQUESTS {
-            // SAFETY: address 8 is never mapped; nothing of ours is there.
-            let r = unsafe { dev.ioctl_addr(*req, 8) };
-            expect_err(name, r, libc::EFAULT)?;
-        }
-        Ok(())
-    })());
-
-    t.check("a read-only argument gives EFAULT for output requests", (|| -> Result<(), String> {
-        // VERSION writes its result: a read-only page must fail cleanly.
-        let page = tdrv_guest_tests::raw::page_size();
-        // SAFETY: a fresh private read-only anonymous mapping.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), page, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
-        };
-        if p == libc::MAP_FAILED {
-            return Err("mmap failed".into());
-        }
-        // SAFETY: the page is ours; the kernel may only fail to write it.
-        let r = unsafe { dev.ioctl_addr(TDRV_IOC_VERSION, p as usize) };
-        // SAFETY: unmapping the mapping made above.
-        unsafe { libc::munmap(p, page) };
-        expect_err("VERSION into read-only page", r, libc::EFAULT)
-    })());
-
-    t.check("channel info describes every channel", (|| -> Result<(), String> {
-        let v = dev.version().map_err(|e| format!("errno {e}"))?;
-        for ch in 0..v.num_channels {
-            let c = dev.channel_info(ch).map_err(|e| format!("channel {ch}: errno {e}"))?;
-            if c.limit_bytes == 0 || c.used_bytes > c.limit_bytes || c.peak_bytes < c.used_bytes {
-                return Err(format!("channel {ch}: inconsistent {c:?}"));
+    t.run(
+        "non-zero reserved or padding fields give EINVAL",
+        || -> Result<(), String> {
+            let a = dev
+                .alloc(4096, 0)
+                .map_err(|e| format!("alloc: errno {e}"))?;
+            let h = a.handle;
+            let mut alloc = tdrv_alloc {
+                size: 4096,
+                flags: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "alloc.flags",
+                dev.ioctl(TDRV_IOC_ALLOC, &mut alloc),
+                libc::EINVAL,
+            )?;
+            let mut alloc = tdrv_alloc {
+                size: 4096,
+                reserved: [0, 1],
+                ..Default::default()
+            };
+            expect_err(
+                "alloc.reserved",
+                dev.ioctl(TDRV_IOC_ALLOC, &mut alloc),
+                libc::EINVAL,
+            )?;
+            let mut alloc = tdrv_alloc {
+                size: 4096,
+                handle: 5,
+                ..Default::default()
+            };
+            expect_err(
+                "alloc.handle (out field)",
+                dev.ioctl(TDRV_IOC_ALLOC, &mut alloc),
+                libc::EINVAL,
+            )?;
+            let mut ci = tdrv_channel_info {
+                pad: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "channel_info.pad",
+                dev.ioctl(TDRV_IOC_CHANNEL_INFO, &mut ci),
+                libc::EINVAL,
+            )?;
+            let mut f = tdrv_free {
+                handle: h,
+                reserved: 1,
+            };
+            expect_err(
+                "free.reserved",
+                dev.ioctl(TDRV_IOC_FREE, &mut f),
+                libc::EINVAL,
+            )?;
+            let mut bi = tdrv_buf_info {
+                handle: h,
+                pad: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "buf_info.pad",
+                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
+                libc::EINVAL,
+            )?;
+            let mut bi = tdrv_buf_info {
+                handle: h,
+                reserved: [1, 0],
+                ..Default::default()
+            };
+            expect_err(
+                "buf_info.reserved",
+                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
+                libc::EINVAL,
+            )?;
+            let data = [0u8; 8];
+            let mut x = tdrv_xfer {
+                handle: h,
+                size: 8,
+                user_ptr: data.as_ptr() as u64,
+                reserved: [0, 1],
+                ..Default::default()
+            };
+            expect_err(
+                "copy_in.reserved",
+                dev.ioctl(TDRV_IOC_COPY_IN, &mut x),
+                libc::EINVAL,
+            )?;
+            expect_err(
+                "copy_out.reserved",
+                dev.ioctl(TDRV_IOC_COPY_OUT, &mut x),
+                libc::EINVAL,
+            )?;
+            let mut m = tdrv_memset {
+                handle: h,
+                size: 8,
+                pad: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "memset.pad",
+                dev.ioctl(TDRV_IOC_MEMSET, &mut m),
+                libc::EINVAL,
+            )?;
+            let mut m = tdrv_memset {
+                handle: h,
+                size: 8,
+                value: 256,
+                ..Default::default()
+            };
+            expect_err(
+                "memset.value 256",
+                dev.ioctl(TDRV_IOC_MEMSET, &mut m),
+                libc::EINVAL,
+            )?;
+            let desc = tdrv_copy_desc {
+                src_handle: h,
+                dst_handle: h,
+                size: 8,
+                dst_offset: 8,
+                ..Default::default()
+            };
+            let mut c = tdrv_copy {
+                desc,
+                reserved: [1, 0],
+            };
+            expect_err(
+                "copy.reserved",
+                dev.ioctl(TDRV_IOC_COPY, &mut c),
+                libc::EINVAL,
+            )?;
+            let descs = [desc];
+            let base = tdrv_submit {
+                descs: descs.as_ptr() as u64,
+                desc_count: 1,
+                desc_size: size_of::<tdrv_copy_desc>() as u32,
+                ..Default::default()
+            };
+            for (field, s) in [
+                ("flags", tdrv_submit { flags: 1, ..base }),
+                ("pad", tdrv_submit { pad: 1, ..base }),
+                ("job_id (out field)", tdrv_submit { job_id: 1, ..base }),
+                (
+                    "reserved",
+                    tdrv_submit {
+                        reserved: [0, 1],
+                        ..base
+                    },
+                ),
+            ] {
+                let mut s = s;
+                expect_err(
+                    &format!("submit.{field}"),
+                    dev.ioctl(TDRV_IOC_SUBMIT, &mut s),
+                    libc::EINVAL,
+                )?;
             }
-        }
-        expect_err("channel past the last", dev.channel_info(v.num_channels).map(|_| 0), libc::EINVAL)
-    })());
+            let mut jw = tdrv_job_wait {
+                job_id: 1,
+                reserved: [1, 0],
+                ..Default::default()
+            };
+            expect_err(
+                "job_wait.reserved",
+                dev.ioctl(TDRV_IOC_JOB_WAIT, &mut jw),
+                libc::EINVAL,
+            )?;
+            let mut fw = tdrv_fence_wait {
+                handle: h,
+                kind: TDRV_FENCE_ALL,
+                pad: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "fence_wait.pad",
+                dev.ioctl(TDRV_IOC_FENCE_WAIT, &mut fw),
+                libc::EINVAL,
+            )?;
+            let mut cw = tdrv_completion_wait {
+                handle: h,
+                reserved: [0, 1],
+                ..Default::default()
+            };
+            expect_err(
+                "completion_wait.reserved",
+                dev.ioctl(TDRV_IOC_COMPLETION_WAIT, &mut cw),
+                libc::EINVAL,
+            )?;
+            let mut cr = tdrv_completion_reset {
+                handle: h,
+                reserved: 1,
+            };
+            expect_err(
+                "completion_reset.reserved",
+                dev.ioctl(TDRV_IOC_COMPLETION_RESET, &mut cr),
+                libc::EINVAL,
+            )?;
+            dev.free(h).map_err(|e| format!("free: errno {e}"))
+        },
+    );
 
-    t.check("an ioctl on a non-tdrv request type is refused", (|| -> Result<(), String> {
-        // TCGETS on our node: a tty ioctl must not be misread as ours.
-        let mut buf = [0u8; 64];
-        // SAFETY: `buf` is larger than struct termios.
-        let r = unsafe { dev.ioctl_addr(libc::TCGETS as u64, buf.as_mut_ptr() as usize) };
-        expect_err("TCGETS", r, libc::ENOTTY)
-    })());
+    t.run(
+        "an unreadable argument pointer gives EFAULT",
+        || -> Result<(), String> {
+            for (name, req) in ALL_REQUESTS {
+                // SAFETY: address 8 is never mapped; nothing of ours is there.
+                let r = unsafe { dev.ioctl_addr(*req, 8) };
+                expect_err(name, r, libc::EFAULT)?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "a read-only argument gives EFAULT for output requests",
+        || -> Result<(), String> {
+            // VERSION writes its result: a read-only page must fail cleanly.
+            let page = tdrv_guest_tests::raw::page_size();
+            // SAFETY: a fresh private read-only anonymous mapping.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    page,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err("mmap failed".into());
+            }
+            // SAFETY: the page is ours; the kernel may only fail to write it.
+            let r = unsafe { dev.ioctl_addr(TDRV_IOC_VERSION, p as usize) };
+            // SAFETY: unmapping the mapping made above.
+            unsafe { libc::munmap(p, page) };
+            expect_err("VERSION into read-only page", r, libc::EFAULT)
+        },
+    );
+
+    t.run(
+        "channel info describes every channel",
+        || -> Result<(), String> {
+            let v = dev.version().map_err(|e| format!("errno {e}"))?;
+            for ch in 0..v.num_channels {
+                let c = dev
+                    .channel_info(ch)
+                    .map_err(|e| format!("channel {ch}: errno {e}"))?;
+                if c.limit_bytes == 0 || c.used_bytes > c.limit_bytes || c.peak_bytes < c.used_bytes
+                {
+                    return Err(format!("channel {ch}: inconsistent {c:?}"));
+                }
+            }
+            expect_err(
+                "channel past the last",
+                dev.channel_info(v.num_channels).map(|_| 0),
+                libc::EINVAL,
+            )
+        },
+    );
+
+    t.run(
+        "an ioctl on a non-tdrv request type is refused",
+        || -> Result<(), String> {
+            // TCGETS on our node: a tty ioctl must not be misread as ours.
+            let mut buf = [0u8; 64];
+            // SAFETY: `buf` is larger than struct termios.
+            let r = unsafe { dev.ioctl_addr(libc::TCGETS, buf.as_mut_ptr() as usize) };
+            expect_err("TCGETS", r, libc::ENOTTY)
+        },
+    );
 
     t.finish();
 }

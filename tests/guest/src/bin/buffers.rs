@@ -4,27 +4,18 @@
 //! usage: buffers [/dev/tdrvN]
 
 use tdrv_guest_tests::{
-    expect_eq,
-    raw::{page_size, Dev, Errno},
+    expect_eq, expect_err, ok, open_device_or_skip,
+    raw::{page_size, Dev},
     Tap,
 };
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-fn ok<T>(what: &str, r: Result<T, Errno>) -> Result<T, String> {
-    r.map_err(|e| format!("{what}: errno {e} ({})", std::io::Error::from_raw_os_error(e)))
-}
-
-fn expect_err<T: std::fmt::Debug>(what: &str, got: Result<T, Errno>, want: Errno) -> R {
-    match got {
-        Err(e) if e == want => Ok(()),
-        other => Err(format!("{what}: got {other:?}, want Err({want})")),
-    }
-}
-
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// An address that is certainly not mapped.
@@ -33,7 +24,14 @@ fn unmapped_addr() -> u64 {
     // SAFETY: reserve then release a page; nothing maps it in between
     // (single-threaded test).
     unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), page, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            page,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
         libc::munmap(p, page);
         p as u64
     }
@@ -44,69 +42,94 @@ fn used(dev: &Dev, ch: u32) -> Result<u64, String> {
 }
 
 fn main() {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/dev/tdrv0".into());
-    let dev = match Dev::open(&path) {
-        Ok(d) => d,
-        Err(e) => {
-            println!("TAP version 13\n1..0 # SKIP cannot open {path}: errno {e}");
-            std::process::exit(tdrv_guest_tests::KSFT_SKIP);
-        }
-    };
-    let version = dev.version().expect("VERSION");
+    let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let mut t = Tap::new(19);
 
-    t.check("alloc returns a handle, DMA address and mmap offset", (|| -> R {
-        let a = ok("alloc", dev.alloc(10_000, 0))?;
-        if a.handle == 0 || a.dma_addr == 0 || a.mmap_offset == 0 || a.mmap_offset % page_size() as u64 != 0 {
-            return Err(format!("bad alloc result {a:?}"));
-        }
-        let i = ok("buf_info", dev.buf_info(a.handle))?;
-        expect_eq("size", i.size, 10_000)?;
-        expect_eq("channel", i.channel, 0)?;
-        expect_eq("dma_addr", i.dma_addr, a.dma_addr)?;
-        expect_eq("mmap_offset", i.mmap_offset, a.mmap_offset)?;
-        expect_eq("pending", (i.pending_reads, i.pending_writes, i.completion_count), (0, 0, 0))?;
-        ok("free", dev.free(a.handle))
-    })());
+    t.run(
+        "alloc returns a handle, DMA address and mmap offset",
+        || -> R {
+            let a = ok("alloc", dev.alloc(10_000, 0))?;
+            if a.handle == 0
+                || a.dma_addr == 0
+                || a.mmap_offset == 0
+                || a.mmap_offset % page_size() as u64 != 0
+            {
+                return Err(format!("bad alloc result {a:?}"));
+            }
+            let i = ok("buf_info", dev.buf_info(a.handle))?;
+            expect_eq("size", i.size, 10_000)?;
+            expect_eq("channel", i.channel, 0)?;
+            expect_eq("dma_addr", i.dma_addr, a.dma_addr)?;
+            expect_eq("mmap_offset", i.mmap_offset, a.mmap_offset)?;
+            expect_eq(
+                "pending",
+                (i.pending_reads, i.pending_writes, i.completion_count),
+                (0, 0, 0),
+            )?;
+            ok("free", dev.free(a.handle))
+        },
+    );
 
-    t.check("size 0, absurd sizes and bad channels are refused", (|| -> R {
-        expect_err("size 0", dev.alloc(0, 0), libc::EINVAL)?;
-        expect_err("size max+1", dev.alloc(TDRV_MAX_BUFFER_SIZE as u64 + 1, 0), libc::EINVAL)?;
-        expect_err("size u64::MAX", dev.alloc(u64::MAX, 0), libc::EINVAL)?;
-        expect_err("channel past the last", dev.alloc(4096, version.num_channels), libc::EINVAL)?;
-        expect_err("channel u32::MAX", dev.alloc(4096, u32::MAX), libc::EINVAL)
-    })());
+    t.run(
+        "size 0, absurd sizes and bad channels are refused",
+        || -> R {
+            expect_err("size 0", dev.alloc(0, 0), libc::EINVAL)?;
+            expect_err(
+                "size max+1",
+                dev.alloc(TDRV_MAX_BUFFER_SIZE as u64 + 1, 0),
+                libc::EINVAL,
+            )?;
+            expect_err("size u64::MAX", dev.alloc(u64::MAX, 0), libc::EINVAL)?;
+            expect_err(
+                "channel past the last",
+                dev.alloc(4096, version.num_channels),
+                libc::EINVAL,
+            )?;
+            expect_err("channel u32::MAX", dev.alloc(4096, u32::MAX), libc::EINVAL)
+        },
+    );
 
-    t.check("channel accounting: used, peak, limit, refusals", (|| -> R {
-        let before = ok("channel_info", dev.channel_info(0))?;
-        let a = ok("alloc", dev.alloc(1 << 20, 0))?;
-        let mid = ok("channel_info", dev.channel_info(0))?;
-        expect_eq("used after alloc", mid.used_bytes, before.used_bytes + (1 << 20))?;
-        expect_eq("buffers after alloc", mid.buffers, before.buffers + 1)?;
-        if mid.peak_bytes < mid.used_bytes {
-            return Err("peak below used".into());
-        }
-        // More than what is left on the channel: ENOSPC, counted.
-        let too_big = mid.limit_bytes - mid.used_bytes + 1;
-        if too_big <= TDRV_MAX_BUFFER_SIZE as u64 {
-            expect_err("over the limit", dev.alloc(too_big, 0), libc::ENOSPC)?;
-            let after = ok("channel_info", dev.channel_info(0))?;
-            expect_eq("failed_allocs", after.failed_allocs, mid.failed_allocs + 1)?;
-        }
-        ok("free", dev.free(a.handle))?;
-        expect_eq("used after free", used(&dev, 0)?, before.used_bytes)
-    })());
+    t.run(
+        "channel accounting: used, peak, limit, refusals",
+        || -> R {
+            let before = ok("channel_info", dev.channel_info(0))?;
+            let a = ok("alloc", dev.alloc(1 << 20, 0))?;
+            let mid = ok("channel_info", dev.channel_info(0))?;
+            expect_eq(
+                "used after alloc",
+                mid.used_bytes,
+                before.used_bytes + (1 << 20),
+            )?;
+            expect_eq("buffers after alloc", mid.buffers, before.buffers + 1)?;
+            if mid.peak_bytes < mid.used_bytes {
+                return Err("peak below used".into());
+            }
+            // More than what is left on the channel: ENOSPC, counted.
+            let too_big = mid.limit_bytes - mid.used_bytes + 1;
+            if too_big <= TDRV_MAX_BUFFER_SIZE as u64 {
+                expect_err("over the limit", dev.alloc(too_big, 0), libc::ENOSPC)?;
+                let after = ok("channel_info", dev.channel_info(0))?;
+                expect_eq("failed_allocs", after.failed_allocs, mid.failed_allocs + 1)?;
+            }
+            ok("free", dev.free(a.handle))?;
+            expect_eq("used after free", used(&dev, 0)?, before.used_bytes)
+        },
+    );
 
-    t.check("a new buffer reads as zeroes", (|| -> R {
+    t.run("a new buffer reads as zeroes", || -> R {
         let a = ok("alloc", dev.alloc(8192, 0))?;
         let mut out = vec![0xAAu8; 8192];
         ok("copy_out", dev.copy_out(a.handle, 0, &mut out))?;
-        let r = if out.iter().all(|b| *b == 0) { Ok(()) } else { Err("non-zero bytes".into()) };
+        let r = if out.iter().all(|b| *b == 0) {
+            Ok(())
+        } else {
+            Err("non-zero bytes".into())
+        };
         ok("free", dev.free(a.handle))?;
         r
-    })());
+    });
 
-    t.check("copy_in then copy_out is byte-exact at offsets", (|| -> R {
+    t.run("copy_in then copy_out is byte-exact at offsets", || -> R {
         let a = ok("alloc", dev.alloc(3 * 4096 + 5, 0))?;
         let data = pattern(5000, 7);
         ok("copy_in", dev.copy_in(a.handle, 4093, &data))?;
@@ -116,81 +139,181 @@ fn main() {
         let mut edge = [0u8; 3];
         ok("copy_out edge", dev.copy_out(a.handle, 4090, &mut edge))?;
         expect_eq("bytes before the write", edge, [0, 0, 0])?;
-        ok("zero-size copy_in", dev.copy_in(a.handle, 3 * 4096 + 5, &[]))?;
+        ok(
+            "zero-size copy_in",
+            dev.copy_in(a.handle, 3 * 4096 + 5, &[]),
+        )?;
         ok("free", dev.free(a.handle))
-    })());
+    });
 
-    t.check("out-of-range and overflowing ranges give ERANGE", (|| -> R {
-        let a = ok("alloc", dev.alloc(4096, 0))?;
-        let h = a.handle;
-        let mut buf = [0u8; 16];
-        expect_err("copy_in past end", dev.copy_in(h, 4090, &buf), libc::ERANGE)?;
-        expect_err("copy_out past end", dev.copy_out(h, 4095, &mut buf[..2]), libc::ERANGE)?;
-        expect_err("copy_in offset past end", dev.copy_in(h, 4097, &[]), libc::ERANGE)?;
-        expect_err("memset overflow", dev.memset(h, u64::MAX, 2, 0), libc::ERANGE)?;
-        expect_err("memset huge", dev.memset(h, 1, u64::MAX, 0), libc::ERANGE)?;
-        let mut x = tdrv_xfer { handle: h, offset: u64::MAX - 7, size: 16, user_ptr: buf.as_mut_ptr() as u64, ..Default::default() };
-        expect_err("copy_out offset+size overflow", dev.ioctl(TDRV_IOC_COPY_OUT, &mut x), libc::ERANGE)?;
-        let desc = tdrv_copy_desc { src_handle: h, dst_handle: h, src_offset: u64::MAX, size: 2, ..Default::default() };
-        expect_err("copy overflow", dev.copy(desc), libc::ERANGE)?;
-        ok("free", dev.free(h))
-    })());
+    t.run(
+        "out-of-range and overflowing ranges give ERANGE",
+        || -> R {
+            let a = ok("alloc", dev.alloc(4096, 0))?;
+            let h = a.handle;
+            let mut buf = [0u8; 16];
+            expect_err("copy_in past end", dev.copy_in(h, 4090, &buf), libc::ERANGE)?;
+            expect_err(
+                "copy_out past end",
+                dev.copy_out(h, 4095, &mut buf[..2]),
+                libc::ERANGE,
+            )?;
+            expect_err(
+                "copy_in offset past end",
+                dev.copy_in(h, 4097, &[]),
+                libc::ERANGE,
+            )?;
+            expect_err(
+                "memset overflow",
+                dev.memset(h, u64::MAX, 2, 0),
+                libc::ERANGE,
+            )?;
+            expect_err("memset huge", dev.memset(h, 1, u64::MAX, 0), libc::ERANGE)?;
+            let mut x = tdrv_xfer {
+                handle: h,
+                offset: u64::MAX - 7,
+                size: 16,
+                user_ptr: buf.as_mut_ptr() as u64,
+                ..Default::default()
+            };
+            expect_err(
+                "copy_out offset+size overflow",
+                dev.ioctl(TDRV_IOC_COPY_OUT, &mut x),
+                libc::ERANGE,
+            )?;
+            let desc = tdrv_copy_desc {
+                src_handle: h,
+                dst_handle: h,
+                src_offset: u64::MAX,
+                size: 2,
+                ..Default::default()
+            };
+            expect_err("copy overflow", dev.copy(desc), libc::ERANGE)?;
+            ok("free", dev.free(h))
+        },
+    );
 
-    t.check("unmapped or read-only user pointers give EFAULT", (|| -> R {
-        let a = ok("alloc", dev.alloc(8192, 0))?;
-        let h = a.handle;
-        let bad = unmapped_addr();
-        let mut x = tdrv_xfer { handle: h, size: 4096, user_ptr: bad, ..Default::default() };
-        expect_err("copy_in from unmapped", dev.ioctl(TDRV_IOC_COPY_IN, &mut x), libc::EFAULT)?;
-        expect_err("copy_out to unmapped", dev.ioctl(TDRV_IOC_COPY_OUT, &mut x), libc::EFAULT)?;
-        let mut x = tdrv_xfer { handle: h, size: 16, user_ptr: main as *const () as u64, ..Default::default() };
-        expect_err("copy_out into read-only text", dev.ioctl(TDRV_IOC_COPY_OUT, &mut x), libc::EFAULT)?;
-        // A kernel address is never a valid user pointer.
-        let mut x = tdrv_xfer { handle: h, size: 16, user_ptr: 0xffff_ffff_8100_0000, ..Default::default() };
-        expect_err("copy_in from kernel address", dev.ioctl(TDRV_IOC_COPY_IN, &mut x), libc::EFAULT)?;
-        expect_err("copy_out to kernel address", dev.ioctl(TDRV_IOC_COPY_OUT, &mut x), libc::EFAULT)?;
-        ok("free", dev.free(h))
-    })());
+    t.run(
+        "unmapped or read-only user pointers give EFAULT",
+        || -> R {
+            let a = ok("alloc", dev.alloc(8192, 0))?;
+            let h = a.handle;
+            let bad = unmapped_addr();
+            let mut x = tdrv_xfer {
+                handle: h,
+                size: 4096,
+                user_ptr: bad,
+                ..Default::default()
+            };
+            expect_err(
+                "copy_in from unmapped",
+                dev.ioctl(TDRV_IOC_COPY_IN, &mut x),
+                libc::EFAULT,
+            )?;
+            expect_err(
+                "copy_out to unmapped",
+                dev.ioctl(TDRV_IOC_COPY_OUT, &mut x),
+                libc::EFAULT,
+            )?;
+            let mut x = tdrv_xfer {
+                handle: h,
+                size: 16,
+                user_ptr: main as *const () as u64,
+                ..Default::default()
+            };
+            expect_err(
+                "copy_out into read-only text",
+                dev.ioctl(TDRV_IOC_COPY_OUT, &mut x),
+                libc::EFAULT,
+            )?;
+            // A kernel address is never a valid user pointer.
+            let mut x = tdrv_xfer {
+                handle: h,
+                size: 16,
+                user_ptr: 0xffff_ffff_8100_0000,
+                ..Default::default()
+            };
+            expect_err(
+                "copy_in from kernel address",
+                dev.ioctl(TDRV_IOC_COPY_IN, &mut x),
+                libc::EFAULT,
+            )?;
+            expect_err(
+                "copy_out to kernel address",
+                dev.ioctl(TDRV_IOC_COPY_OUT, &mut x),
+                libc::EFAULT,
+            )?;
+            ok("free", dev.free(h))
+        },
+    );
 
-    t.check("memset fills exactly its range", (|| -> R {
+    t.run("memset fills exactly its range", || -> R {
         let a = ok("alloc", dev.alloc(1000, 0))?;
         ok("memset", dev.memset(a.handle, 100, 800, 0x5A))?;
         let mut out = vec![0u8; 1000];
         ok("copy_out", dev.copy_out(a.handle, 0, &mut out))?;
-        let good = out.iter().enumerate().all(|(i, b)| *b == if (100..900).contains(&i) { 0x5A } else { 0 });
+        let good = out
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == if (100..900).contains(&i) { 0x5A } else { 0 });
         ok("free", dev.free(a.handle))?;
         expect_eq("memset pattern", good, true)
-    })());
+    });
 
-    t.check("synchronous copy: byte-exact, overlapping, cross-channel EXDEV", (|| -> R {
-        let a = ok("alloc", dev.alloc(10_000, 0))?;
-        let b = ok("alloc", dev.alloc(10_000, 0))?;
-        let data = pattern(10_000, 3);
-        ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
-        let desc = tdrv_copy_desc { src_handle: a.handle, src_offset: 17, dst_handle: b.handle, dst_offset: 1, size: 9000 };
-        ok("copy", dev.copy(desc))?;
-        let mut out = vec![0u8; 9000];
-        ok("copy_out", dev.copy_out(b.handle, 1, &mut out))?;
-        expect_eq("copied bytes", out[..] == data[17..9017], true)?;
-        // Overlapping copy inside one buffer behaves like memmove.
-        let desc = tdrv_copy_desc { src_handle: a.handle, src_offset: 0, dst_handle: a.handle, dst_offset: 10, size: 100 };
-        ok("overlapping copy", dev.copy(desc))?;
-        let mut out = vec![0u8; 100];
-        ok("copy_out", dev.copy_out(a.handle, 10, &mut out))?;
-        expect_eq("memmove semantics", out[..] == data[..100], true)?;
-        let desc0 = tdrv_copy_desc { src_handle: a.handle, dst_handle: b.handle, size: 0, ..Default::default() };
-        expect_err("size 0", dev.copy(desc0), libc::EINVAL)?;
-        if version.num_channels > 1 {
-            let c = ok("alloc ch1", dev.alloc(10_000, 1))?;
-            let desc = tdrv_copy_desc { src_handle: a.handle, dst_handle: c.handle, size: 10, ..Default::default() };
-            expect_err("cross-channel copy", dev.copy(desc), libc::EXDEV)?;
-            ok("free", dev.free(c.handle))?;
-        }
-        ok("free", dev.free(a.handle))?;
-        ok("free", dev.free(b.handle))
-    })());
+    t.run(
+        "synchronous copy: byte-exact, overlapping, cross-channel EXDEV",
+        || -> R {
+            let a = ok("alloc", dev.alloc(10_000, 0))?;
+            let b = ok("alloc", dev.alloc(10_000, 0))?;
+            let data = pattern(10_000, 3);
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            let desc = tdrv_copy_desc {
+                src_handle: a.handle,
+                src_offset: 17,
+                dst_handle: b.handle,
+                dst_offset: 1,
+                size: 9000,
+            };
+            ok("copy", dev.copy(desc))?;
+            let mut out = vec![0u8; 9000];
+            ok("copy_out", dev.copy_out(b.handle, 1, &mut out))?;
+            expect_eq("copied bytes", out[..] == data[17..9017], true)?;
+            // Overlapping copy inside one buffer behaves like memmove.
+            let desc = tdrv_copy_desc {
+                src_handle: a.handle,
+                src_offset: 0,
+                dst_handle: a.handle,
+                dst_offset: 10,
+                size: 100,
+            };
+            ok("overlapping copy", dev.copy(desc))?;
+            let mut out = vec![0u8; 100];
+            ok("copy_out", dev.copy_out(a.handle, 10, &mut out))?;
+            expect_eq("memmove semantics", out[..] == data[..100], true)?;
+            let desc0 = tdrv_copy_desc {
+                src_handle: a.handle,
+                dst_handle: b.handle,
+                size: 0,
+                ..Default::default()
+            };
+            expect_err("size 0", dev.copy(desc0), libc::EINVAL)?;
+            if version.num_channels > 1 {
+                let c = ok("alloc ch1", dev.alloc(10_000, 1))?;
+                let desc = tdrv_copy_desc {
+                    src_handle: a.handle,
+                    dst_handle: c.handle,
+                    size: 10,
+                    ..Default::default()
+                };
+                expect_err("cross-channel copy", dev.copy(desc), libc::EXDEV)?;
+                ok("free", dev.free(c.handle))?;
+            }
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
-    t.check("bad handles give ENOENT; double free too", (|| -> R {
+    t.run("bad handles give ENOENT; double free too", || -> R {
         for h in [0u64, 1, 0xdead_beef, u64::MAX, 1 << 24] {
             expect_err(&format!("buf_info({h:#x})"), dev.buf_info(h), libc::ENOENT)?;
             expect_err(&format!("free({h:#x})"), dev.free(h), libc::ENOENT)?;
@@ -198,33 +321,44 @@ fn main() {
         let a = ok("alloc", dev.alloc(4096, 0))?;
         ok("free", dev.free(a.handle))?;
         expect_err("double free", dev.free(a.handle), libc::ENOENT)?;
-        expect_err("copy_in freed", dev.copy_in(a.handle, 0, &[1]), libc::ENOENT)
-    })());
+        expect_err(
+            "copy_in freed",
+            dev.copy_in(a.handle, 0, &[1]),
+            libc::ENOENT,
+        )
+    });
 
-    t.check("a freed handle stays dead after its slot is reused", (|| -> R {
-        let a = ok("alloc", dev.alloc(4096, 0))?;
-        ok("free", dev.free(a.handle))?;
-        let b = ok("alloc", dev.alloc(4096, 0))?;
-        if a.handle == b.handle {
-            return Err("handle value reused".into());
-        }
-        expect_err("stale handle", dev.buf_info(a.handle), libc::ENOENT)?;
-        expect_err("stale memset", dev.memset(a.handle, 0, 1, 1), libc::ENOENT)?;
-        ok("new handle works", dev.buf_info(b.handle))?;
-        ok("free", dev.free(b.handle))
-    })());
+    t.run(
+        "a freed handle stays dead after its slot is reused",
+        || -> R {
+            let a = ok("alloc", dev.alloc(4096, 0))?;
+            ok("free", dev.free(a.handle))?;
+            let b = ok("alloc", dev.alloc(4096, 0))?;
+            if a.handle == b.handle {
+                return Err("handle value reused".into());
+            }
+            expect_err("stale handle", dev.buf_info(a.handle), libc::ENOENT)?;
+            expect_err("stale memset", dev.memset(a.handle, 0, 1, 1), libc::ENOENT)?;
+            ok("new handle works", dev.buf_info(b.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
-    t.check("a handle of another open file is invalid here", (|| -> R {
+    t.run("a handle of another open file is invalid here", || -> R {
         let other = ok("open", Dev::open(&path))?;
         let a = ok("alloc in other file", other.alloc(4096, 0))?;
         expect_err("buf_info", dev.buf_info(a.handle), libc::ENOENT)?;
         expect_err("free", dev.free(a.handle), libc::ENOENT)?;
-        expect_err("copy_out", dev.copy_out(a.handle, 0, &mut [0u8; 4]), libc::ENOENT)?;
+        expect_err(
+            "copy_out",
+            dev.copy_out(a.handle, 0, &mut [0u8; 4]),
+            libc::ENOENT,
+        )?;
         expect_err("mmap", dev.map(&a).map(drop), libc::ENOENT)?;
         ok("other file still owns it", other.buf_info(a.handle)).map(drop)
-    })());
+    });
 
-    t.check("mmap shares bytes with copy_in/copy_out", (|| -> R {
+    t.run("mmap shares bytes with copy_in/copy_out", || -> R {
         let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
         let mut m = ok("mmap", dev.map(&a))?;
         m.as_mut_slice()[5000..5004].copy_from_slice(b"tdrv");
@@ -235,63 +369,88 @@ fn main() {
         expect_eq("visible in mapping", &m.as_slice()[100..103], b"abc")?;
         drop(m);
         ok("free", dev.free(a.handle))
-    })());
+    });
 
-    t.check("mmap checks length, sharing and offset", (|| -> R {
+    t.run("mmap checks length, sharing and offset", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
-        expect_err("two pages of a one-page buffer", dev.map_len(a.mmap_offset, 2 * page_size()).map(drop), libc::EINVAL)?;
+        expect_err(
+            "two pages of a one-page buffer",
+            dev.map_len(a.mmap_offset, 2 * page_size()).map(drop),
+            libc::EINVAL,
+        )?;
         // SAFETY: a private mapping request; it must fail, nothing is mapped.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_PRIVATE, dev.fd(), a.mmap_offset as libc::off_t)
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                dev.fd(),
+                a.mmap_offset as libc::off_t,
+            )
         };
         if p != libc::MAP_FAILED {
             // SAFETY: unmapping what was just (wrongly) mapped.
             unsafe { libc::munmap(p, 4096) };
             return Err("MAP_PRIVATE was accepted".into());
         }
-        expect_eq("MAP_PRIVATE errno", tdrv_guest_tests::raw::errno(), libc::EINVAL)?;
-        expect_err("unknown offset", dev.map_len(a.mmap_offset + (1 << 40), 4096).map(drop), libc::ENOENT)?;
+        expect_eq(
+            "MAP_PRIVATE errno",
+            tdrv_guest_tests::raw::errno(),
+            libc::EINVAL,
+        )?;
+        expect_err(
+            "unknown offset",
+            dev.map_len(a.mmap_offset + (1 << 40), 4096).map(drop),
+            libc::ENOENT,
+        )?;
         expect_err("offset 0", dev.map_len(0, 4096).map(drop), libc::ENOENT)?;
         ok("free", dev.free(a.handle))
-    })());
+    });
 
-    t.check("FREE while mapped keeps the memory until munmap", (|| -> R {
-        let base = used(&dev, 0)?;
-        let a = ok("alloc", dev.alloc(2 * 4096, 0))?;
-        let mut m = ok("mmap", dev.map(&a))?;
-        let data = pattern(8192, 9);
-        m.as_mut_slice().copy_from_slice(&data);
-        ok("free", dev.free(a.handle))?;
-        expect_err("handle gone", dev.buf_info(a.handle), libc::ENOENT)?;
-        expect_eq("data intact after free", m.as_slice() == &data[..], true)?;
-        m.as_mut_slice()[0] = 1;
-        expect_eq("still charged while mapped", used(&dev, 0)?, base + 8192)?;
-        drop(m);
-        expect_eq("released after munmap", used(&dev, 0)?, base)
-    })());
+    t.run(
+        "FREE while mapped keeps the memory until munmap",
+        || -> R {
+            let base = used(&dev, 0)?;
+            let a = ok("alloc", dev.alloc(2 * 4096, 0))?;
+            let mut m = ok("mmap", dev.map(&a))?;
+            let data = pattern(8192, 9);
+            m.as_mut_slice().copy_from_slice(&data);
+            ok("free", dev.free(a.handle))?;
+            expect_err("handle gone", dev.buf_info(a.handle), libc::ENOENT)?;
+            expect_eq("data intact after free", m.as_slice() == &data[..], true)?;
+            m.as_mut_slice()[0] = 1;
+            expect_eq("still charged while mapped", used(&dev, 0)?, base + 8192)?;
+            drop(m);
+            expect_eq("released after munmap", used(&dev, 0)?, base)
+        },
+    );
 
-    t.check("a split mapping keeps the buffer until its last piece goes", (|| -> R {
-        let base = used(&dev, 0)?;
-        let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
-        let mut m = ok("mmap", dev.map(&a))?;
-        m.as_mut_slice()[2 * 4096] = 0x77;
-        ok("free", dev.free(a.handle))?;
-        let ptr = m.as_slice().as_ptr() as *mut libc::c_void;
-        // SAFETY: unmap the first page of our own mapping; `m` is forgotten
-        // below and the rest is unmapped by hand.
-        let r = unsafe { libc::munmap(ptr, 4096) };
-        expect_eq("munmap first page", r, 0)?;
-        std::mem::forget(m);
-        // SAFETY: pages 1 and 2 are still mapped.
-        let byte = unsafe { *(ptr as *const u8).add(2 * 4096) };
-        expect_eq("rest still readable", byte, 0x77)?;
-        expect_eq("still charged", used(&dev, 0)?, base + 3 * 4096)?;
-        // SAFETY: unmap the remaining two pages.
-        unsafe { libc::munmap((ptr as *mut u8).add(4096).cast(), 2 * 4096) };
-        expect_eq("released after the last piece", used(&dev, 0)?, base)
-    })());
+    t.run(
+        "a split mapping keeps the buffer until its last piece goes",
+        || -> R {
+            let base = used(&dev, 0)?;
+            let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
+            let mut m = ok("mmap", dev.map(&a))?;
+            m.as_mut_slice()[2 * 4096] = 0x77;
+            ok("free", dev.free(a.handle))?;
+            let ptr = m.as_slice().as_ptr() as *mut libc::c_void;
+            // SAFETY: unmap the first page of our own mapping; `m` is forgotten
+            // below and the rest is unmapped by hand.
+            let r = unsafe { libc::munmap(ptr, 4096) };
+            expect_eq("munmap first page", r, 0)?;
+            std::mem::forget(m);
+            // SAFETY: pages 1 and 2 are still mapped.
+            let byte = unsafe { *(ptr as *const u8).add(2 * 4096) };
+            expect_eq("rest still readable", byte, 0x77)?;
+            expect_eq("still charged", used(&dev, 0)?, base + 3 * 4096)?;
+            // SAFETY: unmap the remaining two pages.
+            unsafe { libc::munmap((ptr as *mut u8).add(4096).cast(), 2 * 4096) };
+            expect_eq("released after the last piece", used(&dev, 0)?, base)
+        },
+    );
 
-    t.check("closing a file frees its buffers", (|| -> R {
+    t.run("closing a file frees its buffers", || -> R {
         let base = used(&dev, 0)?;
         let other = ok("open", Dev::open(&path))?;
         for _ in 0..8 {
@@ -300,9 +459,9 @@ fn main() {
         expect_eq("charged", used(&dev, 0)?, base + 8 * 64 * 1024)?;
         drop(other);
         expect_eq("released on close", used(&dev, 0)?, base)
-    })());
+    });
 
-    t.check("a mapping outlives close of its file", (|| -> R {
+    t.run("a mapping outlives close of its file", || -> R {
         let base = used(&dev, 0)?;
         let other = ok("open", Dev::open(&path))?;
         let a = ok("alloc", other.alloc(4096, 0))?;
@@ -312,9 +471,9 @@ fn main() {
         expect_eq("readable", m.as_slice()[0], 42)?;
         drop(m);
         expect_eq("released", used(&dev, 0)?, base)
-    })());
+    });
 
-    t.check("10000 buffers: unique handles, all freed", (|| -> R {
+    t.run("10000 buffers: unique handles, all freed", || -> R {
         let base = used(&dev, 0)?;
         let mut handles = Vec::with_capacity(10_000);
         for _ in 0..10_000 {
@@ -328,7 +487,7 @@ fn main() {
             ok("free", dev.free(h))?;
         }
         expect_eq("released", used(&dev, 0)?, base)
-    })());
+    });
 
     t.finish();
 }

@@ -5,29 +5,23 @@
 //!
 //! Run it last: it unbinds and rebinds the device.
 
-use std::{
-    fs,
-    thread,
-    time::Duration,
-};
+use std::{fs, thread, time::Duration};
 
-use tdrv_guest_tests::{
-    expect_eq,
-    raw::{Dev, Errno},
-    Tap, KSFT_SKIP,
-};
+use tdrv_guest_tests::{expect_eq, ok, open_device_or_skip, raw::Dev, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
 const DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
 
-fn ok<T>(what: &str, r: Result<T, Errno>) -> Result<T, String> {
-    r.map_err(|e| format!("{what}: errno {e} ({})", std::io::Error::from_raw_os_error(e)))
-}
-
 fn desc(src: u64, dst: u64, size: u64) -> tdrv_copy_desc {
-    tdrv_copy_desc { src_handle: src, src_offset: 0, dst_handle: dst, dst_offset: 0, size }
+    tdrv_copy_desc {
+        src_handle: src,
+        src_offset: 0,
+        dst_handle: dst,
+        dst_offset: 0,
+        size,
+    }
 }
 
 /// Reads one counter of a device's debugfs statistics.
@@ -61,7 +55,11 @@ fn edu_nodes() -> Vec<String> {
         })
         .unwrap_or_default();
     nodes.sort();
-    nodes.retain(|p| Dev::open(p).and_then(|d| d.version()).is_ok_and(|v| v.device_kind == TDRV_DEVICE_EDU));
+    nodes.retain(|p| {
+        Dev::open(p)
+            .and_then(|d| d.version())
+            .is_ok_and(|v| v.device_kind == TDRV_DEVICE_EDU)
+    });
     nodes
 }
 
@@ -69,14 +67,28 @@ fn edu_nodes() -> Vec<String> {
 /// send an interrupt that is not a DMA completion.
 fn raise_foreign_irq(pci: &str) -> R {
     let path = format!("/sys/bus/pci/devices/{pci}/resource0");
-    let file = fs::OpenOptions::new().read(true).write(true).open(&path).map_err(|e| format!("{path}: {e}"))?;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("{path}: {e}"))?;
     let len = 4096;
     // SAFETY: maps the first page of the BAR; only this function uses it.
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, std::os::fd::AsRawFd::as_raw_fd(&file), 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
-        return Err(format!("mmap {path}: errno {}", tdrv_guest_tests::raw::errno()));
+        return Err(format!(
+            "mmap {path}: errno {}",
+            tdrv_guest_tests::raw::errno()
+        ));
     }
     // SAFETY: 0x60 (IRQ_RAISE) is inside the mapped page; MMIO needs a
     // volatile 32-bit store.
@@ -99,7 +111,9 @@ impl MappedChild {
     fn spawn(dev: &Dev, buf: &tdrv_alloc) -> Result<Self, String> {
         let (mut ready, mut go) = ([0; 2], [0; 2]);
         // SAFETY: pipe(2) into local arrays.
-        if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0 || unsafe { libc::pipe(go.as_mut_ptr()) } != 0 {
+        if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0
+            || unsafe { libc::pipe(go.as_mut_ptr()) } != 0
+        {
             return Err("pipe".into());
         }
         // SAFETY: the child runs only the code below and leaves with _exit.
@@ -145,17 +159,10 @@ impl MappedChild {
 }
 
 fn main() {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/dev/tdrv1".into());
-    let dev = match Dev::open(&path).and_then(|d| d.version().map(|v| (d, v))) {
-        Ok((d, v)) if v.device_kind == TDRV_DEVICE_EDU => d,
-        _ => {
-            println!("TAP version 13\n1..0 # SKIP {path} is not an edu device");
-            std::process::exit(KSFT_SKIP);
-        }
-    };
+    let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
     let mut t = Tap::new(6);
 
-    t.check("the interrupt counter grows with jobs", (|| -> R {
+    t.run("the interrupt counter grows with jobs", || -> R {
         let before = stat(&path, "irqs")?;
         let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
         let b = ok("alloc", dev.alloc(3 * 4096, 0))?;
@@ -168,29 +175,32 @@ fn main() {
         }
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("a foreign interrupt is counted as spurious and ignored", (|| -> R {
-        let pci = bound_pci_address()?;
-        let before = stat(&path, "spurious_irqs")?;
-        raise_foreign_irq(&pci)?;
-        thread::sleep(Duration::from_millis(50));
-        let after = stat(&path, "spurious_irqs")?;
-        if after <= before {
-            return Err(format!("spurious_irqs stayed at {after}"));
-        }
-        // The engine still works afterwards.
-        let a = ok("alloc", dev.alloc(100, 0))?;
-        let b = ok("alloc", dev.alloc(100, 0))?;
-        ok("copy_in", dev.copy_in(a.handle, 0, &[7; 100]))?;
-        let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
-        expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
-        let mut out = [0u8; 100];
-        ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
-        expect_eq("data", out, [7; 100])?;
-        ok("free", dev.free(a.handle))?;
-        ok("free", dev.free(b.handle))
-    })());
+    t.run(
+        "a foreign interrupt is counted as spurious and ignored",
+        || -> R {
+            let pci = bound_pci_address()?;
+            let before = stat(&path, "spurious_irqs")?;
+            raise_foreign_irq(&pci)?;
+            thread::sleep(Duration::from_millis(50));
+            let after = stat(&path, "spurious_irqs")?;
+            if after <= before {
+                return Err(format!("spurious_irqs stayed at {after}"));
+            }
+            // The engine still works afterwards.
+            let a = ok("alloc", dev.alloc(100, 0))?;
+            let b = ok("alloc", dev.alloc(100, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &[7; 100]))?;
+            let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
+            expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+            let mut out = [0u8; 100];
+            ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+            expect_eq("data", out, [7; 100])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
     // Unbind with a job in flight, waiters asleep and a buffer mapped.
     let pci = bound_pci_address();
@@ -204,49 +214,64 @@ fn main() {
         let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, size)]))?;
         Ok((a, b, m, id, child))
     })();
-    t.check("unbind fails in-flight jobs and wakes every waiter with ENODEV", (|| -> R {
-        let pci = pci.clone()?;
-        let (_, b, _, id, _) = setup.as_ref().map_err(|e| e.clone())?;
-        let (b, id) = (b.handle, *id);
-        let dev = &dev;
-        let (job, completion, unbind) = thread::scope(|s| {
-            let job = s.spawn(move || dev.job_wait(id, -1));
-            let completion = s.spawn(move || dev.completion_wait(b, 1, -1).map_err(|(e, _)| e));
-            // Let both waiters fall asleep, then pull the device.
-            thread::sleep(Duration::from_millis(200));
-            let unbind = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
-            (job.join(), completion.join(), unbind)
-        });
-        unbind.map_err(|e| format!("unbind {pci}: {e}"))?;
-        let job = job.map_err(|_| "job waiter panicked".to_string())?;
-        expect_eq("job waiter", job, Ok((TDRV_JOB_DONE, -libc::ENODEV)))?;
-        let completion = completion.map_err(|_| "completion waiter panicked".to_string())?;
-        expect_eq("completion waiter", completion, Err(libc::ENODEV))
-    })());
+    t.run(
+        "unbind fails in-flight jobs and wakes every waiter with ENODEV",
+        || -> R {
+            let pci = pci.clone()?;
+            let (_, b, _, id, _) = setup.as_ref().map_err(|e| e.clone())?;
+            let (b, id) = (b.handle, *id);
+            let dev = &dev;
+            let (job, completion, unbind) = thread::scope(|s| {
+                let job = s.spawn(move || dev.job_wait(id, -1));
+                let completion = s.spawn(move || dev.completion_wait(b, 1, -1).map_err(|(e, _)| e));
+                // Let both waiters fall asleep, then pull the device.
+                thread::sleep(Duration::from_millis(200));
+                let unbind = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
+                (job.join(), completion.join(), unbind)
+            });
+            unbind.map_err(|e| format!("unbind {pci}: {e}"))?;
+            let job = job.map_err(|_| "job waiter panicked".to_string())?;
+            expect_eq("job waiter", job, Ok((TDRV_JOB_DONE, -libc::ENODEV)))?;
+            let completion = completion.map_err(|_| "completion waiter panicked".to_string())?;
+            expect_eq("completion waiter", completion, Err(libc::ENODEV))
+        },
+    );
 
-    t.check("after unbind: ioctls fail with ENODEV, VERSION still answers", (|| -> R {
-        let (a, _, _, _, _) = setup.as_ref().map_err(|e| e.clone())?;
-        let r = dev.buf_info(a.handle).map(drop);
-        expect_eq("buf_info", r, Err(libc::ENODEV))?;
-        expect_eq("alloc", dev.alloc(4096, 0).map(drop), Err(libc::ENODEV))?;
-        expect_eq("submit", dev.submit(&[desc(a.handle, a.handle, 1)]).map(drop), Err(libc::ENODEV))?;
-        expect_eq("mmap", dev.map(a).map(drop), Err(libc::ENODEV))?;
-        ok("version", dev.version()).map(drop)
-    })());
+    t.run(
+        "after unbind: ioctls fail with ENODEV, VERSION still answers",
+        || -> R {
+            let (a, _, _, _, _) = setup.as_ref().map_err(|e| e.clone())?;
+            let r = dev.buf_info(a.handle).map(drop);
+            expect_eq("buf_info", r, Err(libc::ENODEV))?;
+            expect_eq("alloc", dev.alloc(4096, 0).map(drop), Err(libc::ENODEV))?;
+            expect_eq(
+                "submit",
+                dev.submit(&[desc(a.handle, a.handle, 1)]).map(drop),
+                Err(libc::ENODEV),
+            )?;
+            expect_eq("mmap", dev.map(a).map(drop), Err(libc::ENODEV))?;
+            ok("version", dev.version()).map(drop)
+        },
+    );
 
-    t.check("after unbind: mappings lose their pages (SIGBUS), munmap works", (|| -> R {
-        let (_, _, _, _, child) = setup.as_ref().map_err(|e| e.clone())?;
-        let status = child.touch_and_wait()?;
-        if !(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS) {
-            return Err(format!("child touching its mapping ended with status {status:#x}, want SIGBUS"));
-        }
-        Ok(())
-    })());
+    t.run(
+        "after unbind: mappings lose their pages (SIGBUS), munmap works",
+        || -> R {
+            let (_, _, _, _, child) = setup.as_ref().map_err(|e| e.clone())?;
+            let status = child.touch_and_wait()?;
+            if !(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS) {
+                return Err(format!(
+                    "child touching its mapping ended with status {status:#x}, want SIGBUS"
+                ));
+            }
+            Ok(())
+        },
+    );
     // Unmaps the parent's mapping of the revoked buffer.
     drop(setup);
     drop(dev);
 
-    t.check("rebind creates a working device again", (|| -> R {
+    t.run("rebind creates a working device again", || -> R {
         let pci = pci.clone()?;
         fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"))?;
         thread::sleep(Duration::from_millis(100));
@@ -265,7 +290,7 @@ fn main() {
             return Err("no interrupts counted on the rebound device".into());
         }
         Ok(())
-    })());
+    });
 
     t.finish();
 }

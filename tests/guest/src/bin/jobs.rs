@@ -11,32 +11,23 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tdrv_guest_tests::{
-    expect_eq,
-    raw::{Dev, Errno},
-    Tap,
-};
+use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
-
-fn ok<T>(what: &str, r: Result<T, Errno>) -> Result<T, String> {
-    r.map_err(|e| format!("{what}: errno {e} ({})", std::io::Error::from_raw_os_error(e)))
-}
-
-fn expect_err<T: std::fmt::Debug>(what: &str, got: Result<T, Errno>, want: Errno) -> R {
-    match got {
-        Err(e) if e == want => Ok(()),
-        other => Err(format!("{what}: got {other:?}, want Err({want})")),
-    }
-}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| ((i * 7 + i / 251) as u8) ^ seed).collect()
 }
 
 fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv_copy_desc {
-    tdrv_copy_desc { src_handle: src, src_offset, dst_handle: dst, dst_offset, size }
+    tdrv_copy_desc {
+        src_handle: src,
+        src_offset,
+        dst_handle: dst,
+        dst_offset,
+        size,
+    }
 }
 
 /// Waits for a job and checks that it succeeded. The wait has no limit:
@@ -56,16 +47,34 @@ fn roundtrip(dev: &Dev, size: usize) -> R {
     let dst = ok("alloc dst", dev.alloc((size + dof + 1) as u64, 0))?;
     let data = pattern(size, size as u8);
     ok("copy_in", dev.copy_in(src.handle, so as u64, &data))?;
-    ok("memset dst", dev.memset(dst.handle, 0, (size + dof + 1) as u64, 0xEE))?;
-    let id = ok("submit", dev.submit(&[desc(src.handle, so as u64, dst.handle, dof as u64, size as u64)]))?;
+    ok(
+        "memset dst",
+        dev.memset(dst.handle, 0, (size + dof + 1) as u64, 0xEE),
+    )?;
+    let id = ok(
+        "submit",
+        dev.submit(&[desc(
+            src.handle,
+            so as u64,
+            dst.handle,
+            dof as u64,
+            size as u64,
+        )]),
+    )?;
     wait_done(dev, id)?;
     let mut out = vec![0u8; size + dof + 1];
     ok("copy_out", dev.copy_out(dst.handle, 0, &mut out))?;
     let r = if out[dof..dof + size] != data[..] {
-        let first = out[dof..].iter().zip(&data).position(|(a, b)| a != b).unwrap_or(0);
+        let first = out[dof..]
+            .iter()
+            .zip(&data)
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
         Err(format!("size {size}: first difference at byte {first}"))
     } else if out[..dof].iter().any(|b| *b != 0xEE) || out[dof + size] != 0xEE {
-        Err(format!("size {size}: bytes outside the destination range changed"))
+        Err(format!(
+            "size {size}: bytes outside the destination range changed"
+        ))
     } else {
         Ok(())
     };
@@ -86,23 +95,21 @@ fn alarm_in(us: u32) {
         sa.sa_flags = 0;
         libc::sigaction(libc::SIGALRM, &sa, std::ptr::null_mut());
         let timer = libc::itimerval {
-            it_interval: libc::timeval { tv_sec: 0, tv_usec: 0 },
-            it_value: libc::timeval { tv_sec: (us / 1_000_000).into(), tv_usec: (us % 1_000_000).into() },
+            it_interval: libc::timeval {
+                tv_sec: 0,
+                tv_usec: 0,
+            },
+            it_value: libc::timeval {
+                tv_sec: (us / 1_000_000).into(),
+                tv_usec: (us % 1_000_000).into(),
+            },
         };
         libc::setitimer(libc::ITIMER_REAL, &timer, std::ptr::null_mut());
     }
 }
 
 fn main() {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/dev/tdrv0".into());
-    let dev = match Dev::open(&path) {
-        Ok(d) => d,
-        Err(e) => {
-            println!("TAP version 13\n1..0 # SKIP cannot open {path}: errno {e}");
-            std::process::exit(tdrv_guest_tests::KSFT_SKIP);
-        }
-    };
-    let version = dev.version().expect("VERSION");
+    let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let mut t = Tap::new(16);
     t.note(format!("device {path}: kind {}", version.device_kind));
     // The edu engine moves ~4 KiB per 0.2 s of virtual time: "large" jobs
@@ -111,12 +118,15 @@ fn main() {
     let edu = version.device_kind == TDRV_DEVICE_EDU;
     let large: u64 = if edu { 256 << 10 } else { 8 << 20 };
 
-    t.check("a job copies bytes and counts one completion", (|| -> R {
+    t.run("a job copies bytes and counts one completion", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
         let b = ok("alloc", dev.alloc(4096, 0))?;
         let data = pattern(4096, 1);
         ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
-        let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]))?;
+        let id = ok(
+            "submit",
+            dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]),
+        )?;
         if id == 0 {
             return Err("job id 0".into());
         }
@@ -127,69 +137,121 @@ fn main() {
         let ib = ok("buf_info", dev.buf_info(b.handle))?;
         expect_eq("dst completions", ib.completion_count, 1)?;
         expect_eq("dst pending", (ib.pending_reads, ib.pending_writes), (0, 0))?;
-        expect_eq("src completions", ok("buf_info", dev.buf_info(a.handle))?.completion_count, 0)?;
+        expect_eq(
+            "src completions",
+            ok("buf_info", dev.buf_info(a.handle))?.completion_count,
+            0,
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("byte-exact for sizes from 1 B to 1 MiB", (|| -> R {
-        for size in [1, 2, 3, 64, 4095, 4096, 4097, 8191, 65_536 + 7, 300_001, 1 << 20] {
+    t.run("byte-exact for sizes from 1 B to 1 MiB", || -> R {
+        for size in [
+            1,
+            2,
+            3,
+            64,
+            4095,
+            4096,
+            4097,
+            8191,
+            65_536 + 7,
+            300_001,
+            1 << 20,
+        ] {
             roundtrip(&dev, size)?;
         }
         Ok(())
-    })());
+    });
 
-    t.check("a multi-descriptor job counts one completion per destination", (|| -> R {
-        let s = ok("alloc", dev.alloc(3000, 0))?;
-        let d1 = ok("alloc", dev.alloc(3000, 0))?;
-        let d2 = ok("alloc", dev.alloc(3000, 0))?;
-        let data = pattern(3000, 2);
-        ok("copy_in", dev.copy_in(s.handle, 0, &data))?;
-        let id = ok("submit", dev.submit(&[
-            desc(s.handle, 0, d1.handle, 0, 1000),
-            desc(s.handle, 1000, d1.handle, 1000, 2000),
-            desc(s.handle, 0, d2.handle, 0, 3000),
-        ]))?;
-        wait_done(&dev, id)?;
-        let mut out = vec![0u8; 3000];
-        ok("copy_out", dev.copy_out(d1.handle, 0, &mut out))?;
-        expect_eq("d1 data", out == data, true)?;
-        ok("copy_out", dev.copy_out(d2.handle, 0, &mut out))?;
-        expect_eq("d2 data", out == data, true)?;
-        expect_eq("d1 completions", ok("info", dev.buf_info(d1.handle))?.completion_count, 1)?;
-        expect_eq("d2 completions", ok("info", dev.buf_info(d2.handle))?.completion_count, 1)?;
-        for h in [s.handle, d1.handle, d2.handle] {
-            ok("free", dev.free(h))?;
-        }
-        Ok(())
-    })());
+    t.run(
+        "a multi-descriptor job counts one completion per destination",
+        || -> R {
+            let s = ok("alloc", dev.alloc(3000, 0))?;
+            let d1 = ok("alloc", dev.alloc(3000, 0))?;
+            let d2 = ok("alloc", dev.alloc(3000, 0))?;
+            let data = pattern(3000, 2);
+            ok("copy_in", dev.copy_in(s.handle, 0, &data))?;
+            let id = ok(
+                "submit",
+                dev.submit(&[
+                    desc(s.handle, 0, d1.handle, 0, 1000),
+                    desc(s.handle, 1000, d1.handle, 1000, 2000),
+                    desc(s.handle, 0, d2.handle, 0, 3000),
+                ]),
+            )?;
+            wait_done(&dev, id)?;
+            let mut out = vec![0u8; 3000];
+            ok("copy_out", dev.copy_out(d1.handle, 0, &mut out))?;
+            expect_eq("d1 data", out == data, true)?;
+            ok("copy_out", dev.copy_out(d2.handle, 0, &mut out))?;
+            expect_eq("d2 data", out == data, true)?;
+            expect_eq(
+                "d1 completions",
+                ok("info", dev.buf_info(d1.handle))?.completion_count,
+                1,
+            )?;
+            expect_eq(
+                "d2 completions",
+                ok("info", dev.buf_info(d2.handle))?.completion_count,
+                1,
+            )?;
+            for h in [s.handle, d1.handle, d2.handle] {
+                ok("free", dev.free(h))?;
+            }
+            Ok(())
+        },
+    );
 
-    t.check("completion wait: poll, reach, timeout, reset", (|| -> R {
+    t.run("completion wait: poll, reach, timeout, reset", || -> R {
         let a = ok("alloc", dev.alloc(256, 0))?;
         let b = ok("alloc", dev.alloc(256, 0))?;
-        expect_err("poll before any job", dev.completion_wait(b.handle, 1, 0).map_err(|(e, _)| e), libc::ETIMEDOUT)?;
+        expect_err(
+            "poll before any job",
+            dev.completion_wait(b.handle, 1, 0).map_err(|(e, _)| e),
+            libc::ETIMEDOUT,
+        )?;
         for _ in 0..3 {
             ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 256)]))?;
         }
-        let n = ok("wait for 3", dev.completion_wait(b.handle, 3, -1).map_err(|(e, _)| e))?;
+        let n = ok(
+            "wait for 3",
+            dev.completion_wait(b.handle, 3, -1).map_err(|(e, _)| e),
+        )?;
         if n < 3 {
             return Err(format!("count {n} < 3"));
         }
         let start = Instant::now();
-        expect_err("wait for 4 with 50 ms", dev.completion_wait(b.handle, 4, 50_000).map_err(|(e, _)| e), libc::ETIMEDOUT)?;
+        expect_err(
+            "wait for 4 with 50 ms",
+            dev.completion_wait(b.handle, 4, 50_000).map_err(|(e, _)| e),
+            libc::ETIMEDOUT,
+        )?;
         if start.elapsed() < Duration::from_millis(40) {
             return Err(format!("timed out after only {:?}", start.elapsed()));
         }
         ok("reset", dev.completion_reset(b.handle))?;
-        expect_eq("count after reset", ok("info", dev.buf_info(b.handle))?.completion_count, 0)?;
+        expect_eq(
+            "count after reset",
+            ok("info", dev.buf_info(b.handle))?.completion_count,
+            0,
+        )?;
         let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 256)]))?;
         wait_done(&dev, id)?;
-        expect_eq("count after one more", ok("wait", dev.completion_wait(b.handle, 1, 0).map_err(|(e, _)| e))?, 1)?;
+        expect_eq(
+            "count after one more",
+            ok(
+                "wait",
+                dev.completion_wait(b.handle, 1, 0).map_err(|(e, _)| e),
+            )?,
+            1,
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("reads fence against an in-flight job's writes", (|| -> R {
+    t.run("reads fence against an in-flight job's writes", || -> R {
         // A large job; COPY_OUT right after SUBMIT must see its result,
         // because reads wait for pending device writes.
         let size = large;
@@ -199,7 +261,10 @@ fn main() {
         ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
         for round in 0..3u8 {
             ok("memset", dev.memset(b.handle, 0, size, round.into()))?;
-            ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, size)]))?;
+            ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, size)]),
+            )?;
             let mut out = vec![0u8; size as usize];
             ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
             if out != data {
@@ -208,74 +273,152 @@ fn main() {
         }
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("fence wait: idle, after a job, bad kinds", (|| -> R {
+    t.run("fence wait: idle, after a job, bad kinds", || -> R {
         let a = ok("alloc", dev.alloc(large, 0))?;
         let b = ok("alloc", dev.alloc(large, 0))?;
         ok("idle poll", dev.fence_wait(a.handle, TDRV_FENCE_ALL, 0))?;
-        ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, large)]))?;
-        ok("wait writes", dev.fence_wait(b.handle, TDRV_FENCE_WRITES, -1))?;
+        ok(
+            "submit",
+            dev.submit(&[desc(a.handle, 0, b.handle, 0, large)]),
+        )?;
+        ok(
+            "wait writes",
+            dev.fence_wait(b.handle, TDRV_FENCE_WRITES, -1),
+        )?;
         ok("wait reads", dev.fence_wait(a.handle, TDRV_FENCE_READS, -1))?;
         let i = ok("info", dev.buf_info(b.handle))?;
         expect_eq("no pending writes", i.pending_writes, 0)?;
         expect_err("kind 0", dev.fence_wait(a.handle, 0, 0), libc::EINVAL)?;
         expect_err("kind 4", dev.fence_wait(a.handle, 4, 0), libc::EINVAL)?;
-        expect_err("bad handle", dev.fence_wait(12345, TDRV_FENCE_ALL, 0), libc::ENOENT)?;
+        expect_err(
+            "bad handle",
+            dev.fence_wait(12345, TDRV_FENCE_ALL, 0),
+            libc::ENOENT,
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("malformed submissions are refused", (|| -> R {
+    t.run("malformed submissions are refused", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
         let b = ok("alloc", dev.alloc(4096, 0))?;
         let good = desc(a.handle, 0, b.handle, 0, 16);
         expect_err("no descriptors", dev.submit(&[]), libc::EINVAL)?;
         let many = vec![good; TDRV_MAX_JOB_DESCS as usize + 1];
         expect_err("too many descriptors", dev.submit(&many), libc::EINVAL)?;
-        expect_err("size 0", dev.submit(&[desc(a.handle, 0, b.handle, 0, 0)]), libc::EINVAL)?;
-        expect_err("bad source", dev.submit(&[desc(999, 0, b.handle, 0, 16)]), libc::ENOENT)?;
-        expect_err("bad destination", dev.submit(&[desc(a.handle, 0, 999, 0, 16)]), libc::ENOENT)?;
-        expect_err("source range", dev.submit(&[desc(a.handle, 4090, b.handle, 0, 16)]), libc::ERANGE)?;
-        expect_err("overflow", dev.submit(&[desc(a.handle, u64::MAX, b.handle, 0, 16)]), libc::ERANGE)?;
+        expect_err(
+            "size 0",
+            dev.submit(&[desc(a.handle, 0, b.handle, 0, 0)]),
+            libc::EINVAL,
+        )?;
+        expect_err(
+            "bad source",
+            dev.submit(&[desc(999, 0, b.handle, 0, 16)]),
+            libc::ENOENT,
+        )?;
+        expect_err(
+            "bad destination",
+            dev.submit(&[desc(a.handle, 0, 999, 0, 16)]),
+            libc::ENOENT,
+        )?;
+        expect_err(
+            "source range",
+            dev.submit(&[desc(a.handle, 4090, b.handle, 0, 16)]),
+            libc::ERANGE,
+        )?;
+        expect_err(
+            "overflow",
+            dev.submit(&[desc(a.handle, u64::MAX, b.handle, 0, 16)]),
+            libc::ERANGE,
+        )?;
         if version.num_channels > 1 {
             let c = ok("alloc ch1", dev.alloc(4096, 1))?;
-            expect_err("cross-channel", dev.submit(&[desc(a.handle, 0, c.handle, 0, 16)]), libc::EXDEV)?;
+            expect_err(
+                "cross-channel",
+                dev.submit(&[desc(a.handle, 0, c.handle, 0, 16)]),
+                libc::EXDEV,
+            )?;
         }
         let descs = [good];
-        for (what, desc_size, want) in [("stride 39", 39u32, libc::EINVAL), ("stride 4096", 4096, libc::EINVAL)] {
-            let mut s = tdrv_submit { descs: descs.as_ptr() as u64, desc_count: 1, desc_size, ..Default::default() };
+        for (what, desc_size, want) in [
+            ("stride 39", 39u32, libc::EINVAL),
+            ("stride 4096", 4096, libc::EINVAL),
+        ] {
+            let mut s = tdrv_submit {
+                descs: descs.as_ptr() as u64,
+                desc_count: 1,
+                desc_size,
+                ..Default::default()
+            };
             expect_err(what, dev.ioctl(TDRV_IOC_SUBMIT, &mut s), want)?;
         }
         // A larger descriptor stride with a zero tail is accepted; a
         // non-zero tail is not.
-        let mut wide = vec![0u8; 48];
+        let mut wide = [0u8; 48];
         // SAFETY: tdrv_copy_desc is plain data; copying its bytes is fine.
-        let bytes = unsafe { std::slice::from_raw_parts((&good as *const tdrv_copy_desc).cast::<u8>(), size_of::<tdrv_copy_desc>()) };
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&good as *const tdrv_copy_desc).cast::<u8>(),
+                size_of::<tdrv_copy_desc>(),
+            )
+        };
         wide[..40].copy_from_slice(bytes);
-        let mut s = tdrv_submit { descs: wide.as_ptr() as u64, desc_count: 1, desc_size: 48, ..Default::default() };
-        let id = ok("stride 48, zero tail", dev.ioctl(TDRV_IOC_SUBMIT, &mut s)).map(|_| s.job_id)?;
+        let mut s = tdrv_submit {
+            descs: wide.as_ptr() as u64,
+            desc_count: 1,
+            desc_size: 48,
+            ..Default::default()
+        };
+        let id =
+            ok("stride 48, zero tail", dev.ioctl(TDRV_IOC_SUBMIT, &mut s)).map(|_| s.job_id)?;
         wait_done(&dev, id)?;
         wide[47] = 1;
-        let mut s = tdrv_submit { descs: wide.as_ptr() as u64, desc_count: 1, desc_size: 48, ..Default::default() };
-        expect_err("stride 48, non-zero tail", dev.ioctl(TDRV_IOC_SUBMIT, &mut s), libc::E2BIG)?;
-        let mut s = tdrv_submit { descs: 8, desc_count: 1, desc_size: 40, ..Default::default() };
-        expect_err("unmapped descriptors", dev.ioctl(TDRV_IOC_SUBMIT, &mut s), libc::EFAULT)?;
+        let mut s = tdrv_submit {
+            descs: wide.as_ptr() as u64,
+            desc_count: 1,
+            desc_size: 48,
+            ..Default::default()
+        };
+        expect_err(
+            "stride 48, non-zero tail",
+            dev.ioctl(TDRV_IOC_SUBMIT, &mut s),
+            libc::E2BIG,
+        )?;
+        let mut s = tdrv_submit {
+            descs: 8,
+            desc_count: 1,
+            desc_size: 40,
+            ..Default::default()
+        };
+        expect_err(
+            "unmapped descriptors",
+            dev.ioctl(TDRV_IOC_SUBMIT, &mut s),
+            libc::EFAULT,
+        )?;
         // Nothing was left pending by the refused submissions.
         let i = ok("info", dev.buf_info(b.handle))?;
-        expect_eq("pending after refusals", (i.pending_reads, i.pending_writes), (0, 0))?;
+        expect_eq(
+            "pending after refusals",
+            (i.pending_reads, i.pending_writes),
+            (0, 0),
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("job wait: unknown ids, poll, ids increase", (|| -> R {
+    t.run("job wait: unknown ids, poll, ids increase", || -> R {
         expect_err("id 0", dev.job_wait(0, 0), libc::EINVAL)?;
         expect_err("future id", dev.job_wait(1 << 40, 0), libc::EINVAL)?;
         let a = ok("alloc", dev.alloc(4096, 0))?;
         let b = ok("alloc", dev.alloc(4096, 0))?;
         let mut last = 0;
         for _ in 0..50 {
-            let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]))?;
+            let id = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]),
+            )?;
             if id <= last {
                 return Err(format!("job id {id} after {last}"));
             }
@@ -289,45 +432,64 @@ fn main() {
         // Every earlier job is done once the last one is.
         let (state, status) = ok("poll first", dev.job_wait(last - 49, 0))?;
         expect_eq("first job", (state, status), (TDRV_JOB_DONE, 0))?;
-        expect_eq("completions", ok("info", dev.buf_info(b.handle))?.completion_count, 50)?;
+        expect_eq(
+            "completions",
+            ok("info", dev.buf_info(b.handle))?.completion_count,
+            50,
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("a signal interrupts a wait with EINTR", (|| -> R {
+    t.run("a signal interrupts a wait with EINTR", || -> R {
         let a = ok("alloc", dev.alloc(64, 0))?;
         alarm_in(100_000);
         let start = Instant::now();
         let r = dev.completion_wait(a.handle, 1, -1).map_err(|(e, _)| e);
         expect_err("completion_wait forever", r, libc::EINTR)?;
         alarm_in(100_000);
-        let r = dev.completion_wait(a.handle, 1, 60_000_000).map_err(|(e, _)| e);
+        let r = dev
+            .completion_wait(a.handle, 1, 60_000_000)
+            .map_err(|(e, _)| e);
         expect_err("completion_wait 60 s", r, libc::EINTR)?;
         if start.elapsed() > Duration::from_secs(20) {
             return Err("signals did not cut the waits short".into());
         }
         ok("free", dev.free(a.handle))
-    })());
+    });
 
-    t.check("FREE of buffers in flight: the job still completes", (|| -> R {
-        let base = ok("ch", dev.channel_info(0))?.used_bytes;
-        let a = ok("alloc", dev.alloc(large, 0))?;
-        let b = ok("alloc", dev.alloc(large, 0))?;
-        let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, large)]))?;
-        ok("free src", dev.free(a.handle))?;
-        ok("free dst", dev.free(b.handle))?;
-        wait_done(&dev, id)?;
-        expect_eq("released after the job", ok("ch", dev.channel_info(0))?.used_bytes, base)
-    })());
+    t.run(
+        "FREE of buffers in flight: the job still completes",
+        || -> R {
+            let base = ok("ch", dev.channel_info(0))?.used_bytes;
+            let a = ok("alloc", dev.alloc(large, 0))?;
+            let b = ok("alloc", dev.alloc(large, 0))?;
+            let id = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, large)]),
+            )?;
+            ok("free src", dev.free(a.handle))?;
+            ok("free dst", dev.free(b.handle))?;
+            wait_done(&dev, id)?;
+            expect_eq(
+                "released after the job",
+                ok("ch", dev.channel_info(0))?.used_bytes,
+                base,
+            )
+        },
+    );
 
-    t.check("closing a file with a job in flight is clean", (|| -> R {
+    t.run("closing a file with a job in flight is clean", || -> R {
         let base = ok("ch", dev.channel_info(0))?.used_bytes;
         {
             let other = ok("open", Dev::open(&path))?;
             let a = ok("alloc", other.alloc(large, 0))?;
             let b = ok("alloc", other.alloc(large, 0))?;
             for _ in 0..4 {
-                ok("submit", other.submit(&[desc(a.handle, 0, b.handle, 0, large)]))?;
+                ok(
+                    "submit",
+                    other.submit(&[desc(a.handle, 0, b.handle, 0, large)]),
+                )?;
             }
         }
         // The jobs finish on their own and release the memory.
@@ -339,9 +501,9 @@ fn main() {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
-    })());
+    });
 
-    t.check("two processes are isolated from each other", (|| -> R {
+    t.run("two processes are isolated from each other", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
         let mut fds = [0; 2];
         // SAFETY: creates a pipe into a local array.
@@ -362,7 +524,11 @@ fn main() {
                     let mut byte = 0u8;
                     // SAFETY: reads one byte into a local.
                     unsafe { libc::read(fds[0], (&mut byte as *mut u8).cast(), 1) };
-                    if foreign_ok || mine == 0 { 1 } else { 0 }
+                    if foreign_ok || mine == 0 {
+                        1
+                    } else {
+                        0
+                    }
                 }
                 Err(_) => 2,
             };
@@ -384,11 +550,15 @@ fn main() {
             libc::close(fds[1]);
         }
         expect_err("child's handle in the parent", parent_view, libc::ENOENT)?;
-        expect_eq("child saw only its own buffers (exit code)", libc::WEXITSTATUS(status), 0)?;
+        expect_eq(
+            "child saw only its own buffers (exit code)",
+            libc::WEXITSTATUS(status),
+            0,
+        )?;
         ok("free", dev.free(a.handle))
-    })());
+    });
 
-    t.check("jobs from several threads all complete", (|| -> R {
+    t.run("jobs from several threads all complete", || -> R {
         let a = ok("alloc", dev.alloc(65_536, 0))?;
         let b = ok("alloc", dev.alloc(65_536, 0))?;
         let data = pattern(65_536, 5);
@@ -400,7 +570,10 @@ fn main() {
                     s.spawn(move || -> R {
                         for _ in 0..25 {
                             let off = i * 16_384;
-                            let id = ok("submit", dev.submit(&[desc(a.handle, off, b.handle, off, 16_384)]))?;
+                            let id = ok(
+                                "submit",
+                                dev.submit(&[desc(a.handle, off, b.handle, off, 16_384)]),
+                            )?;
                             wait_done(dev, id)?;
                         }
                         Ok(())
@@ -415,51 +588,74 @@ fn main() {
         let mut out = vec![0u8; 65_536];
         ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
         expect_eq("data", out == data, true)?;
-        expect_eq("completions", ok("info", dev.buf_info(b.handle))?.completion_count, 100)?;
+        expect_eq(
+            "completions",
+            ok("info", dev.buf_info(b.handle))?.completion_count,
+            100,
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
-    })());
+    });
 
-    t.check("writes fence against in-flight reads (COPY_IN after SUBMIT)", (|| -> R {
-        // COPY_IN to a job's source waits until the job has read it, so the
-        // destination receives the old contents, never a mix.
-        let size = large;
-        let a = ok("alloc", dev.alloc(size, 0))?;
-        let b = ok("alloc", dev.alloc(size, 0))?;
-        let old = pattern(size as usize, 6);
-        let new = pattern(size as usize, 7);
-        ok("copy_in old", dev.copy_in(a.handle, 0, &old))?;
-        let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, size)]))?;
-        ok("copy_in new", dev.copy_in(a.handle, 0, &new))?;
-        wait_done(&dev, id)?;
-        let mut out = vec![0u8; size as usize];
-        ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
-        expect_eq("destination holds the old source", out == old, true)?;
-        ok("free", dev.free(a.handle))?;
-        ok("free", dev.free(b.handle))
-    })());
+    t.run(
+        "writes fence against in-flight reads (COPY_IN after SUBMIT)",
+        || -> R {
+            // COPY_IN to a job's source waits until the job has read it, so the
+            // destination receives the old contents, never a mix.
+            let size = large;
+            let a = ok("alloc", dev.alloc(size, 0))?;
+            let b = ok("alloc", dev.alloc(size, 0))?;
+            let old = pattern(size as usize, 6);
+            let new = pattern(size as usize, 7);
+            ok("copy_in old", dev.copy_in(a.handle, 0, &old))?;
+            let id = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, size)]),
+            )?;
+            ok("copy_in new", dev.copy_in(a.handle, 0, &new))?;
+            wait_done(&dev, id)?;
+            let mut out = vec![0u8; size as usize];
+            ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+            expect_eq("destination holds the old source", out == old, true)?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
-    t.check("mapped buffers work as job sources and destinations", (|| -> R {
-        let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
-        let b = ok("alloc", dev.alloc(3 * 4096, 0))?;
-        let mut ma = ok("mmap a", dev.map(&a))?;
-        let mb = ok("mmap b", dev.map(&b))?;
-        let data = pattern(3 * 4096, 8);
-        ma.as_mut_slice().copy_from_slice(&data);
-        let id = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 3 * 4096)]))?;
-        wait_done(&dev, id)?;
-        expect_eq("seen through the destination mapping", mb.as_slice() == &data[..], true)?;
-        drop((ma, mb));
-        ok("free", dev.free(a.handle))?;
-        ok("free", dev.free(b.handle))
-    })());
+    t.run(
+        "mapped buffers work as job sources and destinations",
+        || -> R {
+            let a = ok("alloc", dev.alloc(3 * 4096, 0))?;
+            let b = ok("alloc", dev.alloc(3 * 4096, 0))?;
+            let mut ma = ok("mmap a", dev.map(&a))?;
+            let mb = ok("mmap b", dev.map(&b))?;
+            let data = pattern(3 * 4096, 8);
+            ma.as_mut_slice().copy_from_slice(&data);
+            let id = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, 3 * 4096)]),
+            )?;
+            wait_done(&dev, id)?;
+            expect_eq(
+                "seen through the destination mapping",
+                mb.as_slice() == &data[..],
+                true,
+            )?;
+            drop((ma, mb));
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
-    t.check("debugfs counts this device's jobs", (|| -> R {
+    t.run("debugfs counts this device's jobs", || -> R {
         let name = path.trim_start_matches("/dev/");
         let stats = std::fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/stats"))
             .map_err(|e| format!("read stats: {e}"))?;
         let field = |key: &str| -> u64 {
-            stats.lines().find_map(|l| l.strip_prefix(key)?.trim().parse().ok()).unwrap_or(0)
+            stats
+                .lines()
+                .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+                .unwrap_or(0)
         };
         if field("jobs_submitted:") < 100 || field("jobs_completed:") < 100 {
             return Err(format!("unexpected stats:\n{stats}"));
@@ -468,7 +664,7 @@ fn main() {
             return Err(format!("waits not counted:\n{stats}"));
         }
         Ok(())
-    })());
+    });
 
     t.finish();
 }
