@@ -261,6 +261,26 @@ impl Drop for Anon {
     }
 }
 
+/// Copies with `rep movsb`, as the kernel's user copies do on this CPU: a
+/// reference for the icount artefact (one instruction per byte).
+///
+/// # Safety
+/// `src` must be readable and `dst` writable for `len` bytes, and the two
+/// ranges must not overlap.
+unsafe fn rep_movsb(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: forwarded to the caller; the instruction touches only those
+    // ranges, RCX/RSI/RDI, and the direction flag is clear per the ABI.
+    unsafe {
+        std::arch::asm!(
+            "rep movsb",
+            inout("rcx") len => _,
+            inout("rsi") src => _,
+            inout("rdi") dst => _,
+            options(nostack, preserves_flags)
+        )
+    }
+}
+
 /// Opens a file read-write (close-on-exec).
 fn open_rw(path: &str) -> OwnedFd {
     let c = CString::new(path).expect("path");
@@ -407,6 +427,9 @@ mod profile {
     const PERF_TYPE_SOFTWARE: u32 = 1;
     const PERF_COUNT_SW_CPU_CLOCK: u64 = 0;
     const PERF_SAMPLE_IP: u64 = 1;
+    const PERF_SAMPLE_CALLCHAIN: u64 = 1 << 5;
+    /// Callchain entries at or above this are context markers.
+    const PERF_CONTEXT_MAX: u64 = (-4095i64) as u64;
     const FLAG_DISABLED: u64 = 1;
     const PERF_RECORD_SAMPLE: u32 = 9;
     const IOC_ENABLE: u64 = 0x2400;
@@ -424,7 +447,8 @@ mod profile {
         base: *mut u8,
         len: usize,
         page: usize,
-        pub ips: Vec<u64>,
+        /// One chain per sample: the sampled IP, then its callers.
+        pub chains: Vec<Vec<u64>>,
         pub lost: u64,
     }
 
@@ -442,7 +466,7 @@ mod profile {
                 size: std::mem::size_of::<Attr>() as u32,
                 config: PERF_COUNT_SW_CPU_CLOCK,
                 sample_period: period_ns,
-                sample_type: PERF_SAMPLE_IP,
+                sample_type: PERF_SAMPLE_IP | PERF_SAMPLE_CALLCHAIN,
                 flags: FLAG_DISABLED,
                 ..Default::default()
             };
@@ -487,7 +511,7 @@ mod profile {
                 base: p.cast(),
                 len,
                 page,
-                ips: Vec::new(),
+                chains: Vec::new(),
                 lost: 0,
             })
         }
@@ -538,7 +562,15 @@ mod profile {
                     break;
                 }
                 if type_ == PERF_RECORD_SAMPLE {
-                    self.ips.push(read_u64(tail + 8));
+                    let mut chain = vec![read_u64(tail + 8)];
+                    let nr = read_u64(tail + 16).min(512);
+                    for k in 0..nr {
+                        let ip = read_u64(tail + 24 + 8 * k);
+                        if ip < PERF_CONTEXT_MAX {
+                            chain.push(ip);
+                        }
+                    }
+                    self.chains.push(chain);
                 } else if type_ == 2 {
                     // PERF_RECORD_LOST: id, lost
                     self.lost += read_u64(tail + 16);
@@ -585,21 +617,34 @@ mod profile {
         v
     }
 
-    /// Counts samples per symbol: kernel addresses through kallsyms, user
-    /// addresses as one "[user]" bucket (the bench binary is stripped of
-    /// nothing, but resolving it would need an ELF reader).
-    pub fn histogram(ips: &[u64], syms: &[(u64, String)]) -> Vec<(String, usize)> {
+    fn symbol(ip: u64, syms: &[(u64, String)]) -> String {
+        if ip < 0xffff_8000_0000_0000 {
+            return "[user]".to_owned();
+        }
+        match syms.partition_point(|(a, _)| *a <= ip) {
+            0 => "[kernel ?]".to_owned(),
+            i => syms[i - 1].1.clone(),
+        }
+    }
+
+    /// Counts samples per symbol, kernel addresses through kallsyms and
+    /// user addresses as one "[user]" bucket: `inclusive` counts a sample
+    /// for every distinct function on its call chain, else only for the
+    /// function it hit.
+    pub fn histogram(
+        chains: &[Vec<u64>],
+        syms: &[(u64, String)],
+        inclusive: bool,
+    ) -> Vec<(String, usize)> {
         let mut h: HashMap<String, usize> = HashMap::new();
-        for &ip in ips {
-            let name = if ip < 0xffff_8000_0000_0000 {
-                "[user]".to_owned()
-            } else {
-                match syms.partition_point(|(a, _)| *a <= ip) {
-                    0 => "[kernel ?]".to_owned(),
-                    i => syms[i - 1].1.clone(),
-                }
-            };
-            *h.entry(name).or_default() += 1;
+        for chain in chains {
+            let frames = if inclusive { &chain[..] } else { &chain[..1] };
+            let mut names: Vec<String> = frames.iter().map(|&ip| symbol(ip, syms)).collect();
+            names.sort();
+            names.dedup();
+            for n in names {
+                *h.entry(n).or_default() += 1;
+            }
         }
         let mut v: Vec<_> = h.into_iter().collect();
         v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -618,22 +663,29 @@ fn profile_case(name: &str, cpu_wide: bool, calls: usize, f: impl FnMut()) {
     };
     s.run(f, calls);
     let syms = profile::kallsyms();
-    let total = s.ips.len();
+    let total = s.chains.len();
     note(format!(
         "profile {name}: {total} samples, {} lost, {} symbols",
         s.lost,
         syms.len()
     ));
-    for (sym, count) in profile::histogram(&s.ips, &syms).into_iter().take(20) {
-        let share = 100.0 * count as f64 / total.max(1) as f64;
-        emit(
-            "profile",
-            name,
-            &sym,
-            "%",
-            &Summary::single(share, total),
-            &[("samples", count as f64)],
-        );
+    // "profile": where the samples hit (self); "profile_incl": functions
+    // on the samples' call chains (inclusive).
+    for (fig, inclusive, top) in [("profile", false, 15), ("profile_incl", true, 30)] {
+        for (sym, count) in profile::histogram(&s.chains, &syms, inclusive)
+            .into_iter()
+            .take(top)
+        {
+            let share = 100.0 * count as f64 / total.max(1) as f64;
+            emit(
+                fig,
+                name,
+                &sym,
+                "%",
+                &Summary::single(share, total),
+                &[("samples", count as f64)],
+            );
+        }
     }
 }
 
@@ -730,6 +782,14 @@ fn fig23(c: &Ctx) {
                     }),
                 ),
                 (
+                    "rep_movsb",
+                    Box::new(|| {
+                        // SAFETY: two distinct anonymous mappings of `size`
+                        // bytes.
+                        unsafe { rep_movsb(sp, dp, size) }
+                    }),
+                ),
+                (
                     "copy_in",
                     Box::new(|| dev.copy_in(handle, 0, src_slice()).expect("COPY_IN")),
                 ),
@@ -759,6 +819,14 @@ fn fig23(c: &Ctx) {
                     }),
                 ),
                 (
+                    "rep_movsb",
+                    Box::new(|| {
+                        // SAFETY: two distinct anonymous mappings of `size`
+                        // bytes.
+                        unsafe { rep_movsb(sp, dp, size) }
+                    }),
+                ),
+                (
                     "copy_out",
                     Box::new(|| dev.copy_out(handle, 0, dst_slice()).expect("COPY_OUT")),
                 ),
@@ -766,8 +834,10 @@ fn fig23(c: &Ctx) {
             throughput_cases("3", size, reps, &mut cases);
         }
         if c.profile && size == 64 * KIB {
-            profile_case("fig2 tensor_write 64 KiB", false, 2000, || {
-                t.write(0, src_slice()).expect("write")
+            profile_case("fig2 tensor_write 64 KiB", false, 1, || {
+                for _ in 0..4000 {
+                    t.write(0, src_slice()).expect("write");
+                }
             });
         }
         note(format!("fig2/3: {size} bytes done"));
@@ -864,12 +934,12 @@ fn fig5(c: &Ctx) {
         ];
         time_cases("5", &size.to_string(), (1, 7, iters), &mut cases);
         if c.profile && (size == 4 * KIB || size == 64 * KIB) {
-            profile_case(&format!("fig5 tensor {size}"), false, 10, || {
+            profile_case(&format!("fig5 tensor {size}"), false, 3, || {
                 for _ in 0..iters {
                     drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"));
                 }
             });
-            profile_case(&format!("fig5 dma_heap {size}"), false, 10, || {
+            profile_case(&format!("fig5 dma_heap {size}"), false, 3, || {
                 for _ in 0..iters {
                     let fd = heap_alloc(&heap, size);
                     let p = map_shared(&fd, size);
@@ -1210,8 +1280,10 @@ fn main() {
                 read_trim("/sys/devices/system/clocksource/clocksource0/current_clocksource"),
             ),
             (
-                "channel_mib",
-                read_trim("/sys/module/tdrv/parameters/channel_mib"),
+                "channel0_limit_mib",
+                dev.channel_info(0)
+                    .map(|i| (i.limit_bytes >> 20).to_string())
+                    .unwrap_or_else(|e| e.to_string()),
             ),
             ("cmdline", read_trim("/proc/cmdline")),
         ],
