@@ -23,7 +23,9 @@ use kernel::{
     sync::{
         aref::ARef,
         atomic::{
+            Acquire,
             Atomic,
+            Full,
             Relaxed, //
         },
         Arc,
@@ -120,13 +122,6 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut kernel::bindings::device 
     core::ptr::from_ref(dev).cast_mut().cast()
 }
 
-/// Whether the bus device may be used, and how many ioctls or mmaps are
-/// using it right now.
-struct Access {
-    bound: bool,
-    active: u64,
-}
-
 /// Address of a live buffer, kept in the device's buffer registry.
 struct BufferAddr(*const Buffer);
 
@@ -145,10 +140,14 @@ pub(crate) struct TdrvDevice {
     #[pin]
     pub(crate) channels: Channels,
     engine: Engine,
-    /// `bound` is cleared before the bus device is unbound; unbind then
-    /// waits (on `idle`) for `active` to drop to zero.
+    /// Cleared before the bus device is unbound; unbind then waits (on
+    /// `idle`) for `active`, the ioctls and mmaps in progress, to drop to
+    /// zero. Atomics keep the ioctl path free of locks and wake-ups; the
+    /// lock and wait queue are used only while unbinding.
+    bound: Atomic<bool>,
+    active: Atomic<u64>,
     #[pin]
-    access: Mutex<Access>,
+    idle_lock: Mutex<()>,
     #[pin]
     idle: CondVar,
     /// Every live buffer of the device, so unbind can free their memory.
@@ -176,7 +175,9 @@ impl TdrvDevice {
                 index,
                 channels <- Channels::new(channels, channel_limit)?,
                 engine,
-                access <- new_mutex!(Access { bound: true, active: 0 }, "TdrvDevice::access"),
+                bound: Atomic::new(true),
+                active: Atomic::new(0),
+                idle_lock <- new_mutex!((), "TdrvDevice::idle_lock"),
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
@@ -200,49 +201,55 @@ impl TdrvDevice {
     }
 
     pub(crate) fn is_bound(&self) -> bool {
-        self.access.lock().bound
+        self.bound.load(Acquire)
     }
 
     /// Enters an ioctl or mmap that uses the device: ENODEV after unbind.
     /// Unbind waits until every guard is gone before it frees memory.
     pub(crate) fn enter(&self) -> Result<ActiveGuard<'_>> {
-        let mut access = self.access.lock();
-        if !access.bound {
+        // Count first, then check: `mark_unbound` stores first, then waits
+        // for the count, so one of the two sides always sees the other.
+        self.active.fetch_add(1, Full);
+        let guard = ActiveGuard { device: self };
+        if !self.bound.load(Acquire) {
             return Err(ENODEV);
         }
-        access.active += 1;
-        Ok(ActiveGuard { device: self })
+        Ok(guard)
     }
 
-    /// Runs `f` with the bound bus device, or fails with ENODEV after
-    /// unbind. The lock keeps unbind from completing while `f` runs.
-    pub(crate) fn with_bound<R>(
-        &self,
-        f: impl FnOnce(&device::Device<Bound>) -> Result<R>,
-    ) -> Result<R> {
-        let access = self.access.lock();
-        if !access.bound {
-            return Err(ENODEV);
+    fn leave(&self) {
+        if self.active.fetch_sub(1, Full) == 1 && !self.bound.load(Acquire) {
+            // The last user after unbind started: wake the drain. Taking
+            // the lock orders this with the drain's check of `active`.
+            let _guard = self.idle_lock.lock();
+            self.idle.notify_all();
         }
-        // SAFETY: `bound` is true, and `mark_unbound` clears it under this
-        // lock before the bus device is unbound, so the device stays bound
-        // while the guard is held, i.e. for the whole call of `f`.
-        f(unsafe { self.dev.as_bound() })
+    }
+
+    /// The bound bus device, for an ioctl in progress: unbind waits for
+    /// every active guard, so the device stays bound while `_active` lives.
+    pub(crate) fn bound_device<'a>(
+        &'a self,
+        _active: &'a ActiveGuard<'a>,
+    ) -> &'a device::Device<Bound> {
+        // SAFETY: `_active` proves that an ioctl is in progress: the
+        // driver's unbind does not return (so the device stays bound) until
+        // `drain_users` has seen every guard dropped.
+        unsafe { self.dev.as_bound() }
     }
 
     /// Called from the bus driver's unbind, before the device goes away:
-    /// later [`TdrvDevice::enter`] and [`TdrvDevice::with_bound`] calls fail
-    /// with ENODEV.
+    /// later [`TdrvDevice::enter`] calls fail with ENODEV.
     pub(crate) fn mark_unbound(&self) {
-        self.access.lock().bound = false;
+        self.bound.xchg(false, Full);
     }
 
     /// Waits until no ioctl or mmap uses the device. Call after
     /// [`TdrvDevice::mark_unbound`] and after waking every waiter.
     fn drain_users(&self) {
-        let mut access = self.access.lock();
-        while access.active > 0 {
-            self.idle.wait(&mut access);
+        let mut guard = self.idle_lock.lock();
+        while self.active.load(Acquire) > 0 {
+            self.idle.wait(&mut guard);
         }
     }
 
@@ -319,11 +326,7 @@ pub(crate) struct ActiveGuard<'a> {
 
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
-        let mut access = self.device.access.lock();
-        access.active -= 1;
-        if access.active == 0 {
-            self.device.idle.notify_all();
-        }
+        self.device.leave();
     }
 }
 

@@ -86,14 +86,17 @@ impl WorkItem for SoftEngine {
     type Pointer = Arc<SoftEngine>;
 
     fn run(this: Arc<SoftEngine>) {
+        let mut batch = KVec::new();
         loop {
             // Take the whole queue at once: submitters are not blocked while
-            // jobs run, and order is kept because batches run in turn.
-            let batch = core::mem::take(&mut this.queue.lock().jobs);
+            // jobs run, and order is kept because batches run in turn. The
+            // swap hands the drained vector (and its capacity) back to the
+            // queue, so steady-state submission does not reallocate it.
+            core::mem::swap(&mut this.queue.lock().jobs, &mut batch);
             if batch.is_empty() {
                 return;
             }
-            for job in batch {
+            for job in batch.drain_all() {
                 for t in &job.transfers {
                     t.run_on_cpu();
                 }

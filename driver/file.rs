@@ -246,9 +246,10 @@ impl TdrvFile {
         if a.channel >= self.device.channels.count() {
             return Err(EINVAL);
         }
-        let buf = self
-            .device
-            .with_bound(|dev| Buffer::new(&self.device, dev, a.size as usize, a.channel))?;
+        let active = self.device.enter()?;
+        let dev = self.device.bound_device(&active);
+        let buf = Buffer::new(&self.device, dev, a.size as usize, a.channel)?;
+        drop(active);
         let dma_addr = buf.dma_addr();
         let handle = self.state.handles.lock().insert(buf)?;
         let out = Alloc {
