@@ -61,7 +61,6 @@ use kernel::{
         Monotonic, //
     },
     workqueue::{
-        self,
         impl_has_delayed_work,
         new_delayed_work,
         DelayedWork,
@@ -219,7 +218,7 @@ impl EduEngine {
         if programmed.is_some() {
             st.started = Some(Instant::now());
             let delay = msecs_to_jiffies(self.timeout.as_millis() as u32);
-            let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
+            let _ = crate::engine::queue().enqueue_delayed(self.clone(), delay);
         }
     }
 
@@ -300,13 +299,13 @@ impl EduEngine {
                 // Not due yet: look again when it would be.
                 let left = self.timeout - started.elapsed();
                 let delay = msecs_to_jiffies(left.as_millis().max(1) as u32);
-                let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
+                let _ = crate::engine::queue().enqueue_delayed(self.clone(), delay);
                 return;
             }
             if self.dma_irq_pending() {
                 // The transfer just finished and its interrupt is on its
                 // way: let the interrupt handler advance the engine.
-                let _ = workqueue::system().enqueue_delayed(self.clone(), 1);
+                let _ = crate::engine::queue().enqueue_delayed(self.clone(), 1);
                 None
             } else if !self.dma_running() {
                 // The transfer finished but its interrupt was lost: treat
@@ -321,7 +320,7 @@ impl EduEngine {
                 st.orphan = Some(cur.job.clone());
                 st.started = Some(Instant::now());
                 let delay = msecs_to_jiffies(self.timeout.as_millis() as u32);
-                let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
+                let _ = crate::engine::queue().enqueue_delayed(self.clone(), delay);
                 Some((cur.job, Err(ETIMEDOUT)))
             } else {
                 None

@@ -31,6 +31,15 @@ use crate::{
     job::Job, //
 };
 
+/// The workqueue every tdrv work item runs on: the unbound default queue
+/// (`system_dfl_wq`). 7.2's Rust API only names the per-CPU `system_wq`,
+/// which distribution kernels flag as deprecated at run time.
+pub(crate) fn queue() -> &'static workqueue::Queue {
+    // SAFETY: `system_dfl_wq` is a C global, set up before any module loads
+    // and never destroyed.
+    unsafe { workqueue::Queue::from_raw(bindings::system_dfl_wq) }
+}
+
 /// The engine of one device.
 pub(crate) enum Engine {
     Soft(Arc<SoftEngine>),
@@ -133,7 +142,7 @@ impl SoftEngine {
         // sets `stopped` under it, then flushes) cannot miss this job. This
         // fails only if the work is already pending, and that run will see
         // the job.
-        let _ = workqueue::system_unbound().enqueue(self.clone());
+        let _ = queue().enqueue(self.clone());
         Ok(())
     }
 

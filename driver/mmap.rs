@@ -52,12 +52,24 @@ unsafe extern "C" fn vma_close(vma: *mut bindings::vm_area_struct) {
     drop(unsafe { Arc::<Buffer>::from_raw((*vma).vm_private_data.cast()) });
 }
 
-static BUFFER_VM_OPS: bindings::vm_operations_struct = bindings::vm_operations_struct {
+/// A `vm_operations_struct` that may live in a `static`.
+///
+/// Depending on the kernel configuration the C struct holds raw pointers
+/// (for example `uffd_ops` with CONFIG_USERFAULTFD), which are not `Sync`.
+#[repr(transparent)]
+struct VmOps(bindings::vm_operations_struct);
+
+// SAFETY: The table is immutable after compilation; the kernel only reads
+// it, from any thread, and every pointer in it is to code or to other
+// immutable statics.
+unsafe impl Sync for VmOps {}
+
+static BUFFER_VM_OPS: VmOps = VmOps(bindings::vm_operations_struct {
     open: Some(vma_open),
     close: Some(vma_close),
     // SAFETY: All-zero is a valid `vm_operations_struct` (no callbacks).
     ..unsafe { core::mem::zeroed() }
-};
+});
 
 /// Maps `buf` into `vma`. The VMA must be shared, start at buffer offset 0
 /// (the caller has decoded and cleared the handle cookie in `vm_pgoff`) and
@@ -81,7 +93,7 @@ pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
     // `vm_private_data` is given back by `vma_close`.
     unsafe {
         (*vma.as_ptr()).vm_private_data = Arc::into_raw(buf).cast_mut().cast();
-        (*vma.as_ptr()).vm_ops = &BUFFER_VM_OPS;
+        (*vma.as_ptr()).vm_ops = &BUFFER_VM_OPS.0;
     }
     Ok(())
 }
