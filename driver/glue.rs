@@ -6,11 +6,11 @@
 use kernel::{bindings, prelude::*};
 
 mod ffi {
-    use kernel::bindings;
-
     extern "C" {
         pub(super) fn tdrv_kaddr_to_pfn(addr: *const core::ffi::c_void) -> core::ffi::c_ulong;
-        pub(super) fn tdrv_vma_init(vma: *mut bindings::vm_area_struct) -> core::ffi::c_int;
+        // (Opaque here: bindgen's `vm_area_struct` has zero-sized members
+        // that the FFI lint rejects.)
+        pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void) -> core::ffi::c_int;
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
     }
@@ -37,7 +37,7 @@ pub(crate) unsafe fn kaddr_to_pfn(addr: *const u8) -> usize {
 pub(crate) unsafe fn vma_init(vma: *mut bindings::vm_area_struct) -> Result {
     // SAFETY: The caller guarantees `vma` is under set-up, which is when
     // its flags may be modified.
-    kernel::error::to_result(unsafe { ffi::tdrv_vma_init(vma) })
+    kernel::error::to_result(unsafe { ffi::tdrv_vma_init(vma.cast()) })
 }
 
 /// Lets the scheduler run something else if this task ran long.
