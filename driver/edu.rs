@@ -464,7 +464,7 @@ impl EduEngine {
             );
             st.orphan = Some(cur.job.clone());
             fin.job = Some((cur.job, Err(ETIMEDOUT)));
-            fin.failed = core::mem::replace(&mut st.queue, List::new());
+            fin.failed = core::mem::take(&mut st.queue);
         }
         // Look again after another period: the orphan goes once the device
         // stops (or its completion arrives).
@@ -526,7 +526,7 @@ impl Engine for EduBackend {
             (
                 st.current.take(),
                 st.orphan.take(),
-                core::mem::replace(&mut st.queue, List::new()),
+                core::mem::take(&mut st.queue),
             )
         };
         // Flush rather than cancel: a cancelled work item would never give
