@@ -6,7 +6,7 @@
 //! Open files, buffers and in-flight jobs each hold an `Arc<TdrvDevice>`, so
 //! the state outlives an unbind; `bound` tells whether the bus device may
 //! still be used for new DMA work. The device knows its files only through
-//! the [`Revoke`] trait, and its engine only through [`Engine`].
+//! the [`Client`] trait, and its engine only through [`Engine`].
 
 use kernel::{
     device::{
@@ -96,6 +96,8 @@ pub(crate) struct DeviceStats {
     pub(crate) waits: Atomic<u64>,
     pub(crate) wait_timeouts: Atomic<u64>,
     pub(crate) open_files: Atomic<u64>,
+    /// Nanoseconds the engine spent running jobs.
+    pub(crate) busy_ns: Atomic<u64>,
 }
 
 impl DeviceStats {
@@ -108,6 +110,7 @@ impl DeviceStats {
             waits: Atomic::new(0),
             wait_timeouts: Atomic::new(0),
             open_files: Atomic::new(0),
+            busy_ns: Atomic::new(0),
         }
     }
 }
@@ -139,11 +142,23 @@ struct BufferAddr(*const Buffer);
 // same lock), and `Buffer` is `Sync`.
 unsafe impl Send for BufferAddr {}
 
-/// What unbind needs from an open file, implemented by the file layer.
-pub(crate) trait Revoke: Send + Sync {
+/// What the device needs from an open file, implemented by the file
+/// layer: revocation at unbind, and a usage line for debugfs.
+pub(crate) trait Client: Send + Sync {
     /// Removes the pages of every user mapping made through the file; a
     /// later access faults again (and gets SIGBUS once memory is detached).
     fn zap_mappings(&self);
+
+    /// Writes one line describing the file's usage (debugfs `clients`).
+    fn describe(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result;
+}
+
+/// Ids of open files, unique across devices (fdinfo's `drm-client-id`).
+static NEXT_CLIENT_ID: Atomic<u64> = Atomic::new(1);
+
+/// A new client id.
+pub(crate) fn client_id() -> u64 {
+    NEXT_CLIENT_ID.fetch_add(1, Relaxed)
 }
 
 /// One tdrv device.
@@ -172,10 +187,10 @@ pub(crate) struct TdrvDevice {
     /// and memory, also those only jobs or mappings still hold.
     #[pin]
     buffers: Mutex<HandleTable<BufferAddr>>,
-    /// Every open file, keyed, so that unbind can zap their mappings.
+    /// Every open file, by client id, so that unbind can zap their mappings
+    /// and debugfs can show who holds what.
     #[pin]
-    files: Mutex<KVec<(u64, Arc<dyn Revoke>)>>,
-    next_file_key: Atomic<u64>,
+    files: Mutex<KVec<(u64, Arc<dyn Client>)>>,
     pub(crate) stats: DeviceStats,
 }
 
@@ -201,7 +216,6 @@ impl TdrvDevice {
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
-                next_file_key: Atomic::new(0),
                 stats: DeviceStats::new(),
             }),
             GFP_KERNEL,
@@ -340,12 +354,19 @@ impl TdrvDevice {
         });
     }
 
-    /// Records an open file; returns its key for [`TdrvDevice::remove_file`].
-    pub(crate) fn add_file(&self, file: Arc<dyn Revoke>) -> Result<u64> {
-        let key = self.next_file_key.fetch_add(1, Relaxed);
+    /// Records an open file under its client id `key`.
+    pub(crate) fn add_file(&self, key: u64, file: Arc<dyn Client>) -> Result {
         self.files.lock().push((key, file), GFP_KERNEL)?;
         self.stats.open_files.add(1, Relaxed);
-        Ok(key)
+        Ok(())
+    }
+
+    /// Writes one line per open file (debugfs `clients`).
+    pub(crate) fn describe_clients(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        for (_, file) in self.files.lock().iter() {
+            file.describe(f)?;
+        }
+        Ok(())
     }
 
     /// Forgets a released file.

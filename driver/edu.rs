@@ -272,6 +272,7 @@ impl EduEngine {
                 fin.cancelled.push_back(job);
                 continue;
             }
+            job.start();
             st.current = Some(Cursor {
                 job: job.into_arc(),
                 transfer: 0,

@@ -164,6 +164,7 @@ impl WorkItem for SoftEngine {
             let Some(job) = job else {
                 return;
             };
+            job.start();
             let result = run_on_cpu(&job);
             job.complete(result);
         }

@@ -16,6 +16,10 @@ use kernel::{
     },
     mm::virt::VmaNew,
     new_mutex,
+    seq_file::{
+        seq_print,
+        SeqFile, //
+    },
     page::PAGE_SIZE,
     prelude::*,
     sync::{
@@ -32,7 +36,8 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     device::{
-        Revoke,
+        client_id,
+        Client,
         TdrvDevice, //
     },
     fence::Timeout,
@@ -65,31 +70,74 @@ unsafe impl Send for FileMapping {}
 // SAFETY: As above.
 unsafe impl Sync for FileMapping {}
 
-/// A file's buffer handles and the bytes they hold (page-rounded), for
-/// the per-file limits.
+/// A file's buffer handles and the bytes they hold (page-rounded), in
+/// all and per channel, for the per-file limits and the statistics.
 struct Handles {
     table: HandleTable<Arc<Buffer>>,
     bytes: u64,
+    per_channel: KVec<u64>,
+}
+
+impl Handles {
+    fn charge(&mut self, channel: u32, bytes: u64) {
+        self.bytes += bytes;
+        if let Some(c) = self.per_channel.get_mut(channel as usize) {
+            *c += bytes;
+        }
+    }
+
+    fn uncharge(&mut self, channel: u32, bytes: u64) {
+        self.bytes = self.bytes.saturating_sub(bytes);
+        if let Some(c) = self.per_channel.get_mut(channel as usize) {
+            *c = c.saturating_sub(bytes);
+        }
+    }
 }
 
 /// What an open file owns: its buffer handles and its jobs. The device
-/// keeps a reference too (as a [`Revoke`]), so that unbind can reach the
-/// file's mappings.
+/// keeps a reference too (as a [`Client`]), so that unbind can reach the
+/// file's mappings and debugfs can show its usage.
 #[pin_data]
 pub(crate) struct FileState {
     #[pin]
     handles: Mutex<Handles>,
     jobs: Arc<JobTracker>,
     mapping: FileMapping,
+    /// Unique id of the open file (fdinfo `drm-client-id`).
+    id: u64,
+    /// Thread group that opened the file.
+    pid: i32,
 }
 
-impl Revoke for FileState {
+impl Client for FileState {
     fn zap_mappings(&self) {
         // SAFETY: The file is open (it leaves the device's registry only in
         // `release`, and the device holds the registry lock while calling
         // this), so its inode and `f_mapping` are alive.
         // `unmap_mapping_range` with length 0 covers the whole file.
         unsafe { bindings::unmap_mapping_range(self.mapping.0, 0, 0, 1) };
+    }
+
+    fn describe(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let h = self.handles.lock();
+        write!(
+            f,
+            "client {} pid {} buffers {} bytes {}",
+            self.id,
+            self.pid,
+            h.table.len(),
+            h.bytes
+        )?;
+        for (ch, bytes) in h.per_channel.iter().enumerate() {
+            write!(f, " hbm{ch} {bytes}")?;
+        }
+        drop(h);
+        writeln!(
+            f,
+            " jobs {} busy_ns {}",
+            self.jobs.queued(),
+            self.jobs.busy_ns.load(Relaxed)
+        )
     }
 }
 
@@ -112,12 +160,16 @@ impl MiscDevice for TdrvFile {
         if !device.is_bound() {
             return Err(ENODEV);
         }
+        let mut per_channel = KVec::new();
+        per_channel.resize(device.channels.count() as usize, 0, GFP_KERNEL_ACCOUNT)?;
+        let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
                 handles <- new_mutex!(
                     Handles {
                         table: HandleTable::new(),
                         bytes: 0,
+                        per_channel,
                     },
                     "FileState::handles"
                 ),
@@ -125,10 +177,12 @@ impl MiscDevice for TdrvFile {
                 // SAFETY: `file` is a valid file being opened; `f_mapping`
                 // is set before `open` is called.
                 mapping: FileMapping(unsafe { (*file.as_ptr()).f_mapping }),
+                id: key,
+                pid: kernel::current!().tgid_nr_ns(None),
             }),
             GFP_KERNEL_ACCOUNT,
         )?;
-        let key = device.add_file(state.clone())?;
+        device.add_file(key, state.clone())?;
         let file = KBox::pin(
             TdrvFile {
                 device: device.clone(),
@@ -203,6 +257,27 @@ impl MiscDevice for TdrvFile {
             Err(ENOTTY)
         };
         r.map(|()| 0)
+    }
+
+    /// `/proc/<pid>/fdinfo/<fd>`: the keys of the kernel's
+    /// drm-usage-stats that apply (HBM channels are the memory regions,
+    /// all of it resident; the copy engine's busy time for this file), and
+    /// tdrv's own.
+    fn show_fdinfo(me: Pin<&TdrvFile>, m: &SeqFile, _file: &File) {
+        let st = &me.state;
+        seq_print!(m, "drm-driver:\ttdrv\n");
+        seq_print!(m, "drm-client-id:\t{}\n", st.id);
+        {
+            let h = st.handles.lock();
+            for (ch, bytes) in h.per_channel.iter().enumerate() {
+                seq_print!(m, "drm-total-hbm{}:\t{}\n", ch, bytes);
+                seq_print!(m, "drm-resident-hbm{}:\t{}\n", ch, bytes);
+            }
+            seq_print!(m, "tdrv-buffers:\t{}\n", h.table.len());
+        }
+        seq_print!(m, "drm-engine-copy:\t{} ns\n", st.jobs.busy_ns.load(Relaxed));
+        seq_print!(m, "tdrv-device:\t{}\n", me.device.name());
+        seq_print!(m, "tdrv-jobs-queued:\t{}\n", st.jobs.queued());
     }
 
     fn mmap(me: Pin<&TdrvFile>, _file: &File, vma: &VmaNew) -> Result {
@@ -304,8 +379,9 @@ impl TdrvFile {
             if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
                 return Err(ENOSPC);
             }
+            let channel = buf.channel();
             let handle = h.table.insert(buf)?;
-            h.bytes += charge;
+            h.charge(channel, charge);
             handle
         };
         let out = Alloc {
@@ -327,7 +403,7 @@ impl TdrvFile {
     fn remove_handle(&self, handle: u64) -> Option<Arc<Buffer>> {
         let mut h = self.state.handles.lock();
         let buf = h.table.remove(handle)?;
-        h.bytes = h.bytes.saturating_sub(buf.charged());
+        h.uncharge(buf.channel(), buf.charged());
         Some(buf)
     }
 

@@ -9,6 +9,9 @@
  */
 
 #include <linux/capability.h>
+#include <linux/device.h>
+#include <linux/miscdevice.h>
+#include <linux/sysfs.h>
 #include <linux/mm.h>
 #include <linux/sched.h>
 #include <linux/vmalloc.h>
@@ -48,4 +51,30 @@ void tdrv_cond_resched(void)
 bool tdrv_capable_rawio(void)
 {
 	return capable(CAP_SYS_RAWIO);
+}
+
+/*
+ * Stable sysfs attributes of /dev/tdrv<N> (/sys/class/misc/tdrv<N>/):
+ *  busy_ns: nanoseconds the device's copy engine spent running jobs.
+ * The value comes from the Rust side. The attribute lives only while the
+ * misc device is registered, and misc_deregister waits for running show
+ * calls, so the node it reads is alive.
+ */
+static ssize_t busy_ns_show(struct device *dev, struct device_attribute *attr, char *buf)
+{
+	struct miscdevice *misc = dev_get_drvdata(dev);
+
+	return sysfs_emit(buf, "%llu\n", tdrv_node_busy_ns(misc));
+}
+static DEVICE_ATTR_RO(busy_ns);
+
+static struct attribute *tdrv_node_attrs[] = {
+	&dev_attr_busy_ns.attr,
+	NULL,
+};
+ATTRIBUTE_GROUPS(tdrv_node);
+
+const struct attribute_group **tdrv_node_groups_get(void)
+{
+	return tdrv_node_groups;
 }

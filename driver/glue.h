@@ -5,11 +5,17 @@
 
 #include <linux/types.h>
 
+struct attribute_group;
+struct miscdevice;
 struct vm_area_struct;
 
 unsigned long tdrv_kaddr_to_pfn(const void *addr);
 int tdrv_vma_init(struct vm_area_struct *vma);
 void tdrv_cond_resched(void);
 bool tdrv_capable_rawio(void);
+const struct attribute_group **tdrv_node_groups_get(void);
+
+/* Implemented in Rust (node.rs). */
+u64 tdrv_node_busy_ns(struct miscdevice *misc);
 
 #endif

@@ -13,6 +13,7 @@ mod ffi {
         pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void) -> core::ffi::c_int;
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
+        pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
     }
 }
 
@@ -51,4 +52,10 @@ pub(crate) fn cond_resched() {
 pub(crate) fn capable_rawio() -> bool {
     // SAFETY: `capable` only reads the current task's credentials.
     unsafe { ffi::tdrv_capable_rawio() }
+}
+
+/// The sysfs attribute groups of a tdrv misc device (`glue.c`).
+pub(crate) fn node_groups() -> *mut *const bindings::attribute_group {
+    // SAFETY: Returns the address of a static, NULL-terminated array.
+    unsafe { ffi::tdrv_node_groups_get() }
 }

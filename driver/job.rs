@@ -63,6 +63,13 @@ use crate::{
 /// `TDRV_JOB_WINDOW` in the uapi. Older ids get estale().
 pub(crate) const JOB_WINDOW: u64 = 4096;
 
+/// The monotonic clock in nanoseconds.
+fn now_ns() -> i64 {
+    // SAFETY: `ktime_get` reads the monotonic clock; callable from any
+    // context.
+    unsafe { kernel::bindings::ktime_get() }
+}
+
 /// Ring entry of a job that has not finished.
 const PENDING: i32 = 1;
 
@@ -84,6 +91,8 @@ pub(crate) struct Job {
     bytes: u64,
     tracker: Arc<JobTracker>,
     device: Arc<TdrvDevice>,
+    /// When the engine started running the job (`ktime_get` ns), or 0.
+    started_ns: Atomic<i64>,
     /// Links of the engine's queue.
     #[pin]
     links: ListLinks,
@@ -147,6 +156,11 @@ impl Job {
         core::ptr::eq(&*self.tracker, tracker)
     }
 
+    /// The engine starts running the job (for busy-time accounting).
+    pub(crate) fn start(&self) {
+        self.started_ns.store(now_ns().max(1), Relaxed);
+    }
+
     /// The completion path, shared by every engine. Call exactly once.
     /// A failed job latches its errno on every destination (see
     /// `Fence::end_failed_write`).
@@ -164,6 +178,12 @@ impl Job {
             }
         }
         let stats = &self.device.stats;
+        let started = self.started_ns.load(Relaxed);
+        if started != 0 {
+            let busy = now_ns().saturating_sub(started).max(0) as u64;
+            stats.busy_ns.add(busy, Relaxed);
+            self.tracker.busy_ns.add(busy, Relaxed);
+        }
         match result {
             Ok(()) => stats.jobs_completed.add(1, Relaxed),
             Err(e) if e == ecanceled() => stats.jobs_cancelled.add(1, Relaxed),
@@ -194,6 +214,8 @@ pub(crate) struct JobTracker {
     cv: CondVar,
     /// Set when the file is released.
     closed: Atomic<bool>,
+    /// Nanoseconds the engine spent on this file's jobs.
+    pub(crate) busy_ns: Atomic<u64>,
 }
 
 /// What `TDRV_IOC_JOB_WAIT` reports.
@@ -219,9 +241,15 @@ impl JobTracker {
                 ),
                 cv <- new_condvar!("JobTracker::cv"),
                 closed: Atomic::new(false),
+                busy_ns: Atomic::new(0),
             }),
             GFP_KERNEL_ACCOUNT,
         )
+    }
+
+    /// Jobs submitted and not finished.
+    pub(crate) fn queued(&self) -> u32 {
+        self.state.lock().queued
     }
 
     /// Marks the file closed: its jobs are cancelled from now on.
@@ -250,6 +278,7 @@ impl JobTracker {
                 bytes,
                 tracker: self.clone(),
                 device: device.clone(),
+                started_ns: Atomic::new(0),
                 links <- ListLinks::new(),
             }),
             GFP_KERNEL_ACCOUNT,

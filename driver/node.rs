@@ -89,6 +89,7 @@ impl Node {
             inner <- Opaque::try_ffi_init(move |slot: *mut bindings::miscdevice| {
                 let mut raw = MiscDeviceOptions { name }.into_raw::<TdrvFile>();
                 raw.fops = &FOPS.0;
+                raw.groups = crate::glue::node_groups();
                 // SAFETY: The initializer may write to `slot`.
                 unsafe { slot.write(raw) };
                 // SAFETY: `slot` holds a complete `struct miscdevice`, pinned
@@ -136,4 +137,20 @@ impl DeviceNode {
         // the node, alive for the duration of the `open` call.
         unsafe { &*kernel::container_of!(node, DeviceNode, reg) }
     }
+}
+
+/// `busy_ns` of the device behind a registered tdrv `struct miscdevice`,
+/// for the sysfs attribute in `glue.c`.
+///
+/// # Safety
+///
+/// `misc` is the `inner` of a registered [`Node`] (sysfs attributes of the
+/// misc device exist only while it is registered).
+#[no_mangle]
+unsafe extern "C" fn tdrv_node_busy_ns(misc: *mut bindings::miscdevice) -> u64 {
+    let node = misc.cast::<Node>();
+    // SAFETY: By the caller's guarantee `node` is the `reg` field of a live
+    // `DeviceNode` (`Node` is `repr(transparent)` over the miscdevice).
+    let dn = unsafe { &*kernel::container_of!(node, DeviceNode, reg) };
+    dn.device.stats.busy_ns.load(kernel::sync::atomic::Relaxed)
 }

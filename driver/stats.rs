@@ -47,6 +47,7 @@ impl Drop for RootGuard {
 /// The debugfs directory and files of one device; removed on drop.
 pub(crate) struct DeviceDebugfs {
     _stats: Pin<KBox<File<Arc<TdrvDevice>>>>,
+    _clients: Pin<KBox<File<Arc<TdrvDevice>>>>,
     _inject: Pin<KBox<File<Arc<TdrvDevice>>>>,
     _dir: Dir,
 }
@@ -61,12 +62,17 @@ impl DeviceDebugfs {
             dir.read_callback_file(c"stats", device.clone(), &write_stats),
             GFP_KERNEL,
         )?;
+        let clients = KBox::pin_init(
+            dir.read_callback_file(c"clients", device.clone(), &write_clients),
+            GFP_KERNEL,
+        )?;
         let inject = KBox::pin_init(
             dir.write_callback_file(c"inject", device.clone(), &inject),
             GFP_KERNEL,
         )?;
         Ok(Self {
             _stats: stats,
+            _clients: clients,
             _inject: inject,
             _dir: dir,
         })
@@ -84,6 +90,11 @@ fn inject(d: &Arc<TdrvDevice>, reader: &mut UserSliceReader) -> Result {
     reader.read_slice(&mut buf[..n])?;
     let cmd = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
     d.engine().inject(cmd)
+}
+
+/// `clients`: one line per open file (who holds the channels).
+fn write_clients(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    d.describe_clients(f)
 }
 
 fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -107,6 +118,7 @@ fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     writeln!(f, "waits: {}", s.waits.load(Relaxed))?;
     writeln!(f, "wait_timeouts: {}", s.wait_timeouts.load(Relaxed))?;
     writeln!(f, "jobs_cancelled: {}", s.jobs_cancelled.load(Relaxed))?;
+    writeln!(f, "busy_ns: {}", s.busy_ns.load(Relaxed))?;
     let e = d.engine_counters();
     writeln!(f, "irqs: {}", e.irqs)?;
     writeln!(f, "spurious_irqs: {}", e.spurious_irqs)?;

@@ -127,7 +127,7 @@ fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let edu = version.device_kind == TDRV_DEVICE_EDU;
     let page = page_size() as u64;
-    let mut t = Tap::new(12);
+    let mut t = Tap::new(13);
 
     t.run("an open file or a mapping pins the module (rmmod fails)", || -> R {
         let base = module_refcnt()?;
@@ -499,6 +499,72 @@ fn main() {
         free[0] = a.handle;
         ok("free, 32-byte struct", dev.ioctl(request_with_size(TDRV_IOC_FREE, 32), &mut free))?;
         expect_err("freed", dev.buf_info(a.handle), libc::ENOENT)
+    });
+
+    t.run("fdinfo, debugfs clients and sysfs busy_ns describe usage", || -> R {
+        let d = ok("open", Dev::open(&path))?;
+        let other = ok("open", Dev::open(&path))?;
+        let a = ok("alloc", d.alloc(5000, 0))?;
+        let b = ok("alloc", d.alloc(5000, 0))?;
+        let two = version.num_channels > 1;
+        if two {
+            ok("alloc ch1", d.alloc(3 * page, 1))?;
+        }
+        let id = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 5000)]))?;
+        expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+        let fdinfo = |fd: i32| -> Result<Vec<(String, String)>, String> {
+            let text = fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+                .map_err(|e| format!("fdinfo: {e}"))?;
+            Ok(text
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .collect())
+        };
+        let get = |kv: &[(String, String)], k: &str| -> Result<String, String> {
+            kv.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.clone())
+                .ok_or_else(|| format!("fdinfo has no {k}"))
+        };
+        let info = fdinfo(d.fd())?;
+        expect_eq("drm-driver", get(&info, "drm-driver")?, "tdrv".to_string())?;
+        expect_eq("drm-total-hbm0", get(&info, "drm-total-hbm0")?, (2 * 8192).to_string())?;
+        expect_eq("drm-resident-hbm0", get(&info, "drm-resident-hbm0")?, (2 * 8192).to_string())?;
+        if two {
+            expect_eq("drm-total-hbm1", get(&info, "drm-total-hbm1")?, (3 * page).to_string())?;
+        }
+        expect_eq("tdrv-buffers", get(&info, "tdrv-buffers")?, if two { "3" } else { "2" }.to_string())?;
+        expect_eq("tdrv-jobs-queued", get(&info, "tdrv-jobs-queued")?, "0".to_string())?;
+        let busy: u64 = get(&info, "drm-engine-copy")?
+            .strip_suffix(" ns")
+            .and_then(|v| v.parse().ok())
+            .ok_or("drm-engine-copy is not '<n> ns'")?;
+        if busy == 0 {
+            return Err("drm-engine-copy is 0 after a job".into());
+        }
+        let id_d = get(&info, "drm-client-id")?;
+        let id_o = get(&fdinfo(other.fd())?, "drm-client-id")?;
+        if id_d == id_o {
+            return Err(format!("two files share drm-client-id {id_d}"));
+        }
+        let name = path.trim_start_matches("/dev/");
+        let clients = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/clients"))
+            .map_err(|e| format!("clients: {e}"))?;
+        // SAFETY: getpid has no preconditions.
+        let me = format!("client {id_d} pid {} buffers", unsafe { libc::getpid() });
+        if !clients.lines().any(|l| l.starts_with(&me)) {
+            return Err(format!("debugfs clients lacks {me:?}: {clients}"));
+        }
+        let sys: u64 = fs::read_to_string(format!("/sys/class/misc/{name}/busy_ns"))
+            .map_err(|e| format!("busy_ns: {e}"))?
+            .trim()
+            .parse()
+            .map_err(|e| format!("busy_ns: {e}"))?;
+        if sys < busy {
+            return Err(format!("device busy_ns {sys} < this file's {busy}"));
+        }
+        expect_eq("debugfs busy_ns", stat(&path, "busy_ns")? >= busy, true)
     });
 
     t.run("the channel is back to its start after every test", || -> R {
