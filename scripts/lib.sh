@@ -28,7 +28,8 @@ die() {
 # tree for a distro kernel): both build from the same 7.2 source.
 
 _tdrv_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-TDRV_SHARED_KERNEL=$_tdrv_root/../shared/kernel
+# The vendored kernel files (README: ../shared/kernel next to the checkout).
+TDRV_SHARED_KERNEL=${TDRV_SHARED_KERNEL:-$_tdrv_root/../shared/kernel}
 
 # Unpacks tarball $1 into the cache (once per content hash), prints the tree.
 unpack_kernel_tarball() {
