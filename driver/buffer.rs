@@ -259,19 +259,32 @@ impl Buffer {
         (p.cpu, left.min(max))
     }
 
-    /// The page frame of page `index` of the buffer, if the memory is live.
-    /// Runs under the memory lock so that unbind can order itself with it
-    /// (see [`Buffer::detach`]); `f` gets the frame with the lock held.
-    pub(crate) fn with_page_pfn<R>(&self, index: usize, f: impl FnOnce(usize) -> R) -> Option<R> {
+    /// Calls `f` with the page frames of up to `count` pages of the buffer
+    /// from page `first` (fewer at its end), in order, while `f` returns
+    /// true; false if the memory is not live. Runs under the memory lock so
+    /// that unbind can order itself with it (see [`Buffer::detach`]).
+    pub(crate) fn with_page_pfns(
+        &self,
+        first: usize,
+        count: usize,
+        mut f: impl FnMut(usize) -> bool,
+    ) -> bool {
         let mem = self.mem.lock();
-        if !matches!(*mem, MemState::Live(_)) || index >= self.charged as usize / PAGE_SIZE {
-            return None;
+        let pages = self.charged as usize / PAGE_SIZE;
+        if !matches!(*mem, MemState::Live(_)) || first >= pages {
+            return false;
         }
-        let (p, _) = self.locate(index * PAGE_SIZE);
-        // SAFETY: The memory is live (checked under the lock that
-        // `detach` takes) and `p.cpu` lies inside it, page-aligned.
-        let pfn = unsafe { glue::kaddr_to_pfn(p.cpu) };
-        Some(f(pfn))
+        for index in first..pages.min(first.saturating_add(count)) {
+            let (p, _) = self.locate(index * PAGE_SIZE);
+            // SAFETY: The memory is live (checked under the lock that
+            // `detach` takes, held until we return) and `p.cpu` lies inside
+            // it, page-aligned.
+            let pfn = unsafe { glue::kaddr_to_pfn(p.cpu) };
+            if !f(pfn) {
+                break;
+            }
+        }
+        true
     }
 
     /// First step of unbind: the fault handler maps no more pages of the

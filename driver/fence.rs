@@ -73,6 +73,11 @@ pub(crate) struct FenceCounts {
     pub(crate) cpu: u64,
     /// Jobs that finished writing the buffer since the last reset.
     pub(crate) completions: u64,
+    /// Error latch: the negative errno of the last job that failed while
+    /// writing the buffer (its bytes are not what the job promised), or 0.
+    /// Cleared by the next successful write (job or CPU) or by
+    /// COMPLETION_RESET.
+    pub(crate) error: i32,
     /// Set when the device is gone: waits end with ENODEV.
     pub(crate) dead: bool,
 }
@@ -161,11 +166,22 @@ impl Fence {
         }
     }
 
-    /// Completion path: undoes one [`Fence::begin`]; wakes the waiters when
-    /// that counter reaches zero (the seed's "broadcast on the 0 transition",
-    /// evaluated under the lock). A finished write also counts a completion
-    /// when `completed` is set.
+    /// Completion path: undoes one [`Fence::try_begin`]; wakes the waiters
+    /// when that counter reaches zero (the seed's "broadcast on the 0
+    /// transition", evaluated under the lock). A finished write also counts
+    /// a completion when `completed` is set.
     pub(crate) fn end(&self, write: bool, completed: bool) {
+        self.end_write_with(write, completed, 0);
+    }
+
+    /// Completion path of a job that wrote the buffer and failed with
+    /// `errno`: undoes its write mark and latches the error (in the same
+    /// critical section, so a waiter woken by the drain sees it).
+    pub(crate) fn end_failed_write(&self, errno: i32) {
+        self.end_write_with(true, false, errno);
+    }
+
+    fn end_write_with(&self, write: bool, completed: bool, errno: i32) {
         let mut c = self.counts.lock();
         let counter = if write { &mut c.writes } else { &mut c.reads };
         // An unbalanced end would be a driver bug; never wrap.
@@ -173,15 +189,35 @@ impl Fence {
         let drained = *counter == 0;
         if write && completed {
             c.completions += 1;
+            c.error = 0;
         }
-        if drained || (write && completed) {
+        if errno != 0 {
+            c.error = errno;
+        }
+        if drained || (write && completed) || errno != 0 {
             self.cv.notify_all();
         }
     }
 
-    /// Sets the completion count to 0.
+    /// Sets the completion count to 0 and clears the error latch.
     pub(crate) fn reset_completions(&self) {
-        self.counts.lock().completions = 0;
+        let mut c = self.counts.lock();
+        c.completions = 0;
+        c.error = 0;
+    }
+
+    /// A synchronous CPU write of the buffer succeeded: clears the latch.
+    pub(crate) fn clear_error(&self) {
+        self.counts.lock().error = 0;
+    }
+
+    /// EIO if a failed job left the buffer's bytes undefined (see
+    /// [`FenceCounts::error`]).
+    pub(crate) fn check_error(&self) -> Result {
+        if self.counts.lock().error != 0 {
+            return Err(EIO);
+        }
+        Ok(())
     }
 
     /// Marks the fence dead (device removed) and wakes every waiter.
@@ -211,6 +247,11 @@ impl Fence {
             }
             if c.dead {
                 return Err((ENODEV, *c));
+            }
+            if c.error != 0 && c.idle(FENCE_WRITES) {
+                // What the caller waits for depends on a write that failed
+                // and none is pending that could still deliver it.
+                return Err((EIO, *c));
             }
             match timeout {
                 Timeout::Poll => return Err((ETIMEDOUT, *c)),
@@ -322,6 +363,30 @@ mod tests {
         assert_eq!(f.counts().cpu, 1);
         f.cpu_end();
         assert_eq!(f.wait_cpu_idle(), Ok(()));
+        Ok(())
+    }
+
+    #[test]
+    fn failed_write_latches_until_a_good_one() -> Result {
+        let f = fence()?;
+        f.try_begin(true)?;
+        f.end_failed_write(-5);
+        assert_eq!(f.counts().error, -5);
+        assert_eq!(f.check_error(), Err(EIO));
+        // A wait for a completion that the failed job would have given
+        // ends with EIO instead of sleeping for ever.
+        assert_eq!(
+            f.wait_until(Timeout::Forever, |c| c.completions >= 1).map_err(|(e, _)| e),
+            Err(EIO)
+        );
+        f.try_begin(true)?;
+        f.end(true, true);
+        assert_eq!(f.counts().error, 0);
+        assert_eq!(f.check_error(), Ok(()));
+        f.try_begin(true)?;
+        f.end_failed_write(-110);
+        f.reset_completions();
+        assert_eq!((f.counts().error, f.counts().completions), (0, 0));
         Ok(())
     }
 

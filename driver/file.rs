@@ -241,7 +241,7 @@ impl TdrvFile {
         arg.write(&Version {
             abi_major: ABI_MAJOR,
             abi_minor: ABI_MINOR,
-            features: FEAT_MMAP | FEAT_SUBMIT | FEAT_COMPLETION | irq,
+            features: FEAT_MMAP | FEAT_SUBMIT | FEAT_COMPLETION | FEAT_ERROR_LATCH | irq,
             device_kind: d.kind,
             num_channels: d.channels.count(),
             max_buffer_size: MAX_BUFFER_SIZE,
@@ -343,7 +343,8 @@ impl TdrvFile {
 
     fn buf_info(&self, arg: &ArgBuf) -> Result {
         let a: BufInfo = arg.read()?;
-        if a.pad != 0 || any_nonzero(&a.reserved) {
+        // (`error` is output only: a reused struct may carry one.)
+        if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
             return Err(EINVAL);
         }
         let buf = self.buffer(a.handle)?;
@@ -358,7 +359,9 @@ impl TdrvFile {
             completion_count: c.completions,
             channel: buf.channel(),
             pad: 0,
-            reserved: [0; 2],
+            error: c.error,
+            pad2: 0,
+            reserved: 0,
         })
     }
 
@@ -379,6 +382,9 @@ impl TdrvFile {
         // keep jobs off the buffer until the copy is done.
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize));
+        if r.is_ok() {
+            buf.fence.clear_error();
+        }
         buf.fence.cpu_end();
         r
     }
@@ -386,9 +392,13 @@ impl TdrvFile {
     fn copy_out(&self, arg: &ArgBuf) -> Result {
         let (buf, a) = self.xfer(arg)?;
         let range = checked_range(a.offset, a.size, buf.size())?;
-        // Reading the buffer: wait for pending device writes only.
+        // Reading the buffer: wait for pending device writes only; EIO if
+        // a failed job left its bytes undefined.
         buf.fence.cpu_begin(FENCE_WRITES)?;
-        let r = buf.copy_to_user(range, UserPtr::from_addr(a.user_ptr as usize));
+        let r = buf
+            .fence
+            .check_error()
+            .and_then(|()| buf.copy_to_user(range, UserPtr::from_addr(a.user_ptr as usize)));
         buf.fence.cpu_end();
         r
     }
@@ -402,6 +412,9 @@ impl TdrvFile {
         let range = checked_range(a.offset, a.size, buf.size())?;
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.fill(range, a.value as u8);
+        if r.is_ok() {
+            buf.fence.clear_error();
+        }
         buf.fence.cpu_end();
         r
     }
@@ -446,7 +459,14 @@ impl TdrvFile {
             t.src.fence.cpu_end();
             return Err(e);
         }
-        let r = t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range);
+        let r = t
+            .src
+            .fence
+            .check_error()
+            .and_then(|()| t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range));
+        if r.is_ok() {
+            t.dst.fence.clear_error();
+        }
         t.dst.fence.cpu_end();
         t.src.fence.cpu_end();
         r
@@ -524,7 +544,10 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.buffer(a.handle)?;
-        let r = buf.fence.wait_idle(a.kind, Timeout::from_us(a.timeout_us));
+        let r = buf
+            .fence
+            .wait_idle(a.kind, Timeout::from_us(a.timeout_us))
+            .and_then(|()| buf.fence.check_error());
         self.note_wait(&r);
         r
     }

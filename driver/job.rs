@@ -148,8 +148,9 @@ impl Job {
     }
 
     /// The completion path, shared by every engine. Call exactly once.
+    /// A failed job latches its errno on every destination (see
+    /// `Fence::end_failed_write`).
     pub(crate) fn complete(&self, result: Result) {
-        let ok = result.is_ok();
         for (i, t) in self.transfers.iter().enumerate() {
             t.src.fence.end(false, false);
             // A job counts one completion per distinct destination buffer,
@@ -157,7 +158,10 @@ impl Job {
             let last_for_dst = !self.transfers[i + 1..]
                 .iter()
                 .any(|later| Arc::ptr_eq(&later.dst, &t.dst));
-            t.dst.fence.end(true, ok && last_for_dst);
+            match result {
+                Ok(()) => t.dst.fence.end(true, last_for_dst),
+                Err(e) => t.dst.fence.end_failed_write(e.to_errno()),
+            }
         }
         let stats = &self.device.stats;
         match result {

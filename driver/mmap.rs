@@ -28,7 +28,8 @@ use kernel::{
     bindings,
     mm::virt::{
         flags,
-        VmaNew, //
+        VmaNew,
+        VmaRef, //
     },
     page::{
         PAGE_SHIFT,
@@ -89,21 +90,37 @@ unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fau
     // SAFETY: The fault handler is called with a valid `vm_fault` whose
     // VMA uses `BUFFER_VM_OPS`, so it holds a buffer reference in
     // `vm_private_data` for as long as the VMA exists (at least this call).
-    let (vma, address, index) = unsafe { {
+    let (vma, address, index) = unsafe {
         let f = &(*vmf).__bindgen_anon_1;
         (f.vma, f.address, f.pgoff)
-    } };
+    };
     // SAFETY: As above.
     let buf = unsafe { &*(*vma).vm_private_data.cast::<Buffer>() };
-    buf.with_page_pfn(index, |pfn| {
+    // SAFETY: A fault runs with the VMA's mmap (or per-VMA) read lock
+    // held, which is what `VmaRef` requires for the call.
+    let vm_end = unsafe { VmaRef::from_raw(vma) }.end();
+    // The faulting page, then (like TTM's prefault) the next few pages of
+    // the VMA, in one pass under the buffer's memory lock.
+    let around = ((vm_end - address) / PAGE_SIZE).min(FAULT_AROUND);
+    let mut result = bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t;
+    let mut addr = address;
+    buf.with_page_pfns(index, around, |pfn| {
         // SAFETY: `vma` is the faulting VMA (a VM_PFNMAP mapping set up by
-        // `map_buffer`), `address` lies inside it, and `pfn` is a page of
-        // the buffer's live memory: unbind detaches the memory under the
-        // lock `with_page_pfn` holds now, and zaps this entry afterwards.
-        unsafe { bindings::vmf_insert_pfn(vma, address, pfn) }
-    })
-    .unwrap_or(bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t)
+        // `map_buffer`), `addr` lies inside it (bounded by `around`), and
+        // `pfn` is a page of the buffer's live memory: unbind detaches the
+        // memory under the lock held now, and zaps these entries after.
+        let r = unsafe { bindings::vmf_insert_pfn(vma, addr, pfn) };
+        if addr == address {
+            result = r;
+        }
+        addr += PAGE_SIZE;
+        r == bindings::vm_fault_reason_VM_FAULT_NOPAGE as bindings::vm_fault_t
+    });
+    result
 }
+
+/// Pages mapped per fault (the faulting one and those after it).
+const FAULT_AROUND: usize = 16;
 
 /// A `vm_operations_struct` that may live in a `static`.
 ///

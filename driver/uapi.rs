@@ -33,12 +33,13 @@ use kernel::{
 };
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 0;
+pub(crate) const ABI_MINOR: u32 = 1;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
 pub(crate) const FEAT_COMPLETION: u64 = 1 << 2;
 pub(crate) const FEAT_IRQ: u64 = 1 << 3;
+pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
 pub(crate) const DEVICE_EDU: u32 = 2;
@@ -128,7 +129,9 @@ uapi_struct!(
         completion_count: u64,
         channel: u32,
         pad: u32,
-        reserved: [u64; 2],
+        error: i32,
+        pad2: u32,
+        reserved: u64,
     }
 );
 uapi_struct!(
@@ -237,7 +240,8 @@ const_assert_layout!(Alloc, 56, {
 const_assert_layout!(Free, 16, { handle @ 0, reserved @ 8 });
 const_assert_layout!(BufInfo, 80, {
     handle @ 0, size @ 8, dma_addr @ 16, mmap_offset @ 24, pending_reads @ 32,
-    pending_writes @ 40, completion_count @ 48, channel @ 56, pad @ 60, reserved @ 64,
+    pending_writes @ 40, completion_count @ 48, channel @ 56, pad @ 60, error @ 64,
+    pad2 @ 68, reserved @ 72,
 });
 const_assert_layout!(Xfer, 48, {
     handle @ 0, offset @ 8, size @ 16, user_ptr @ 24, reserved @ 32,

@@ -43,7 +43,11 @@
  *           return EINTR otherwise.
  *  ESTALE   TDRV_IOC_JOB_WAIT on a job older than this file's last
  *           TDRV_JOB_WINDOW jobs: its status is no longer kept
- *  EIO      (job status, or SUBMIT) the device failed and is recovering
+ *  EIO      (job status, or SUBMIT) the device failed and is recovering;
+ *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
+ *           error latch is set: a job that wrote it failed, so its bytes are
+ *           undefined, and no write that could still fix them is pending.
+ *           tdrv_buf_info.error tells which errno the job ended with.
  *  ECANCELED (job status) the job's file was closed before it ended
  *  ENODEV   the device was removed; its files only support close(2)
  *
@@ -66,13 +70,14 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 0
+#define TDRV_ABI_MINOR 1
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
 #define TDRV_FEAT_SUBMIT	(1ULL << 1) /* asynchronous copy jobs */
 #define TDRV_FEAT_COMPLETION	(1ULL << 2) /* completion counters */
 #define TDRV_FEAT_IRQ		(1ULL << 3) /* completions signalled by interrupt */
+#define TDRV_FEAT_ERROR_LATCH	(1ULL << 4) /* failed jobs latch tdrv_buf_info.error (1.1) */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -142,7 +147,13 @@ struct tdrv_buf_info {
 	__u64 completion_count;	/* out: jobs that finished writing it */
 	__u32 channel;		/* out */
 	__u32 pad;		/* in: zero */
-	__u64 reserved[2];	/* in: zero */
+	__s32 error;		/* out: the buffer's error latch (ABI 1.1): the
+				 * negative errno of the last job that failed
+				 * writing it, or 0. Cleared by a successful
+				 * write (job, COPY_IN, MEMSET, COPY) and by
+				 * TDRV_IOC_COMPLETION_RESET. Ignored on input. */
+	__u32 pad2;		/* in: zero */
+	__u64 reserved;		/* in: zero */
 };
 
 /* TDRV_IOC_COPY_IN / TDRV_IOC_COPY_OUT: user memory <-> buffer. COPY_IN
@@ -232,7 +243,8 @@ struct tdrv_completion_wait {
 	__u64 reserved[2];	/* in: zero */
 };
 
-/* TDRV_IOC_COMPLETION_RESET: set the buffer's completion_count to 0. */
+/* TDRV_IOC_COMPLETION_RESET: set the buffer's completion_count to 0 and
+ * clear its error latch. */
 struct tdrv_completion_reset {
 	__u64 handle;		/* in */
 	__u64 reserved;		/* in: zero */

@@ -3,11 +3,12 @@
 // Generated from uapi/tdrv.h by scripts/gen-uapi; do not edit.
 
 pub const TDRV_ABI_MAJOR: u32 = 1;
-pub const TDRV_ABI_MINOR: u32 = 0;
+pub const TDRV_ABI_MINOR: u32 = 1;
 pub const TDRV_FEAT_MMAP: u32 = 1;
 pub const TDRV_FEAT_SUBMIT: u32 = 2;
 pub const TDRV_FEAT_COMPLETION: u32 = 4;
 pub const TDRV_FEAT_IRQ: u32 = 8;
+pub const TDRV_FEAT_ERROR_LATCH: u32 = 16;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
 pub const TDRV_MAX_BUFFER_SIZE: u32 = 1073741824;
@@ -77,7 +78,9 @@ pub struct tdrv_buf_info {
     pub completion_count: __u64,
     pub channel: __u32,
     pub pad: __u32,
-    pub reserved: [__u64; 2usize],
+    pub error: __s32,
+    pub pad2: __u32,
+    pub reserved: __u64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

@@ -40,7 +40,11 @@ fn main() {
         || -> Result<(), String> {
             let v = dev.version().map_err(|e| format!("errno {e}"))?;
             expect_eq("abi_major", v.abi_major, TDRV_ABI_MAJOR)?;
-            let want = (TDRV_FEAT_MMAP | TDRV_FEAT_SUBMIT | TDRV_FEAT_COMPLETION) as u64;
+            expect_eq("abi_minor", v.abi_minor, TDRV_ABI_MINOR)?;
+            let want = (TDRV_FEAT_MMAP
+                | TDRV_FEAT_SUBMIT
+                | TDRV_FEAT_COMPLETION
+                | TDRV_FEAT_ERROR_LATCH) as u64;
             expect_eq("base features", v.features & want, want)?;
             expect_eq(
                 "max_buffer_size",
@@ -215,7 +219,7 @@ fn main() {
             )?;
             let mut bi = tdrv_buf_info {
                 handle: h,
-                reserved: [1, 0],
+                reserved: 1,
                 ..Default::default()
             };
             expect_err(
@@ -223,6 +227,25 @@ fn main() {
                 dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
                 libc::EINVAL,
             )?;
+            let mut bi = tdrv_buf_info {
+                handle: h,
+                pad2: 1,
+                ..Default::default()
+            };
+            expect_err(
+                "buf_info.pad2",
+                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
+                libc::EINVAL,
+            )?;
+            // `error` is output only: a reused struct may carry one.
+            let mut bi = tdrv_buf_info {
+                handle: h,
+                error: -5,
+                ..Default::default()
+            };
+            dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi)
+                .map_err(|e| format!("buf_info with a stale error: errno {e}"))?;
+            expect_eq("error latch of a fresh buffer", bi.error, 0)?;
             let data = [0u8; 8];
             let mut x = tdrv_xfer {
                 handle: h,

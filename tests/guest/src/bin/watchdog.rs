@@ -80,7 +80,21 @@ fn main() {
         expect_eq("resets", stat("resets")?, resets + 1)?;
         let i = ok("buf_info", dev.buf_info(b.handle))?;
         expect_eq("pending", (i.pending_reads, i.pending_writes), (0, 0))?;
-        expect_eq("completions", i.completion_count, completions)
+        expect_eq("completions", i.completion_count, completions)?;
+        // The failures are latched on the destination: readers and waiters
+        // learn it (EIO) instead of stale bytes or an endless wait.
+        expect_eq("error latch", i.error, -libc::EIO)?;
+        let mut out = [0u8; 16];
+        expect_err("copy_out of the failed output", dev.copy_out(b.handle, 0, &mut out), libc::EIO)?;
+        expect_err("fence wait", dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1), libc::EIO)?;
+        expect_err(
+            "completion wait for the failed job",
+            dev.completion_wait(b.handle, completions + 1, -1).map_err(|(e, _)| e),
+            libc::EIO,
+        )?;
+        // COMPLETION_RESET clears the latch (and the count).
+        ok("completion_reset", dev.completion_reset(b.handle))?;
+        expect_eq("latch after reset", ok("buf_info", dev.buf_info(b.handle))?.error, 0)
     });
 
     t.run("after recovery the engine serves jobs again", || -> R {
