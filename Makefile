@@ -1,6 +1,8 @@
 # tdrv: top-level build.
 #
 #   make            build tdrv.ko (for the cached test kernel, or KDIR=...)
+#   make distro-module  build tdrv.ko for a distro kernel (default: the
+#                   vendored Debian 7.2.13 cloud kernel; DISTRO=headers dir)
 #   make run        boot the test guest with the module and run the demo;
 #                   make run FILES="a b" CMD="./a" runs your own command
 #   make test       host tests + guest tests + KUnit, one verdict
@@ -10,6 +12,7 @@
 # build the test kernel once (scripts/kernel, cached outside the repo).
 
 KDIR ?=
+DISTRO ?=
 FILES ?=
 CMD ?=
 PARAMS ?=
@@ -17,7 +20,7 @@ TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module setup kernel userspace run test bench uapi clean
+.PHONY: all module distro-module setup kernel userspace run test bench uapi clean
 
 all: module
 
@@ -29,6 +32,11 @@ ifeq ($(KDIR),)
 else
 	@scripts/build-module "$(KDIR)"
 endif
+
+# A module build tree for a distro kernel (scripts/distro-kernel, cached)
+# and tdrv.ko for it, in build/module-<release>/.
+distro-module: setup
+	@kdir=$$(scripts/distro-kernel $(DISTRO)) && scripts/build-module "$$kdir"
 
 setup:
 	@scripts/setup
