@@ -26,8 +26,37 @@ use crate::wait::Deadline;
 /// A direction of device access, for the async marks and fences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
+    /// The device (or host) reads the bytes.
     Read,
+    /// The device (or host) writes the bytes.
     Write,
+}
+
+/// A `Dma` view's baseline in the kernel's count: the count at which the
+/// view's count was 0, unless the buffer's count was reset through
+/// [`crate::Device::completion_reset`] since (`seen` is the reset epoch
+/// the baseline was taken at, `now` the current one); then the view counts
+/// from that reset, like every view of the buffer.
+fn effective_baseline(base: u64, seen: u64, now: u64) -> u64 {
+    if seen == now {
+        base
+    } else {
+        0
+    }
+}
+
+impl Tensor {
+    /// The baseline of a `Dma` view now (see [`effective_baseline`]).
+    fn dma_baseline(&self, st: &crate::storage::Storage, b: &crate::storage::DmaBuffer) -> u64 {
+        let now = b.device.completion_epoch(b.handle);
+        st.sync.locked(|| {
+            effective_baseline(
+                self.completion_cell().load(Ordering::Relaxed),
+                self.completion_epoch_cell().load(Ordering::Relaxed),
+                now,
+            )
+        })
+    }
 }
 
 impl Tensor {
@@ -143,10 +172,7 @@ impl Tensor {
                 })
             };
         };
-        let target = self
-            .completion_cell()
-            .load(Ordering::Acquire)
-            .saturating_add(expected);
+        let target = self.dma_baseline(st, b).saturating_add(expected);
         let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
             match b
@@ -176,8 +202,9 @@ impl Tensor {
         let cell = self.completion_cell();
         match st.dma() {
             Some(b) => {
+                let base = self.dma_baseline(st, b);
                 let now = b.device.buf_info(b.handle)?.completion_count;
-                Ok(now.saturating_sub(cell.load(Ordering::Acquire)))
+                Ok(now.saturating_sub(base))
             }
             None => Ok(cell.load(Ordering::Relaxed)),
         }
@@ -192,8 +219,13 @@ impl Tensor {
         match st.dma() {
             Some(b) => {
                 b.counted.store(true, Ordering::Release);
+                // Epoch first (see `Tensor::slice`).
+                let epoch = b.device.completion_epoch(b.handle);
                 let now = b.device.buf_info(b.handle)?.completion_count;
-                cell.store(now, Ordering::Release);
+                st.sync.locked(|| {
+                    cell.store(now, Ordering::Relaxed);
+                    self.completion_epoch_cell().store(epoch, Ordering::Relaxed);
+                });
             }
             None => st.sync.reset(cell),
         }
@@ -212,5 +244,24 @@ impl Tensor {
         }
         st.sync.complete(self.completion_cell());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::effective_baseline;
+
+    #[test]
+    fn a_raw_completion_reset_zeroes_view_baselines() {
+        // A view reset at kernel count 5 (epoch 0) counts from 5 ...
+        assert_eq!(effective_baseline(5, 0, 0), 5);
+        // ... until Device::completion_reset puts the kernel count back to
+        // 0 (epoch 1): from then on it counts from 0, so one completion
+        // after the reset satisfies `expected = 1` instead of waiting for
+        // count 6.
+        assert_eq!(effective_baseline(5, 0, 1), 0);
+        // A view reset again after the raw reset counts from its own
+        // baseline.
+        assert_eq!(effective_baseline(2, 1, 1), 2);
     }
 }

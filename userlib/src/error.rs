@@ -53,6 +53,22 @@ pub enum Error {
     /// An asynchronous job ended with an error.
     #[error("job {job_id} failed: {}", std::io::Error::from_raw_os_error(*errno))]
     JobFailed { job_id: u64, errno: i32 },
+    /// A host access overlaps bytes an open indexed accessor
+    /// ([`crate::accessor::TensorAccessor`], on any view of the same
+    /// storage) holds in a conflicting way: a write while one is open, or a
+    /// read while a read-write one is open. Drop the accessor first.
+    #[error("{op}: the bytes are held by an open accessor of the same storage")]
+    Busy {
+        /// The operation refused.
+        op: &'static str,
+    },
+    /// The driver reported no DMA address for the buffer: it hands bus
+    /// addresses only to openers with `CAP_SYS_RAWIO`.
+    #[error("{op}: the driver does not give DMA addresses to this process (needs CAP_SYS_RAWIO)")]
+    NoDmaAddress {
+        /// The operation refused.
+        op: &'static str,
+    },
     /// A file operation (input dump, trace file) failed.
     #[error("{op}: {source}")]
     Io {

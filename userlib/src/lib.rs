@@ -37,14 +37,14 @@ use std::sync::{Arc, Mutex};
 
 pub use completion::{Access, PendingAccess};
 pub use error::{Error, Result};
-pub use io::{Fencing, ReadOp, WriteOp};
+pub use io::{Fencing, RawReadOp, RawWriteOp, ReadOp, WriteOp};
 pub use job::{Job, JobHandle, JobState};
 pub use log::{set_heartbeat_interval, set_logger, Level, Logger};
 pub use set::TensorSet;
 pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};
 pub use tensor::{
-    DeviceAllocationInfo, Placement, RawTensor, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE,
+    DeviceAllocationInfo, Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE,
 };
 
 /// Environment variable naming the device node of [`default_device`].

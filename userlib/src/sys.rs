@@ -11,7 +11,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tdrv_uapi as uapi;
 
@@ -182,11 +184,35 @@ pub enum JobStatus {
 
 /// An open tdrv device node. Share it with `Arc`: buffers and mappings keep
 /// their device alive.
+///
+/// ```
+/// use tdrv::Device;
+///
+/// // Runs anywhere: without the module loaded, opening fails cleanly.
+/// match Device::open("/dev/tdrv0") {
+///     Ok(dev) => {
+///         let a = dev.alloc(4096, 0)?;
+///         dev.copy_in(a.handle, 0, b"hello")?;
+///         let mut back = [0u8; 5];
+///         dev.copy_out(a.handle, 0, &mut back)?;
+///         assert_eq!(&back, b"hello");
+///         dev.free(a.handle)?;
+///     }
+///     Err(e) => eprintln!("no tdrv device here: {e}"),
+/// }
+/// # Ok::<(), tdrv::SysError>(())
+/// ```
 #[derive(Debug)]
 pub struct Device {
     fd: OwnedFd,
     path: PathBuf,
     version: tdrv_version,
+    /// Raw `COMPLETION_RESET`s per buffer handle (see
+    /// [`Device::completion_epoch`]).
+    resets: Mutex<HashMap<u64, u64>>,
+    /// Whether `resets` has ever had an entry: keeps the common path a
+    /// single atomic load.
+    any_reset: AtomicBool,
 }
 
 impl Device {
@@ -212,6 +238,8 @@ impl Device {
             fd,
             path,
             version: tdrv_version::default(),
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
         };
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
@@ -348,7 +376,11 @@ impl Device {
             handle,
             reserved: 0,
         };
-        self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)
+        self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)?;
+        if self.any_reset.load(Ordering::Acquire) {
+            self.lock_resets().remove(&handle);
+        }
+        Ok(())
     }
 
     /// `TDRV_IOC_BUF_INFO`: a buffer's description and fence state.
@@ -364,13 +396,29 @@ impl Device {
     /// `TDRV_IOC_COPY_IN`: copies `src` into the buffer at `offset`, after
     /// all pending device access to the buffer.
     pub fn copy_in(&self, handle: u64, offset: u64, src: &[u8]) -> Result<(), SysError> {
-        // `user_ptr` points into `src`, which stays borrowed (and so valid
-        // and unchanged) for the whole call; the kernel only reads it.
+        // SAFETY: `src` is borrowed, so valid and unchanged, for the call.
+        unsafe { self.copy_in_raw(handle, offset, src.as_ptr(), src.len()) }
+    }
+
+    /// [`Device::copy_in`] from a raw address: the kernel reads `len` bytes
+    /// at `src` with `copy_from_user`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes, and no thread may write
+    /// them during the call. (A bad address is EFAULT, not undefined
+    /// behaviour, but the bytes copied are then unspecified.)
+    pub unsafe fn copy_in_raw(
+        &self,
+        handle: u64,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SysError> {
         let mut x = uapi::tdrv_xfer {
             handle,
             offset,
-            size: src.len() as u64,
-            user_ptr: src.as_ptr() as u64,
+            size: len as u64,
+            user_ptr: src as u64,
             reserved: [0; 2],
         };
         self.ioctl("COPY_IN", uapi::TDRV_IOC_COPY_IN, &mut x, true)
@@ -379,13 +427,29 @@ impl Device {
     /// `TDRV_IOC_COPY_OUT`: copies the buffer at `offset` into `dst`, after
     /// pending device writes to the buffer.
     pub fn copy_out(&self, handle: u64, offset: u64, dst: &mut [u8]) -> Result<(), SysError> {
-        // `user_ptr` points into `dst`, exclusively borrowed for the whole
-        // call, so the kernel's writes race with nothing.
+        // SAFETY: `dst` is exclusively borrowed for the whole call, so the
+        // kernel's writes race with nothing.
+        unsafe { self.copy_out_raw(handle, offset, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// [`Device::copy_out`] to a raw address: the kernel writes `len` bytes
+    /// at `dst` with `copy_to_user`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes, and no other thread
+    /// may access them during the call.
+    pub unsafe fn copy_out_raw(
+        &self,
+        handle: u64,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), SysError> {
         let mut x = uapi::tdrv_xfer {
             handle,
             offset,
-            size: dst.len() as u64,
-            user_ptr: dst.as_mut_ptr() as u64,
+            size: len as u64,
+            user_ptr: dst as u64,
             reserved: [0; 2],
         };
         self.ioctl("COPY_OUT", uapi::TDRV_IOC_COPY_OUT, &mut x, true)
@@ -486,17 +550,39 @@ impl Device {
     }
 
     /// `TDRV_IOC_COMPLETION_RESET`: sets the buffer's completion count to 0.
+    /// Every tensor view of the buffer then counts from 0 too (their
+    /// baselines follow: see [`Device::completion_epoch`]).
     pub fn completion_reset(&self, handle: u64) -> Result<(), SysError> {
         let mut r = uapi::tdrv_completion_reset {
             handle,
             reserved: 0,
         };
+        // Under the lock, so that an epoch read after the reset sees it.
+        let mut resets = self.lock_resets();
         self.ioctl(
             "COMPLETION_RESET",
             uapi::TDRV_IOC_COMPLETION_RESET,
             &mut r,
             true,
-        )
+        )?;
+        *resets.entry(handle).or_insert(0) += 1;
+        self.any_reset.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// How many times [`Device::completion_reset`] reset `handle`'s count
+    /// through this device. Tensor views record it with their completion
+    /// baseline: a newer epoch means the count restarted from 0 since.
+    pub fn completion_epoch(&self, handle: u64) -> u64 {
+        if !self.any_reset.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.lock_resets().get(&handle).copied().unwrap_or(0)
+    }
+
+    fn lock_resets(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
+        // Nothing panics while holding it; a poisoned map is still whole.
+        self.resets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |

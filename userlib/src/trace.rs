@@ -82,6 +82,13 @@ pub struct TraceEvent<'a> {
     pub timestamp: Duration,
     /// Kernel thread id of the caller.
     pub thread_id: u64,
+    /// Free events: handles to the view before this one went (the seed's
+    /// `ref_count` payload; 1 means the view itself is freed). 0 for other
+    /// operations.
+    pub ref_count: u64,
+    /// Free events: the HBM channel of a `Dma` storage, -1 for host
+    /// storage (the seed's `vtpb_idx` slot). -1 for other operations.
+    pub hbm_index: i64,
 }
 
 /// Receives trace events; called on the operation's thread.
@@ -160,14 +167,16 @@ fn thread_id() -> u64 {
     TID.with(|t| *t)
 }
 
-fn emit(sink: &dyn TraceSink, op: TraceOp, phase: Phase, tensor: &str, size: u64) {
+fn emit(sink: &dyn TraceSink, phase: Phase, scope: &Scope<'_>) {
     sink.record(&TraceEvent {
-        op,
+        op: scope.op,
         phase,
-        tensor,
-        size,
+        tensor: scope.tensor,
+        size: scope.size,
         timestamp: epoch().elapsed(),
         thread_id: thread_id(),
+        ref_count: scope.ref_count,
+        hbm_index: scope.hbm_index,
     });
 }
 
@@ -177,26 +186,40 @@ pub(crate) struct Scope<'a> {
     op: TraceOp,
     tensor: &'a str,
     size: u64,
+    ref_count: u64,
+    hbm_index: i64,
 }
 
 pub(crate) fn scope(op: TraceOp, tensor: &str, size: usize) -> Scope<'_> {
-    let sink = current();
-    let size = size as u64;
-    if let Some(s) = &sink {
-        emit(s.as_ref(), op, Phase::Begin, tensor, size);
-    }
-    Scope {
-        sink,
+    scope_with(op, tensor, size, 0, -1)
+}
+
+/// A scope with the free payload.
+pub(crate) fn scope_with(
+    op: TraceOp,
+    tensor: &str,
+    size: usize,
+    ref_count: u64,
+    hbm_index: i64,
+) -> Scope<'_> {
+    let s = Scope {
+        sink: current(),
         op,
         tensor,
-        size,
+        size: size as u64,
+        ref_count,
+        hbm_index,
+    };
+    if let Some(sink) = &s.sink {
+        emit(sink.as_ref(), Phase::Begin, &s);
     }
+    s
 }
 
 impl Drop for Scope<'_> {
     fn drop(&mut self) {
         if let Some(s) = &self.sink {
-            emit(s.as_ref(), self.op, Phase::End, self.tensor, self.size);
+            emit(s.as_ref(), Phase::End, self);
         }
     }
 }
@@ -257,7 +280,14 @@ impl ChromeTraceSink {
             e.op.id(),
         );
         json_escape_into(&mut s, e.tensor);
-        s.push_str(&format!("\",\"size\":{}}}}}", e.size));
+        if e.op == TraceOp::Free {
+            s.push_str(&format!(
+                "\",\"size\":{},\"ref_count\":{},\"hbm_index\":{}}}}}",
+                e.size, e.ref_count, e.hbm_index
+            ));
+        } else {
+            s.push_str(&format!("\",\"size\":{}}}}}", e.size));
+        }
         s
     }
 }

@@ -239,7 +239,7 @@ fn output_completion_counts_per_view() {
     waiter.join().unwrap().unwrap();
 
     // Fake storage has counters too.
-    let f = Tensor::allocate_fake(8, None);
+    let f = Tensor::allocate_fake(8, None).unwrap();
     f.record_output_completion().unwrap();
     f.check_output_completion(0, 1).unwrap();
 }
