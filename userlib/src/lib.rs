@@ -16,6 +16,7 @@
 mod completion;
 pub mod dump;
 mod error;
+pub mod handles;
 mod fence;
 mod io;
 pub mod job;

@@ -237,17 +237,12 @@ impl Tensor {
         }
     }
 
-    /// A handle for the library's own bookkeeping (jobs, sets, the C
-    /// registry, staging): like a clone, but its drop is not a user action
-    /// and emits no trace event.
-    pub(crate) fn clone_quiet(&self) -> Tensor {
+    /// A handle for bookkeeping done on a user's behalf (jobs, the C
+    /// ABI's handle table and sets, staging buffers): like a clone, but its
+    /// drop is not a user action and emits no trace event. Its clones are
+    /// ordinary handles.
+    pub fn clone_quiet(&self) -> Tensor {
         self.counted(true)
-    }
-
-    /// See [`Tensor::clone_quiet`]; for the C ABI crate.
-    #[doc(hidden)]
-    pub fn __clone_quiet(&self) -> Tensor {
-        self.clone_quiet()
     }
 
     /// Turns this handle into a quiet one (see [`Tensor::clone_quiet`]).
