@@ -614,3 +614,135 @@ fn errors_are_reported_not_panicked() {
     let e: AccessorError = CoherenceError::Underflow(AccessorKind::Unbuffered).into();
     assert!(e.to_string().contains("unbalanced release"));
 }
+
+// ------------------------------------------- soundness (issue 11, hole 1)
+
+/// Two threads each open `accessor_mut` on a clone of one host tensor and
+/// store to the same bytes: the enforcer finds two unbuffered accessors
+/// compatible, so both open. With volatile (non-atomic) stores this was a
+/// data race Miri reports; the stores are atomic byte accesses now.
+#[test]
+fn two_accessor_mut_on_clones_do_not_race() {
+    let t = u32_tensor(4);
+    let start = Arc::new(Barrier::new(2));
+    let workers: Vec<_> = (0..2u32)
+        .map(|i| {
+            let (mut h, start) = (t.clone(), start.clone());
+            std::thread::spawn(move || {
+                let mut a = h.accessor_mut::<u32, 1>([4]).unwrap();
+                start.wait();
+                for round in 0..20 {
+                    a.set([1], i * 100 + round).unwrap();
+                    let _ = a.get([1]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!([19, 119].contains(&u32s(&t)[1]));
+}
+
+/// A write, memset or copy through another handle (or a slice, which has
+/// its own enforcer) of the storage while an accessor holds the bytes used
+/// to race its loads and stores; it is refused now, with nothing written,
+/// and works again once the accessor is gone.
+#[test]
+fn copies_overlapping_an_open_accessor_are_refused() {
+    let mut t = u32_tensor(8);
+    let other = t.clone();
+    let slice = t.slice(8, 8, None).unwrap();
+    let far = t.slice(24, 8, None).unwrap();
+    {
+        let mut a = t.accessor_mut::<u32, 1>([4]).unwrap(); // bytes 0..16
+        a.set([3], 77).unwrap();
+        let busy = |r: crate::Result<()>| matches!(r, Err(Error::Busy { .. }));
+        assert!(busy(other.write(0, &[1; 4])));
+        assert!(busy(other.memset(12, 0, 4)));
+        assert!(busy(slice.write(0, &[1; 4])));
+        assert!(busy(other.read(0, &mut [0; 4])));
+        assert!(busy(Tensor::copy(&far, 0, &slice, 0, 4)));
+        assert!(busy(Tensor::copy(&slice, 0, &far, 0, 4)));
+        // Outside the accessor's bytes everything works.
+        far.write(0, &[9; 8]).unwrap();
+        assert_eq!(a.get([3]).unwrap(), 77);
+    }
+    assert_eq!(u32s(&other)[3], 77);
+    slice.write(0, &[1; 4]).unwrap();
+    // A read-only accessor only keeps writers out.
+    let r = t.accessor::<u32, 1>([8]).unwrap();
+    assert_eq!(other.to_vec().unwrap()[8..12], [1; 4]);
+    assert!(matches!(other.write(0, &[0]), Err(Error::Busy { .. })));
+    drop(r);
+    other.write(0, &[0]).unwrap();
+}
+
+/// The same from another thread: a writer on a slice against an accessor
+/// of the parent. Either the write is refused or it ran before the
+/// accessor opened; never at the same time (Miri checks).
+#[test]
+fn accessor_against_a_concurrent_writer_on_a_slice() {
+    let mut t = u32_tensor(4);
+    let slice = t.slice(0, 8, None).unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut refused = 0;
+        for _ in 0..20 {
+            refused += usize::from(slice.write(0, &[0xab; 8]).is_err());
+        }
+        refused
+    });
+    for _ in 0..5 {
+        let mut a = t.accessor_mut::<u32, 1>([4]).unwrap();
+        a.set([0], 5).unwrap();
+        let _ = a.get([1]).unwrap();
+    }
+    writer.join().unwrap();
+}
+
+/// A batch whose second op overlaps an open accessor moves no byte (the
+/// whole batch is held before copying).
+#[test]
+fn a_batch_refused_by_an_open_accessor_moves_no_byte() {
+    let t = u32_tensor(8);
+    let before = t.to_vec().unwrap();
+    let mut s = t.slice(16, 16, None).unwrap();
+    let a = s.accessor_mut::<u32, 1>([4]).unwrap(); // bytes 16..32 of t
+    let ops = [
+        crate::WriteOp {
+            offset: 0,
+            buf: &[0xee; 4],
+        },
+        crate::WriteOp {
+            offset: 16,
+            buf: &[0xee; 4],
+        },
+    ];
+    assert!(matches!(
+        t.write_batch(&ops, crate::Fencing::Wait),
+        Err(Error::Busy { .. })
+    ));
+    drop(a);
+    assert_eq!(t.to_vec().unwrap(), before);
+}
+
+/// A write stream whose last flush fails reports it from `finish` (drop
+/// could only log it).
+#[test]
+fn finish_reports_a_failed_flush() {
+    let mut t = u32_tensor(4);
+    let mut view = t.slice(0, 16, None).unwrap();
+    let mut w = t.write_stream_accessor::<u32>().unwrap();
+    w.write_all(&[1, 2]).unwrap();
+    // An indexed accessor on another view holds the bytes: the flush
+    // cannot write them.
+    let a = view.accessor_mut::<u32, 1>([4]).unwrap();
+    let e = w.finish().unwrap_err();
+    assert!(matches!(e, AccessorError::Tensor(Error::Busy { .. })), "{e}");
+    drop(a);
+    assert_eq!(counts(&t), OpenCounts::default());
+    let mut w = t.write_stream_accessor::<u32>().unwrap();
+    w.write_all(&[1, 2]).unwrap();
+    w.finish().unwrap();
+    assert_eq!(u32s(&t)[..2], [1, 2]);
+}
