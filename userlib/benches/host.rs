@@ -138,7 +138,9 @@ fn fig7_memory() {
         boxed.push(bytes_each(N, |_| {
             black_box(Box::new([0u8; VIEW_HEAP_SIZE]))
         }));
-        fake.push(bytes_each(N, |_| Tensor::allocate_fake(4096, None).expect("fake")));
+        fake.push(bytes_each(N, |_| {
+            Tensor::allocate_fake(4096, None).expect("fake")
+        }));
     }
     emit("7", "view_host", "tensor_slice", "B", &summarize(view));
     emit("7", "view_host", "box", "B", &summarize(boxed));

@@ -57,7 +57,9 @@ pub enum NeuronMemcpyMethod {
 impl NeuronMemcpyMethod {
     /// The seed's enumerator names.
     pub const C_MEMCPY: Self = Self::CMemcpy;
+    /// The seed's `VEC_MEMCPY`.
     pub const VEC_MEMCPY: Self = Self::VecMemcpy;
+    /// The seed's `DMA`.
     pub const DMA: Self = Self::Dma;
 
     /// Every method, in value order.
@@ -466,7 +468,8 @@ fn cpu_copy(
                 // a LocalBuffer or an exclusive slice) that no one else
                 // touches during the call.
                 Dir::FromTensor => unsafe {
-                    b.device.copy_out_raw(b.handle, abs as u64, local.ptr, len)?
+                    b.device
+                        .copy_out_raw(b.handle, abs as u64, local.ptr, len)?
                 },
                 // SAFETY: `local` is `len` readable bytes, borrowed shared.
                 Dir::ToTensor => unsafe {

@@ -6,12 +6,12 @@
 //! Nothing here knows about tensors: this is the layer the tensor code (and
 //! tests that poke the driver directly) are built on.
 
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -32,38 +32,102 @@ pub const NODE_PREFIX: &str = "tdrv";
 /// errno values documented in `uapi/tdrv.h`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SysError {
+    /// EINVAL: the driver refused an argument.
     #[error("{op}: invalid argument (EINVAL)")]
-    InvalidArgument { op: &'static str },
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+    },
+    /// E2BIG: unknown trailing struct bytes are non-zero.
     #[error("{op}: unknown trailing struct bytes are non-zero (E2BIG)")]
-    UnknownFields { op: &'static str },
+    UnknownFields {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOENT: no such buffer handle.
     #[error("{op}: no such buffer handle (ENOENT)")]
-    NoSuchBuffer { op: &'static str },
+    NoSuchBuffer {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ERANGE: a range outside the buffer.
     #[error("{op}: range outside the buffer (ERANGE)")]
-    OutOfRange { op: &'static str },
+    OutOfRange {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EFAULT: a bad user address.
     #[error("{op}: bad user address (EFAULT)")]
-    BadAddress { op: &'static str },
+    BadAddress {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EXDEV: buffers on different HBM channels.
     #[error("{op}: buffers are on different HBM channels (EXDEV)")]
-    CrossChannel { op: &'static str },
+    CrossChannel {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOMEM: the kernel is out of memory.
     #[error("{op}: out of memory (ENOMEM)")]
-    NoMemory { op: &'static str },
+    NoMemory {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOSPC: the channel's byte limit is reached.
     #[error("{op}: channel byte limit reached (ENOSPC)")]
-    NoSpace { op: &'static str },
+    NoSpace {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ETIMEDOUT: a wait timed out.
     #[error("{op}: timed out (ETIMEDOUT)")]
-    TimedOut { op: &'static str },
+    TimedOut {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EINTR: a wait was interrupted by a signal.
     #[error("{op}: interrupted by a signal (EINTR)")]
-    Interrupted { op: &'static str },
+    Interrupted {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENODEV: the device was removed.
     #[error("{op}: device removed (ENODEV)")]
-    DeviceRemoved { op: &'static str },
+    DeviceRemoved {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOTTY: the node is not a tdrv device.
     #[error("{op}: not a tdrv device (ENOTTY)")]
-    NotTdrv { op: &'static str },
+    NotTdrv {
+        /// The operation.
+        op: &'static str,
+    },
+    /// Any other errno.
     #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
-    Os { op: &'static str, errno: i32 },
+    Os {
+        /// The operation.
+        op: &'static str,
+        /// The errno value.
+        errno: i32,
+    },
+    /// open(2) of the device node failed.
     #[error("open {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
-    Open { path: PathBuf, errno: i32 },
+    Open {
+        /// The device node.
+        path: PathBuf,
+        /// The errno value.
+        errno: i32,
+    },
+    /// The driver speaks an ABI major version this library does not.
     #[error("{}: driver ABI {major}.{minor} is not supported (need {}.x)", path.display(), uapi::TDRV_ABI_MAJOR)]
     AbiMismatch {
+        /// The device node.
         path: PathBuf,
+        /// Major ABI version the driver reports.
         major: u32,
+        /// Minor ABI version the driver reports.
         minor: u32,
     },
 }

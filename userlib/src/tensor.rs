@@ -526,10 +526,13 @@ impl Tensor {
     }
 
     pub(crate) fn storage_for(&self, op: &'static str) -> Result<&Arc<Storage>> {
-        self.view().storage.as_ref().ok_or_else(|| Error::NoStorage {
-            op,
-            name: self.name().to_owned(),
-        })
+        self.view()
+            .storage
+            .as_ref()
+            .ok_or_else(|| Error::NoStorage {
+                op,
+                name: self.name().to_owned(),
+            })
     }
 
     /// Checks `[offset, offset + size)` against the view; returns the

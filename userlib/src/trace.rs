@@ -26,11 +26,17 @@ pub const TRACE_FILE_ENV: &str = "TDRV_TRACE_FILE";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub enum TraceOp {
+    /// `read` (seed id 9).
     Read = 9,
+    /// `write` (seed id 10).
     Write = 10,
+    /// `read_batch` (seed id 11).
     ReadBatch = 11,
+    /// `write_batch` (seed id 12).
     WriteBatch = 12,
+    /// Allocation (seed id 27).
     Alloc = 27,
+    /// Free of a handle (seed id 28).
     Free = 28,
     /// tdrv's own id (the seed does not trace memset).
     Memset = 100,
@@ -65,14 +71,18 @@ impl TraceOp {
 /// Begin or end of an operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// The operation starts.
     Begin,
+    /// The operation ended.
     End,
 }
 
 /// One trace event.
 #[derive(Debug, Clone, Copy)]
 pub struct TraceEvent<'a> {
+    /// The operation.
     pub op: TraceOp,
+    /// Begin or end.
     pub phase: Phase,
     /// Name of the tensor the operation is about.
     pub tensor: &'a str,
@@ -93,6 +103,7 @@ pub struct TraceEvent<'a> {
 
 /// Receives trace events; called on the operation's thread.
 pub trait TraceSink: Send + Sync {
+    /// Receives one event.
     fn record(&self, event: &TraceEvent<'_>);
     /// Writes out anything buffered.
     fn flush(&self) {}

@@ -108,7 +108,10 @@ fn buffers_inside_the_tensor_itself() {
             nrt_tensor_read(t, back.as_mut_ptr().cast(), 0, 16),
             NRT_SUCCESS
         );
-        assert_eq!(back, [12, 13, 14, 15, 6, 7, 10, 11, 12, 13, 14, 15, 12, 13, 14, 15]);
+        assert_eq!(
+            back,
+            [12, 13, 14, 15, 6, 7, 10, 11, 12, 13, 14, 15, 12, 13, 14, 15]
+        );
     }
     free(t);
 }

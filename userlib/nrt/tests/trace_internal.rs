@@ -16,13 +16,10 @@ struct Collect(Mutex<Vec<Seen>>);
 
 impl TraceSink for Collect {
     fn record(&self, e: &TraceEvent<'_>) {
-        self.0.lock().unwrap().push((
-            e.op,
-            e.phase,
-            e.tensor.to_owned(),
-            e.ref_count,
-            e.hbm_index,
-        ));
+        self.0
+            .lock()
+            .unwrap()
+            .push((e.op, e.phase, e.tensor.to_owned(), e.ref_count, e.hbm_index));
     }
 }
 
@@ -65,5 +62,8 @@ fn only_user_actions_are_traced() {
         "{seen:?}"
     );
     // The free payload: the last reference, of host memory.
-    assert_eq!(seen[4], (TraceOp::Free, Phase::Begin, "traced".into(), 1, -1));
+    assert_eq!(
+        seen[4],
+        (TraceOp::Free, Phase::Begin, "traced".into(), 1, -1)
+    );
 }

@@ -487,7 +487,10 @@ fn accessor_matrix_under_every_policy() {
                         matches!(e, AccessorError::Tensor(Error::Busy { .. })),
                         "{what}: {e}"
                     );
-                    assert_eq!(warned.len(), usize::from(policy == Policy::IncoherentVerbose));
+                    assert_eq!(
+                        warned.len(),
+                        usize::from(policy == Policy::IncoherentVerbose)
+                    );
                     drop(a);
                     assert_eq!(counts(&t), OpenCounts::default(), "{what}");
                     continue;
@@ -738,7 +741,10 @@ fn finish_reports_a_failed_flush() {
     // cannot write them.
     let a = view.accessor_mut::<u32, 1>([4]).unwrap();
     let e = w.finish().unwrap_err();
-    assert!(matches!(e, AccessorError::Tensor(Error::Busy { .. })), "{e}");
+    assert!(
+        matches!(e, AccessorError::Tensor(Error::Busy { .. })),
+        "{e}"
+    );
     drop(a);
     assert_eq!(counts(&t), OpenCounts::default());
     let mut w = t.write_stream_accessor::<u32>().unwrap();
