@@ -776,6 +776,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "ioctl(2) is not available under Miri")]
     fn open_errors_are_reported() {
         let err = Device::open("/nonexistent/tdrv0").unwrap_err();
         assert_eq!(err.errno(), libc::ENOENT);

@@ -170,6 +170,18 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
+#[cfg(miri)]
+fn thread_id() -> u64 {
+    // Miri has no gettid syscall: a per-thread counter stands in.
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TID.with(|t| *t)
+}
+
+#[cfg(not(miri))]
 fn thread_id() -> u64 {
     thread_local! {
         // SAFETY: gettid has no memory-safety requirements.

@@ -127,6 +127,7 @@ fn env_trace_child() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "re-runs the test binary; Miri cannot run processes")]
 fn trace_file_env_var() {
     let path = std::env::temp_dir().join(format!("tdrv-envtrace-{}.json", std::process::id()));
     let out = Command::new(std::env::current_exe().unwrap())
