@@ -230,9 +230,9 @@ impl Tensor {
             .ptr
             .as_ptr()
             .map_addr(|a| (a & !QUIET) | if quiet { QUIET } else { 0 });
-        // SAFETY: derived from a non-null pointer with only the low tag bit
-        // changed; the untagged address is non-null.
         Tensor {
+            // SAFETY: derived from a non-null pointer with only the low tag
+            // bit changed; the untagged address is non-null.
             ptr: unsafe { NonNull::new_unchecked(ptr) },
         }
     }

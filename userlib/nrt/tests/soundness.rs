@@ -126,10 +126,12 @@ fn a_batch_may_overwrite_its_own_descriptors() {
         size: 24,
         buffer: null_mut(),
     }];
-    ops[0].buffer = ops.as_mut_ptr().cast();
+    let p = ops.as_mut_ptr();
+    // SAFETY: `p` points at `ops[0]`.
+    unsafe { (*p).buffer = p.cast() };
     let batch = nrt_tensor_batch_t {
         tensor: t,
-        ops: ops.as_ptr(),
+        ops: p,
         num_ops: 1,
     };
     // SAFETY: the destination is the 24-byte op array itself, valid.
