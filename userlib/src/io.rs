@@ -126,8 +126,15 @@ impl Tensor {
         ops: &mut dyn ExactSizeIterator<Item = (usize, *mut u8, usize)>,
         fencing: Fencing,
     ) -> Result<()> {
-        let mut checked: Vec<Checked> = try_vec(ops.len())?;
-        let mut spans: Vec<Span> = try_vec(ops.len())?;
+        // One op (read, write) needs no heap: the arrays below; a batch
+        // gets vectors.
+        let many = ops.len() > 1;
+        let mut one: ([Checked; 1], [Span; 1]) = ([(0, ptr::null_mut(), 0)], [Span::read(0, 0)]);
+        let (mut checked, mut spans): (Vec<Checked>, Vec<Span>) = if many {
+            (try_vec(ops.len())?, try_vec(ops.len())?)
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mut st = None;
         for (offset, ptr, len) in ops {
             let (s, abs) = self.locate(op, offset, len)?;
@@ -137,20 +144,30 @@ impl Tensor {
             if ptr.is_null() {
                 return Err(Error::invalid(format!("{op}: NULL buffer of {len} bytes")));
             }
-            checked.push((abs, ptr, len));
-            spans.push(match dir {
+            let span = match dir {
                 Dir::Read => Span::read(abs, len),
                 Dir::Write => Span::write(abs, len),
-            });
+            };
+            if many {
+                checked.push((abs, ptr, len));
+                spans.push(span);
+            } else {
+                one = ([(abs, ptr, len)], [span]);
+            }
             st = Some(s);
         }
         let Some(st) = st else { return Ok(()) };
+        let (checked, spans): (&[Checked], &[Span]) = if many {
+            (&checked, &spans)
+        } else {
+            (&one.0, &one.1)
+        };
         match (&st.mem, st.host_base()) {
             (Memory::Fake, _) => Ok(()),
             (Memory::Dma(b), None) => {
                 // Unmapped: the kernel copies, and fences itself. A failing
                 // op stops the batch (see DESIGN.md, batches).
-                for &(abs, ptr, len) in &checked {
+                for &(abs, ptr, len) in checked {
                     // SAFETY: `ptr` is valid for `len` bytes per our
                     // contract; the kernel accesses it with copy_*_user.
                     unsafe {
@@ -164,13 +181,13 @@ impl Tensor {
             }
             (_, None) => Ok(()),
             (_, Some(base)) => {
-                let _g = st.sync.acquire(op, &spans, fencing == Fencing::Wait)?;
+                let _g = st.sync.acquire(op, spans, fencing == Fencing::Wait)?;
                 let kind = match dir {
                     Dir::Read => FenceKind::Writes,
                     Dir::Write => FenceKind::All,
                 };
                 dma_fence(st, kind, fencing)?;
-                for &(abs, ptr, len) in &checked {
+                for &(abs, ptr, len) in checked {
                     // SAFETY: `abs + len` is inside the storage (`locate`);
                     // the spans held exclude every other host access that
                     // conflicts (plain copies and accessors alike); the

@@ -364,7 +364,10 @@ fn tcm_stages_both_ways() {
         let mut plain = [0u32; 3];
         tcm.tensor_to_slice(&mut plain, N - 3).unwrap();
         let last = (N - 3) as u32;
-        assert_eq!(plain, [last * 3 + 1, (last + 1) * 3 + 1, (last + 2) * 3 + 1]);
+        assert_eq!(
+            plain,
+            [last * 3 + 1, (last + 1) * 3 + 1, (last + 2) * 3 + 1]
+        );
         assert!(matches!(
             tcm.tensor_to_tcm(&mut scratch, A + 2, M),
             Err(AccessorError::RangeOutOfBounds { .. })
