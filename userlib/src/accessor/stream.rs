@@ -29,6 +29,17 @@ const fn capacity<T>() -> usize {
 /// to) 4 KiB through `neuron_memcpy`. Bytes the tensor gets after a refill
 /// are not seen until the next one: that is why readers are incoherent with
 /// writers and with unbuffered accessors.
+///
+/// ```
+/// use tdrv::Tensor;
+///
+/// let t = Tensor::allocate_host(12, None)?;
+/// t.write(0, &[1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0])?;
+/// let r = t.read_stream_accessor::<u16>()?;
+/// let v: Vec<u16> = r.collect::<Result<_, _>>()?;
+/// assert_eq!(v, [1, 2, 3, 4, 5, 6].map(u16::from_le));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct TensorReadStreamAccessor<'a, T: Element> {
     slot: Option<CoherenceSlot<'a>>,
     tensor: &'a Tensor,
