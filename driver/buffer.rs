@@ -1,16 +1,35 @@
 // SPDX-License-Identifier: GPL-2.0
 
-//! A DMA-coherent device buffer: memory, channel accounting and its fence.
+//! A device buffer: DMA-coherent memory in pieces, channel accounting and
+//! its fence.
+//!
+//! # Memory
+//!
+//! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
+//! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
+//! piece; larger buffers, and smaller ones when memory is fragmented, are
+//! split, so that no allocation needs more than the page allocator's
+//! largest block and no CMA area is needed (stock kernels have none).
+//! `dma_addr` (ALLOC, BUF_INFO) is the bus address of byte 0; only the
+//! first piece is contiguous behind it. The engines walk the pieces.
+//!
+//! # Lifetime
 //!
 //! Buffers are reference counted (`Arc`). The owning file's handle table,
-//! every mapping (see `mmap.rs`) and every in-flight job hold a reference, so
-//! FREE only drops the handle: the memory goes back when the last user goes,
-//! or earlier, when the device is unbound ([`Buffer::revoke`]): DMA memory
-//! must not outlive the device's binding.
+//! every mapping (see `mmap.rs`) and every job hold a reference, so FREE
+//! only drops the handle: the memory goes back when the last user goes,
+//! or earlier, when the device is unbound ([`Buffer::detach`] and
+//! [`Buffer::release_memory`]): DMA memory must not outlive the device's
+//! binding.
 //!
-//! The CPU touches buffer memory only through raw copies (`copy_from_user`,
-//! `copy_to_user`, `memmove`, `memset`), never through Rust references,
-//! because a device may access the same bytes concurrently.
+//! # Access
+//!
+//! The CPU touches buffer memory only through raw copies, never through
+//! Rust references, because a device may access the same bytes
+//! concurrently. Ioctls reach the memory only while they hold an
+//! [`ActiveGuard`] of the device, and only briefly: user memory is never
+//! faulted in while a guard is held (a page fault may block for ever, on
+//! userfaultfd or FUSE, and unbind waits for every guard).
 
 use kernel::{
     bindings,
@@ -20,6 +39,7 @@ use kernel::{
     },
     dma::Coherent,
     new_mutex,
+    page::PAGE_SIZE,
     prelude::*,
     sync::{
         Arc,
@@ -29,38 +49,70 @@ use kernel::{
 };
 
 use crate::{
-    device::TdrvDevice,
+    device::{
+        ActiveGuard,
+        TdrvDevice, //
+    },
     fence::Fence,
+    glue,
     range::ByteRange, //
 };
 
-/// The CPU address of a buffer's memory.
-#[derive(Clone, Copy)]
-struct CpuAddr(*mut u8);
+/// Largest piece: 4 MiB, the x86 page allocator's largest block.
+pub(crate) const MAX_PIECE: usize = 4 << 20;
 
-// SAFETY: The address is only dereferenced through the raw copies of
+/// Bytes an ioctl copies per active-guard section, and between checks for
+/// rescheduling.
+const CHUNK: usize = 64 << 10;
+
+/// Bytes the software engine copies between cancellation checks.
+pub(crate) const ENGINE_PIECE: usize = 1 << 20;
+
+/// The CPU and bus addresses of one piece.
+#[derive(Clone, Copy)]
+struct PieceAddr {
+    cpu: *mut u8,
+    dma: u64,
+}
+
+// SAFETY: The CPU address is only dereferenced through the raw copies of
 // `Buffer`, whose callers guarantee the memory is live (see `Buffer`'s
-// invariant); the pointer itself may be shared and sent freely.
-unsafe impl Send for CpuAddr {}
+// invariant); the address itself may be shared and sent freely.
+unsafe impl Send for PieceAddr {}
 // SAFETY: As above.
-unsafe impl Sync for CpuAddr {}
+unsafe impl Sync for PieceAddr {}
+
+/// Where a buffer's memory is.
+enum MemState {
+    /// Allocated and reachable.
+    Live(KVec<Coherent<[u8]>>),
+    /// Unbind in progress: still allocated, but the fault handler maps no
+    /// more of it; freed once user mappings have been zapped.
+    Detached(KVec<Coherent<[u8]>>),
+    /// Freed at unbind.
+    Gone,
+}
 
 /// One device buffer.
 ///
 /// # Invariants
 ///
-/// `cpu`, `dma_addr` and `size` describe the allocation in `mem` for as long
-/// as `mem` holds it. `mem` is emptied only by [`Buffer::revoke`], whose
-/// caller guarantees that no ioctl, mapping or job can reach the memory any
-/// more; so every accessor that runs from an ioctl (under the device's
-/// active-user guard) or from a job sees live memory.
+/// `pieces[i]` describes the `i`-th allocation held by `mem` for as long as
+/// `mem` is `Live` or `Detached`. `mem` leaves those states only in
+/// [`Buffer::release_memory`], whose caller guarantees that the device is
+/// unbound, its engine stopped, no active guard exists and no user mapping
+/// maps the memory. So code holding an [`ActiveGuard`] of the device, and
+/// a running engine, see live memory.
 #[pin_data(PinnedDrop)]
 pub(crate) struct Buffer {
     #[pin]
-    mem: Mutex<Option<Coherent<[u8]>>>,
-    cpu: CpuAddr,
-    dma_addr: u64,
+    mem: Mutex<MemState>,
+    pieces: KVec<PieceAddr>,
+    /// Every piece but the last is `1 << shift` bytes.
+    shift: u32,
     size: usize,
+    /// What the channel is charged: the size rounded up to pages.
+    charged: u64,
     channel: u32,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
@@ -70,45 +122,80 @@ pub(crate) struct Buffer {
     pub(crate) fence: Fence,
 }
 
+/// Allocates `size` bytes (a multiple of pages) as pieces of `1 << shift`
+/// bytes.
+fn alloc_pieces(
+    bound: &Device<Bound>,
+    size: usize,
+    shift: u32,
+) -> Result<KVec<Coherent<[u8]>>> {
+    let piece = 1usize << shift;
+    let count = size.div_ceil(piece);
+    let mut mem = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
+    for i in 0..count {
+        let len = (size - i * piece).min(piece);
+        let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
+        mem.push(Coherent::<u8>::zeroed_slice(bound, len, flags)?, GFP_KERNEL_ACCOUNT)?;
+    }
+    Ok(mem)
+}
+
 impl Buffer {
     /// Allocates `size` zeroed bytes on `channel` of `device`, charging the
-    /// channel's accounting first.
+    /// channel first (page-rounded).
     pub(crate) fn new(
         device: &Arc<TdrvDevice>,
         bound: &Device<Bound>,
         size: usize,
         channel: u32,
     ) -> Result<Arc<Self>> {
-        device.channels.reserve(channel, size as u64)?;
-        let mem = match Coherent::<u8>::zeroed_slice(bound, size, GFP_KERNEL | __GFP_NOWARN) {
-            Ok(mem) => mem,
-            Err(e) => {
-                device.channels.release(channel, size as u64);
-                device.channels.note_failure(channel);
-                return Err(e);
+        let rounded = size.next_multiple_of(PAGE_SIZE);
+        let charged = rounded as u64;
+        device.channels.reserve(channel, charged)?;
+        // One piece if the allocator can give it; otherwise halve the piece
+        // size until it can (or pages do not come at all).
+        let mut shift = rounded.next_power_of_two().min(MAX_PIECE).trailing_zeros();
+        let mem = loop {
+            match alloc_pieces(bound, rounded, shift) {
+                Ok(mem) => break mem,
+                Err(e) if e == ENOMEM && (1usize << shift) > PAGE_SIZE => shift -= 1,
+                Err(e) => {
+                    device.channels.release(channel, charged);
+                    device.channels.note_failure(channel);
+                    return Err(e);
+                }
             }
         };
-        let cpu = CpuAddr(mem.as_mut_ptr().cast());
-        let dma_addr = mem.dma_handle();
+        let mut pieces = KVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
+        for m in mem.iter() {
+            pieces.push(
+                PieceAddr {
+                    cpu: m.as_mut_ptr().cast(),
+                    dma: m.dma_handle(),
+                },
+                GFP_KERNEL_ACCOUNT,
+            )?;
+        }
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
-                device.channels.release(channel, size as u64);
+                device.channels.release(channel, charged);
                 return Err(e);
             }
         };
         let buf = Arc::pin_init(
             try_pin_init!(Self {
-                mem <- new_mutex!(Some(mem), "Buffer::mem"),
-                cpu,
-                dma_addr,
+                mem <- new_mutex!(MemState::Live(mem), "Buffer::mem"),
+                pieces,
+                shift,
                 size,
+                charged,
                 channel,
                 device: device.clone(),
                 registry_key,
                 fence <- Fence::new(),
             }),
-            GFP_KERNEL,
+            GFP_KERNEL_ACCOUNT,
         );
         match buf {
             Ok(buf) => {
@@ -119,7 +206,7 @@ impl Buffer {
                 // `mem` was dropped by the initializer, but `PinnedDrop`
                 // never runs for an unbuilt value: undo the rest by hand.
                 device.unregister_buffer(registry_key);
-                device.channels.release(channel, size as u64);
+                device.channels.release(channel, charged);
                 Err(e)
             }
         }
@@ -133,130 +220,264 @@ impl Buffer {
         self.channel
     }
 
+    /// Bus address of byte 0.
     pub(crate) fn dma_addr(&self) -> u64 {
-        self.dma_addr
+        self.pieces.first().map_or(0, |p| p.dma)
     }
 
-    /// The CPU address of `offset`. Callers have bounds-checked `offset`.
-    fn cpu_ptr(&self, offset: usize) -> *mut u8 {
-        debug_assert!(offset <= self.size);
-        // SAFETY: `offset <= size`, so the result is inside the allocation
-        // or one past its end.
-        unsafe { self.cpu.0.add(offset) }
+    /// Bytes of the buffer's pieces (its page-rounded size).
+    pub(crate) fn charged(&self) -> u64 {
+        self.charged
+    }
+
+    /// The piece holding `offset` and the bytes left in it from there.
+    fn locate(&self, offset: usize) -> (PieceAddr, usize) {
+        let i = offset >> self.shift;
+        let within = offset & ((1 << self.shift) - 1);
+        let piece = self.pieces[i];
+        let piece_len = (self.charged as usize - (i << self.shift)).min(1 << self.shift);
+        let cpu = piece.cpu.wrapping_add(within);
+        let dma = piece.dma + within as u64;
+        (PieceAddr { cpu, dma }, piece_len - within)
+    }
+
+    /// Bus address of `offset` and how many bytes are contiguous from it
+    /// (within the buffer's size).
+    pub(crate) fn dma_span(&self, offset: usize) -> (u64, usize) {
+        let (p, left) = self.locate(offset);
+        (p.dma, left.min(self.size - offset))
+    }
+
+    /// The contiguous CPU span at `offset`, at most `max` bytes.
+    fn cpu_span(&self, offset: usize, max: usize) -> (*mut u8, usize) {
+        let (p, left) = self.locate(offset);
+        (p.cpu, left.min(max))
+    }
+
+    /// The page frame of page `index` of the buffer, if the memory is live.
+    /// Runs under the memory lock so that unbind can order itself with it
+    /// (see [`Buffer::detach`]); `f` gets the frame with the lock held.
+    pub(crate) fn with_page_pfn<R>(&self, index: usize, f: impl FnOnce(usize) -> R) -> Option<R> {
+        let mem = self.mem.lock();
+        if !matches!(*mem, MemState::Live(_)) || index >= self.charged as usize / PAGE_SIZE {
+            return None;
+        }
+        let (p, _) = self.locate(index * PAGE_SIZE);
+        // SAFETY: The memory is live (checked under the lock that
+        // `detach` takes) and `p.cpu` lies inside it, page-aligned.
+        let pfn = unsafe { glue::kaddr_to_pfn(p.cpu) };
+        Some(f(pfn))
+    }
+
+    /// First step of unbind: the fault handler maps no more pages of the
+    /// buffer. Pages it mapped before are zapped by the caller next.
+    pub(crate) fn detach(&self) {
+        let mut mem = self.mem.lock();
+        if let MemState::Live(m) = core::mem::replace(&mut *mem, MemState::Gone) {
+            *mem = MemState::Detached(m);
+        }
     }
 
     /// Frees the DMA memory now, although references to the buffer remain.
     ///
     /// # Safety
     ///
-    /// The device is unbound, its engine has stopped, no ioctl or mmap of
-    /// the device is running or can start, and no user mapping still has
-    /// the pages mapped: nothing can touch the memory afterwards.
-    pub(crate) unsafe fn revoke(&self) {
-        let mem = self.mem.lock().take();
-        drop(mem);
+    /// The buffer was detached, the device is unbound, its engine has
+    /// stopped, no active guard exists or can be taken, and every user
+    /// mapping's pages were zapped after the detach: nothing can touch the
+    /// memory afterwards.
+    pub(crate) unsafe fn release_memory(&self) {
+        let old = core::mem::replace(&mut *self.mem.lock(), MemState::Gone);
+        if let MemState::Live(pieces) | MemState::Detached(pieces) = old {
+            // Freed outside the lock.
+            drop(pieces);
+        }
     }
 
-    /// Maps the whole buffer into `vma` with `dma_mmap_attrs`.
-    ///
-    /// # Safety
-    ///
-    /// `vma` is a VMA under set-up (mmap write lock held) with `vm_pgoff`
-    /// 0, and the caller keeps the buffer alive while the VMA exists.
-    pub(crate) unsafe fn dma_mmap(&self, vma: *mut bindings::vm_area_struct) -> Result {
-        let mem = self.mem.lock();
-        let mem = mem.as_ref().ok_or(ENODEV)?;
-        // SAFETY: The device, CPU address, DMA handle and size describe one
-        // live coherent allocation of that device (held by the lock guard);
-        // the caller's guarantees cover `vma` and the lifetime.
-        kernel::error::to_result(unsafe {
-            bindings::dma_mmap_attrs(
-                crate::device::raw_device(self.device.bus_device()),
-                vma,
-                mem.as_mut_ptr().cast(),
-                mem.dma_handle(),
-                mem.size(),
-                0,
-            )
-        })
+    /// Runs `f` on consecutive CPU spans of `range`, each at most `CHUNK`
+    /// bytes and within one piece, each under its own active guard.
+    /// ENODEV once the device is unbound.
+    fn for_each_span(
+        &self,
+        range: ByteRange,
+        mut f: impl FnMut(&ActiveGuard<'_>, *mut u8, usize, usize) -> Result,
+    ) -> Result {
+        let mut done = 0;
+        while done < range.len {
+            let (cpu, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
+            {
+                let guard = self.device.enter()?;
+                f(&guard, cpu, done, n)?;
+            }
+            done += n;
+            if done < range.len {
+                glue::cond_resched();
+            }
+        }
+        Ok(())
     }
 
     /// Copies `range.len` bytes from user memory at `src` into the buffer.
     /// EFAULT if any byte cannot be read (the buffer may be partly written).
     pub(crate) fn copy_from_user(&self, range: ByteRange, src: UserPtr) -> Result {
+        let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
-            let n = (range.len - done).min(CHUNK);
-            // SAFETY: `range` lies inside the allocation (checked by the
-            // caller with `checked_range`), which is live (type invariant),
-            // so the destination is valid for `n` bytes; `copy_from_user`
-            // validates the user range itself.
-            let left = unsafe {
-                bindings::copy_from_user(
-                    self.cpu_ptr(range.start + done).cast(),
-                    src.wrapping_byte_add(done).as_const_ptr(),
-                    n,
-                )
+            let (_, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
+            let user = src.wrapping_byte_add(done);
+            // Fast path: copy straight in under a guard, without page
+            // faults (resident user pages, the common case).
+            let fast = {
+                let _guard = self.device.enter()?;
+                let (cpu, _) = self.cpu_span(range.start + done, n);
+                // SAFETY: The guard keeps the memory live (type invariant)
+                // and the span lies inside it; `copy_from_user_nofault`
+                // checks the user range and never sleeps.
+                unsafe { bindings::copy_from_user_nofault(cpu.cast(), user.as_const_ptr(), n) == 0 }
             };
-            if left != 0 {
-                return Err(EFAULT);
+            if !fast {
+                // Slow path: fault the user pages in with no guard held,
+                // through a bounce buffer, a page at a time.
+                if bounce.is_empty() {
+                    bounce.resize(PAGE_SIZE, 0, GFP_KERNEL)?;
+                }
+                let mut off = 0;
+                while off < n {
+                    let m = (n - off).min(PAGE_SIZE);
+                    // SAFETY: `bounce` has `PAGE_SIZE >= m` bytes;
+                    // `copy_from_user` checks the user range itself.
+                    let left = unsafe {
+                        bindings::copy_from_user(
+                            bounce.as_mut_ptr().cast(),
+                            user.wrapping_byte_add(off).as_const_ptr(),
+                            m,
+                        )
+                    };
+                    if left != 0 {
+                        return Err(EFAULT);
+                    }
+                    let _guard = self.device.enter()?;
+                    let (cpu, _) = self.cpu_span(range.start + done + off, m);
+                    // SAFETY: As in the fast path; `bounce` is ours.
+                    unsafe { core::ptr::copy_nonoverlapping(bounce.as_ptr(), cpu, m) };
+                    off += m;
+                }
             }
             done += n;
+            glue::cond_resched();
         }
         Ok(())
     }
 
     /// Copies `range` of the buffer to user memory at `dst`.
     pub(crate) fn copy_to_user(&self, range: ByteRange, dst: UserPtr) -> Result {
+        let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
-            let n = (range.len - done).min(CHUNK);
-            // SAFETY: As in `copy_from_user`, with the directions swapped.
-            let left = unsafe {
-                bindings::copy_to_user(
-                    dst.wrapping_byte_add(done).as_mut_ptr(),
-                    self.cpu_ptr(range.start + done).cast(),
-                    n,
-                )
+            let (_, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
+            let user = dst.wrapping_byte_add(done);
+            let fast = {
+                let _guard = self.device.enter()?;
+                let (cpu, _) = self.cpu_span(range.start + done, n);
+                // SAFETY: As in `copy_from_user`, with the directions
+                // swapped.
+                unsafe { bindings::copy_to_user_nofault(user.as_mut_ptr(), cpu.cast(), n) == 0 }
             };
-            if left != 0 {
-                return Err(EFAULT);
+            if !fast {
+                if bounce.is_empty() {
+                    bounce.resize(PAGE_SIZE, 0, GFP_KERNEL)?;
+                }
+                let mut off = 0;
+                while off < n {
+                    let m = (n - off).min(PAGE_SIZE);
+                    {
+                        let _guard = self.device.enter()?;
+                        let (cpu, _) = self.cpu_span(range.start + done + off, m);
+                        // SAFETY: The guard keeps the memory live and the
+                        // span lies inside it; `bounce` holds `m` bytes.
+                        unsafe { core::ptr::copy_nonoverlapping(cpu, bounce.as_mut_ptr(), m) };
+                    }
+                    // SAFETY: `bounce` has `m` initialised bytes;
+                    // `copy_to_user` checks the user range itself.
+                    let left = unsafe {
+                        bindings::copy_to_user(
+                            user.wrapping_byte_add(off).as_mut_ptr(),
+                            bounce.as_ptr().cast(),
+                            m,
+                        )
+                    };
+                    if left != 0 {
+                        return Err(EFAULT);
+                    }
+                    off += m;
+                }
             }
             done += n;
+            glue::cond_resched();
         }
         Ok(())
     }
 
-    /// Fills `range` with `value`.
-    pub(crate) fn fill(&self, range: ByteRange, value: u8) {
-        // SAFETY: `range` lies inside the live allocation (checked by the
-        // caller; type invariant).
-        unsafe { core::ptr::write_bytes(self.cpu_ptr(range.start), value, range.len) };
+    /// Fills `range` with `value`. ENODEV if the device went away.
+    pub(crate) fn fill(&self, range: ByteRange, value: u8) -> Result {
+        self.for_each_span(range, |_guard, cpu, _, n| {
+            // SAFETY: `for_each_span` holds a guard (memory live) and gives
+            // a span inside the allocation.
+            unsafe { core::ptr::write_bytes(cpu, value, n) };
+            Ok(())
+        })
     }
 
-    /// Copies `src_range` of `src` to `dst_offset` of `self` with the CPU.
-    /// Overlapping ranges of one buffer behave like `memmove`.
-    pub(crate) fn copy_from(&self, dst_offset: usize, src: &Buffer, src_range: ByteRange) {
-        // SAFETY: Both ranges were bounds-checked by the caller and both
-        // allocations are live (type invariant); `copy` permits overlap.
-        unsafe {
-            core::ptr::copy(
-                src.cpu_ptr(src_range.start),
-                self.cpu_ptr(dst_offset),
-                src_range.len,
-            )
-        };
+    /// Copies `src_range` of `src` to `dst_offset` of `self` from an ioctl,
+    /// under active guards. The ranges do not overlap (checked by SUBMIT
+    /// and COPY).
+    pub(crate) fn copy_from_ioctl(
+        &self,
+        dst_offset: usize,
+        src: &Buffer,
+        src_range: ByteRange,
+    ) -> Result {
+        let mut done = 0;
+        while done < src_range.len {
+            let n = (src_range.len - done).min(CHUNK);
+            {
+                let _guard = self.device.enter()?;
+                // SAFETY: The guard keeps both buffers' memory live: both
+                // belong to this device (same file, same channel).
+                unsafe { self.copy_span(dst_offset + done, src, src_range.start + done, n) };
+            }
+            done += n;
+            glue::cond_resched();
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to `self` at
+    /// `dst_offset`, across pieces.
+    ///
+    /// # Safety
+    ///
+    /// Both buffers' memory is live for the call (an active guard of their
+    /// device is held, or a running engine's job references them), and
+    /// both ranges are inside the buffers.
+    pub(crate) unsafe fn copy_span(&self, dst_offset: usize, src: &Buffer, src_offset: usize, len: usize) {
+        let mut done = 0;
+        while done < len {
+            let (s, sn) = src.cpu_span(src_offset + done, len - done);
+            let (d, dn) = self.cpu_span(dst_offset + done, len - done);
+            let n = sn.min(dn);
+            // SAFETY: Both spans lie inside live allocations (the caller's
+            // guarantee); `copy` also permits overlap.
+            unsafe { core::ptr::copy(s, d, n) };
+            done += n;
+        }
     }
 }
-
-/// User copies are split into chunks of this size, so a fault is reported
-/// after at most one chunk of wasted work.
-const CHUNK: usize = 1 << 20;
 
 #[pinned_drop]
 impl PinnedDrop for Buffer {
     fn drop(self: Pin<&mut Self>) {
         self.device.unregister_buffer(self.registry_key);
-        self.device.channels.release(self.channel, self.size as u64);
+        self.device.channels.release(self.channel, self.charged);
     }
 }

@@ -1,21 +1,17 @@
 // SPDX-License-Identifier: GPL-2.0
 
 //! State shared by everything that serves one tdrv device: its bus device,
-//! channels, engine and statistics, plus the misc device (`/dev/tdrv<N>`)
-//! that userspace opens.
+//! channels, engine, limits and statistics, and the unbind sequence.
 //!
 //! Open files, buffers and in-flight jobs each hold an `Arc<TdrvDevice>`, so
 //! the state outlives an unbind; `bound` tells whether the bus device may
-//! still be used for new DMA work.
+//! still be used for new DMA work. The device knows its files only through
+//! the [`Revoke`] trait, and its engine only through [`Engine`].
 
 use kernel::{
     device::{
         self,
         Bound, //
-    },
-    miscdevice::{
-        MiscDeviceOptions,
-        MiscDeviceRegistration, //
     },
     new_condvar,
     new_mutex,
@@ -37,14 +33,12 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     channel::Channels,
-    engine::Engine,
-    file::{
-        FileState,
-        TdrvFile, //
+    engine::{
+        Engine,
+        EngineCounters, //
     },
     handle::HandleTable, //
 };
-
 /// Most tdrv devices at once (software and hardware together).
 pub(crate) const MAX_DEVICES: usize = 8;
 
@@ -98,6 +92,7 @@ pub(crate) struct DeviceStats {
     pub(crate) jobs_submitted: Atomic<u64>,
     pub(crate) jobs_completed: Atomic<u64>,
     pub(crate) jobs_failed: Atomic<u64>,
+    pub(crate) jobs_cancelled: Atomic<u64>,
     pub(crate) waits: Atomic<u64>,
     pub(crate) wait_timeouts: Atomic<u64>,
     pub(crate) open_files: Atomic<u64>,
@@ -109,11 +104,25 @@ impl DeviceStats {
             jobs_submitted: Atomic::new(0),
             jobs_completed: Atomic::new(0),
             jobs_failed: Atomic::new(0),
+            jobs_cancelled: Atomic::new(0),
             waits: Atomic::new(0),
             wait_timeouts: Atomic::new(0),
             open_files: Atomic::new(0),
         }
     }
+}
+
+/// Per-file limits (module parameters, see `tdrv.rs`).
+#[derive(Clone, Copy)]
+pub(crate) struct Limits {
+    /// Live buffer handles.
+    pub(crate) handles: usize,
+    /// Bytes of live buffers the file allocated (page-rounded).
+    pub(crate) bytes: u64,
+    /// Jobs submitted and not yet finished.
+    pub(crate) jobs: u32,
+    /// Bytes those jobs move.
+    pub(crate) inflight_bytes: u64,
 }
 
 /// The raw `struct device` behind `dev`, for the C calls 7.2 does not wrap.
@@ -130,6 +139,13 @@ struct BufferAddr(*const Buffer);
 // same lock), and `Buffer` is `Sync`.
 unsafe impl Send for BufferAddr {}
 
+/// What unbind needs from an open file, implemented by the file layer.
+pub(crate) trait Revoke: Send + Sync {
+    /// Removes the pages of every user mapping made through the file; a
+    /// later access faults again (and gets SIGBUS once memory is detached).
+    fn zap_mappings(&self);
+}
+
 /// One tdrv device.
 #[pin_data]
 pub(crate) struct TdrvDevice {
@@ -139,23 +155,27 @@ pub(crate) struct TdrvDevice {
     pub(crate) index: DeviceIndex,
     #[pin]
     pub(crate) channels: Channels,
-    engine: Engine,
-    /// Cleared before the bus device is unbound; unbind then waits (on
-    /// `idle`) for `active`, the ioctls and mmaps in progress, to drop to
-    /// zero. Atomics keep the ioctl path free of locks and wake-ups; the
-    /// lock and wait queue are used only while unbinding.
+    engine: KBox<dyn Engine>,
+    pub(crate) limits: Limits,
+    /// Cleared when unbinding starts; unbind then waits (on `idle`) for
+    /// `active`, the sections of ioctls and mmaps that use the bus device or
+    /// buffer memory, to drop to zero. Atomics keep the ioctl path free of
+    /// locks and wake-ups; the lock and wait queue are used only while
+    /// unbinding.
     bound: Atomic<bool>,
     active: Atomic<u64>,
     #[pin]
     idle_lock: Mutex<()>,
     #[pin]
     idle: CondVar,
-    /// Every live buffer of the device, so unbind can free their memory.
+    /// Every live buffer of the device, so unbind can reach their fences
+    /// and memory, also those only jobs or mappings still hold.
     #[pin]
     buffers: Mutex<HandleTable<BufferAddr>>,
-    /// State of every open file, so that unbind can reach their waiters.
+    /// Every open file, keyed, so that unbind can zap their mappings.
     #[pin]
-    files: Mutex<KVec<Arc<FileState>>>,
+    files: Mutex<KVec<(u64, Arc<dyn Revoke>)>>,
+    next_file_key: Atomic<u64>,
     pub(crate) stats: DeviceStats,
 }
 
@@ -164,36 +184,36 @@ impl TdrvDevice {
         dev: &device::Device,
         kind: u32,
         index: DeviceIndex,
-        channels: u32,
-        channel_limit: u64,
-        engine: Engine,
+        params: &crate::Params,
+        engine: KBox<dyn Engine>,
     ) -> Result<Arc<Self>> {
         Arc::pin_init(
             try_pin_init!(Self {
                 dev: dev.into(),
                 kind,
                 index,
-                channels <- Channels::new(channels, channel_limit)?,
+                channels <- Channels::new(params.channels, params.channel_limit)?,
                 engine,
+                limits: params.limits,
                 bound: Atomic::new(true),
                 active: Atomic::new(0),
                 idle_lock <- new_mutex!((), "TdrvDevice::idle_lock"),
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
+                next_file_key: Atomic::new(0),
                 stats: DeviceStats::new(),
             }),
             GFP_KERNEL,
         )
     }
 
-    /// The bus device (PCI or faux) that DMA memory is allocated for.
-    pub(crate) fn bus_device(&self) -> &device::Device {
-        &self.dev
+    pub(crate) fn engine(&self) -> &dyn Engine {
+        &*self.engine
     }
 
-    pub(crate) fn engine(&self) -> &Engine {
-        &self.engine
+    pub(crate) fn engine_counters(&self) -> EngineCounters {
+        self.engine.counters()
     }
 
     pub(crate) fn name(&self) -> &'static CStr {
@@ -204,8 +224,10 @@ impl TdrvDevice {
         self.bound.load(Acquire)
     }
 
-    /// Enters an ioctl or mmap that uses the device: ENODEV after unbind.
-    /// Unbind waits until every guard is gone before it frees memory.
+    /// Enters a section that uses the bus device or buffer memory: ENODEV
+    /// after unbind started. Unbind waits until every guard is gone before
+    /// it frees memory, so sections must be short and must not wait for
+    /// userspace (no user page faults, no sleeping on fences).
     pub(crate) fn enter(&self) -> Result<ActiveGuard<'_>> {
         // Count first, then check: `mark_unbound` stores first, then waits
         // for the count, so one of the two sides always sees the other.
@@ -226,26 +248,20 @@ impl TdrvDevice {
         }
     }
 
-    /// The bound bus device, for an ioctl in progress: unbind waits for
+    /// The bound bus device, for a section in progress: unbind waits for
     /// every active guard, so the device stays bound while `_active` lives.
     pub(crate) fn bound_device<'a>(
         &'a self,
         _active: &'a ActiveGuard<'a>,
     ) -> &'a device::Device<Bound> {
-        // SAFETY: `_active` proves that an ioctl is in progress: the
+        // SAFETY: `_active` proves that a section is in progress: the
         // driver's unbind does not return (so the device stays bound) until
         // `drain_users` has seen every guard dropped.
         unsafe { self.dev.as_bound() }
     }
 
-    /// Called from the bus driver's unbind, before the device goes away:
-    /// later [`TdrvDevice::enter`] calls fail with ENODEV.
-    pub(crate) fn mark_unbound(&self) {
-        self.bound.xchg(false, Full);
-    }
-
-    /// Waits until no ioctl or mmap uses the device. Call after
-    /// [`TdrvDevice::mark_unbound`] and after waking every waiter.
+    /// Waits until no section uses the device. Call after `bound` was
+    /// cleared and after waking every waiter.
     fn drain_users(&self) {
         let mut guard = self.idle_lock.lock();
         while self.active.load(Acquire) > 0 {
@@ -258,10 +274,17 @@ impl TdrvDevice {
         self.buffers.lock().insert(BufferAddr(core::ptr::null()))
     }
 
-    /// Records the address of the buffer built under `key`.
+    /// Records the address of the buffer built under `key`. A buffer
+    /// published after unbind started has its fence killed here: the
+    /// unbind's own sweep may have run before it was visible.
     pub(crate) fn publish_buffer(&self, key: u64, buf: &Arc<Buffer>) {
         if let Some(slot) = self.buffers.lock().get_mut(key) {
             slot.0 = Arc::as_ptr(buf);
+        }
+        // After the unlock: either the sweep (which takes the lock after
+        // clearing `bound`) saw the address, or this sees `bound` cleared.
+        if !self.is_bound() {
+            buf.fence.kill();
         }
     }
 
@@ -270,55 +293,77 @@ impl TdrvDevice {
         self.buffers.lock().remove(key);
     }
 
-    /// Unbind, after the engine stopped: wakes every waiter with ENODEV,
-    /// waits for ioctls and mmaps in progress to leave, removes the pages
-    /// of every user mapping, and frees the DMA memory of every buffer, so
-    /// that no DMA allocation outlives the device's binding. Buffers stay
-    /// as empty shells until their last reference goes.
-    pub(crate) fn revoke_all(&self) {
-        // Holding `files` while draining is fine: no ioctl takes it, and a
-        // release that waits for it holds no active guard.
-        let files = self.files.lock();
-        for file in files.iter() {
-            file.kill_fences();
-        }
-        self.drain_users();
-        for file in files.iter() {
-            file.zap_mappings();
-        }
-        drop(files);
-        let buffers = self.buffers.lock();
-        buffers.for_each(|addr| {
+    /// Calls `f` on every registered buffer, under the registry lock.
+    fn for_each_buffer(&self, f: impl Fn(&Buffer)) {
+        self.buffers.lock().for_each(|addr| {
             if !addr.0.is_null() {
                 // SAFETY: Registered addresses belong to live buffers: a
                 // buffer unregisters in its drop, which takes this lock
-                // first. The device is unbound, its engine stopped (the
-                // caller's duty), no ioctl or mmap runs (drained above) or
-                // can start (`bound` is false), and every user mapping's
-                // pages are gone (zapped above).
-                unsafe { (*addr.0).revoke() };
+                // first, so it cannot be freed while we hold it.
+                f(unsafe { &*addr.0 });
             }
         });
     }
 
-    /// Records an open file.
-    pub(crate) fn add_file(&self, file: Arc<FileState>) -> Result {
-        self.files.lock().push(file, GFP_KERNEL)?;
+    /// The bus driver's unbind (or the software device's removal), before
+    /// the bus device goes away: refuses new work, stops the engine (its
+    /// jobs fail with ENODEV), wakes every waiter with ENODEV, waits for
+    /// the ioctl and mmap sections in progress, removes every user
+    /// mapping's pages and frees the DMA memory of every buffer, so that
+    /// no DMA allocation outlives the binding. Buffers stay as empty
+    /// shells until their last reference goes.
+    ///
+    /// `stopped` runs once the engine has stopped and before any memory is
+    /// freed (a PCI backend clears bus mastering there).
+    pub(crate) fn unbind(&self, stopped: impl FnOnce()) {
+        self.bound.xchg(false, Full);
+        self.engine.shutdown();
+        stopped();
+        self.for_each_buffer(|buf| buf.fence.kill());
+        // No lock is held while draining: sections are short and never
+        // wait for userspace, and opens and closes must not wait for us.
+        self.drain_users();
+        // Detach before zapping: from here on the fault handler inserts no
+        // page, so after the zap no user page table maps buffer memory.
+        self.for_each_buffer(|buf| buf.detach());
+        for (_, file) in self.files.lock().iter() {
+            file.zap_mappings();
+        }
+        self.for_each_buffer(|buf| {
+            // SAFETY: The device is unbound, its engine stopped (above), no
+            // active guard exists (drained) or can be taken (`bound` is
+            // false), the buffer was detached and then every mapping of
+            // every open file was zapped; files opened later cannot mmap
+            // (`enter` fails), and closed files' mappings were gone with
+            // them.
+            unsafe { buf.release_memory() };
+        });
+    }
+
+    /// Records an open file; returns its key for [`TdrvDevice::remove_file`].
+    pub(crate) fn add_file(&self, file: Arc<dyn Revoke>) -> Result<u64> {
+        let key = self.next_file_key.fetch_add(1, Relaxed);
+        self.files.lock().push((key, file), GFP_KERNEL)?;
         self.stats.open_files.add(1, Relaxed);
-        Ok(())
+        Ok(key)
     }
 
     /// Forgets a released file.
-    pub(crate) fn remove_file(&self, file: &Arc<FileState>) {
-        let mut files = self.files.lock();
-        if let Some(i) = files.iter().position(|f| Arc::ptr_eq(f, file)) {
-            files.remove(i).ok();
+    pub(crate) fn remove_file(&self, key: u64) {
+        let removed = {
+            let mut files = self.files.lock();
+            match files.iter().position(|(k, _)| *k == key) {
+                Some(i) => files.remove(i).ok(),
+                None => None,
+            }
+        };
+        if removed.is_some() {
             self.stats.open_files.fetch_sub(1, Relaxed);
         }
     }
 }
 
-/// Proof that an ioctl or mmap is using the device (see
+/// Proof that a section using the device is in progress (see
 /// [`TdrvDevice::enter`]).
 pub(crate) struct ActiveGuard<'a> {
     device: &'a TdrvDevice,
@@ -327,33 +372,5 @@ pub(crate) struct ActiveGuard<'a> {
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
         self.device.leave();
-    }
-}
-
-/// The misc device of a [`TdrvDevice`]. `open` finds the device through
-/// `container_of!` on the registration.
-#[pin_data]
-pub(crate) struct DeviceNode {
-    pub(crate) device: Arc<TdrvDevice>,
-    #[pin]
-    reg: MiscDeviceRegistration<TdrvFile>,
-}
-
-impl DeviceNode {
-    pub(crate) fn new(device: Arc<TdrvDevice>) -> impl PinInit<Self, Error> {
-        let name = device.name();
-        try_pin_init!(Self {
-            device,
-            reg <- MiscDeviceRegistration::register(MiscDeviceOptions { name }),
-        })
-    }
-
-    /// Recovers the node from the registration `open` is given.
-    pub(crate) fn from_registration(reg: &MiscDeviceRegistration<TdrvFile>) -> &Self {
-        // SAFETY: Every `MiscDeviceRegistration<TdrvFile>` is the `reg` field
-        // of a pinned `DeviceNode` (it is only created in `DeviceNode::new`),
-        // and `misc_open` keeps the registration, hence the node, alive for
-        // the duration of the `open` call that lends us `reg`.
-        unsafe { &*kernel::container_of!(core::ptr::from_ref(reg).cast_mut(), DeviceNode, reg) }
     }
 }

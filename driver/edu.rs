@@ -4,28 +4,43 @@
 //! tdrv jobs, with completions signalled by MSI.
 //!
 //! How a job flows through the hardware:
-//! 1. [`EduEngine::submit`] queues the job; if the engine is idle it
-//!    programs the first chunk: at most `DMA_CHUNK` bytes of the source into
-//!    the device's internal buffer (`DMA_SRC`/`DMA_DST`/`DMA_COUNT`, then
-//!    `DMA_CMD` = run | raise_irq).
+//! 1. [`EduBackend::submit`] queues the job; if the engine is idle it
+//!    programs the first chunk: at most `DMA_CHUNK` bytes of the source,
+//!    within one piece of each buffer, into the device's internal buffer
+//!    (`DMA_SRC`/`DMA_DST`/`DMA_COUNT`, then `DMA_CMD` = run | raise_irq).
 //! 2. The device finishes the transfer (QEMU delays it by ~100 ms of
-//!    virtual time) and raises `IRQ_DMA` by MSI. The hard handler
-//!    ([`EduEngine::handle`]) reads and acknowledges `IRQ_STATUS`, counts
-//!    the interrupt, and wakes the threaded handler.
-//! 3. The threaded handler ([`EduEngine::advance`]) programs the next
-//!    step: the same chunk from the device buffer back to the destination
-//!    buffer, then the next chunk, the next descriptor, the next job.
+//!    virtual time), sets `IRQ_DMA` in `IRQ_STATUS` and sends an MSI. The
+//!    hard handler only counts it and wakes the threaded handler.
+//! 3. The threaded handler ([`EduEngine::advance`]) consumes the status
+//!    (reads and acknowledges `IRQ_STATUS` under the engine lock) and
+//!    programs the next step: the same chunk from the device buffer back to
+//!    the destination, then the next chunk, descriptor, job.
 //! 4. When the last chunk of a job lands, the job ends through
 //!    [`Job::complete`], the same completion path the software engine
 //!    uses: fence counters drop, completion counts rise, waiters wake.
 //!
-//! A watchdog (delayed work) fails a job whose chunk the device does not
-//! finish in time; the job's buffers stay referenced until the device is
-//! done with them. Unbind fails every queued job with ENODEV, waits for
-//! the device to stop DMA, and wakes all waiters with ENODEV.
+//! A completion is consumed exactly once: only code holding the engine lock
+//! acknowledges `IRQ_STATUS`, and it advances the engine by one step per
+//! acknowledged completion. So the watchdog, which also looks at the
+//! status (an interrupt may be late, or lost), can never advance a chunk
+//! a second time; a late MSI finds the status clear and counts as spurious.
+//!
+//! The watchdog (delayed work) handles a chunk the device does not finish
+//! in time: the running job fails with ETIMEDOUT, every queued job with
+//! EIO, and the engine refuses jobs (EIO) until the device lets go of the
+//! stuck transfer, whose job's buffers stay referenced until then; then it
+//! serves jobs again. Recoveries are counted in debugfs (`resets`).
+//!
+//! A file that closes takes its queued jobs back (ecanceled()), and its
+//! running job stops at the next chunk. Unbind fails every job with
+//! ENODEV, waits for the device to stop DMA, and clears bus mastering
+//! before any memory is freed.
+//!
+//! Fault injection for tests (debugfs `inject`): `lose_irq` drops the next
+//! completion as if its interrupt were lost; `stall` makes the next chunk
+//! look stuck to the driver until the watchdog fires.
 
 use kernel::{
-    bindings,
     device::{
         self,
         Bound,
@@ -42,10 +57,15 @@ use kernel::{
         IrqReturn,
         ThreadedIrqReturn, //
     },
+    list::{
+        List,
+        ListArc, //
+    },
     new_mutex,
     pci,
     prelude::*,
     sync::{
+        aref::ARef,
         atomic::{
             Atomic,
             Relaxed, //
@@ -61,7 +81,6 @@ use kernel::{
         Monotonic, //
     },
     workqueue::{
-        self,
         impl_has_delayed_work,
         new_delayed_work,
         DelayedWork,
@@ -70,17 +89,31 @@ use kernel::{
 };
 
 use crate::{
+    uapi::ecanceled,
     device::{
         DeviceIndex,
-        DeviceNode,
         TdrvDevice, //
     },
     edu_regs::*,
-    engine::Engine,
-    job::Job,
+    engine::{
+        self,
+        fail_all,
+        take_jobs_of,
+        Engine,
+        EngineCounters, //
+    },
+    job::{
+        Job,
+        JobTracker, //
+    },
+    node::DeviceNode,
     stats::DeviceDebugfs,
     uapi::DEVICE_EDU, //
 };
+
+/// Shortest accepted `edu_timeout_ms`: a chunk takes about 100 ms of
+/// (virtual) time, so anything shorter would fail healthy jobs.
+pub(crate) const MIN_TIMEOUT_MS: u32 = 200;
 
 type Bar0 = pci::Bar<'static, BAR0_SIZE>;
 
@@ -100,19 +133,24 @@ struct Cursor {
 
 struct EduState {
     /// Jobs waiting for the engine, oldest first.
-    queue: KVec<Arc<Job>>,
+    queue: List<Job>,
     current: Option<Cursor>,
     /// A job failed by the watchdog while its DMA may still run: its
-    /// buffers stay referenced until the device reports completion.
+    /// buffers stay referenced, and new jobs are refused, until the device
+    /// reports the transfer over.
     orphan: Option<Arc<Job>>,
     /// When the chunk in flight was started.
     started: Option<Instant<Monotonic>>,
+    /// Injected: the chunk in flight looks stuck until the watchdog fires.
+    stalled: bool,
     stopped: bool,
 }
 
 /// The edu DMA engine and its interrupt handler state.
 #[pin_data]
 pub(crate) struct EduEngine {
+    /// The PCI device, for log messages.
+    dev: ARef<device::Device>,
     bar: Devres<Bar0>,
     #[pin]
     state: Mutex<EduState>,
@@ -120,9 +158,13 @@ pub(crate) struct EduEngine {
     watchdog: DelayedWork<EduEngine>,
     /// How long one chunk may take before the watchdog fails its job.
     timeout: Delta,
-    pub(crate) irqs: Atomic<u64>,
-    pub(crate) spurious_irqs: Atomic<u64>,
-    pub(crate) watchdog_timeouts: Atomic<u64>,
+    irqs: Atomic<u64>,
+    spurious_irqs: Atomic<u64>,
+    watchdog_timeouts: Atomic<u64>,
+    resets: Atomic<u64>,
+    /// Injected faults still to apply (see the module docs).
+    inject_lose_irq: Atomic<u32>,
+    inject_stall: Atomic<u32>,
 }
 
 impl_has_delayed_work! {
@@ -132,19 +174,67 @@ impl_has_delayed_work! {
 /// Jobs that ended while the engine lock was held, completed after it is
 /// dropped: `Job::complete` takes the submitting file's tracker lock, which
 /// `submit` holds while taking the engine lock.
-type Finished = Option<(Arc<Job>, Result)>;
+struct Finished {
+    job: Option<(Arc<Job>, Result)>,
+    /// Queued jobs failed by a recovery (EIO).
+    failed: List<Job>,
+    /// Queued jobs of closed files, found when starting the next job.
+    cancelled: List<Job>,
+}
+
+impl Finished {
+    fn new() -> Self {
+        Self {
+            job: None,
+            failed: List::new(),
+            cancelled: List::new(),
+        }
+    }
+
+    fn complete(self) {
+        if let Some((job, result)) = self.job {
+            job.complete(result);
+        }
+        fail_all(self.failed, EIO);
+        fail_all(self.cancelled, ecanceled());
+    }
+}
+
+/// Decrements a pending-injection count; false if it was zero.
+fn take_one(count: &Atomic<u32>) -> bool {
+    let mut v = count.load(Relaxed);
+    while v > 0 {
+        match count.cmpxchg(v, v - 1, Relaxed) {
+            Ok(_) => return true,
+            Err(now) => v = now,
+        }
+    }
+    false
+}
+
+/// What the device says about the chunk in flight.
+enum ChunkState {
+    /// A completion was pending and has been consumed.
+    Done,
+    /// Still running.
+    Running,
+    /// Not running, and no completion pending: its interrupt was lost.
+    Lost,
+}
 
 impl EduEngine {
-    fn new(bar: Devres<Bar0>, timeout_ms: u32) -> Result<Arc<Self>> {
+    fn new(dev: &device::Device, bar: Devres<Bar0>, timeout_ms: u32) -> Result<Arc<Self>> {
         Arc::pin_init(
             pin_init!(Self {
+                dev: dev.into(),
                 bar,
                 state <- new_mutex!(
                     EduState {
-                        queue: KVec::new(),
+                        queue: List::new(),
                         current: None,
                         orphan: None,
                         started: None,
+                        stalled: false,
                         stopped: false,
                     },
                     "EduEngine::state"
@@ -154,51 +244,54 @@ impl EduEngine {
                 irqs: Atomic::new(0),
                 spurious_irqs: Atomic::new(0),
                 watchdog_timeouts: Atomic::new(0),
+                resets: Atomic::new(0),
+                inject_lose_irq: Atomic::new(0),
+                inject_stall: Atomic::new(0),
             }),
             GFP_KERNEL,
         )
     }
 
-    pub(crate) fn submit(self: &Arc<Self>, job: Arc<Job>) -> Result {
-        let mut st = self.state.lock();
-        if st.stopped {
-            return Err(ENODEV);
-        }
-        st.queue.push(job, GFP_KERNEL)?;
-        if st.current.is_none() && st.orphan.is_none() {
-            self.start_next(&mut st);
-        }
-        Ok(())
+    fn arm_watchdog(self: &Arc<Self>, delay_ms: u64) {
+        let delay = msecs_to_jiffies(delay_ms.clamp(1, u64::from(u32::MAX)) as u32);
+        let _ = engine::queue().enqueue_delayed(self.clone(), delay);
     }
 
-    /// Starts the oldest queued job, if any.
-    fn start_next(self: &Arc<Self>, st: &mut EduState) {
-        if st.queue.is_empty() {
-            return;
-        }
-        let job = st.queue.remove(0).ok();
-        if let Some(job) = job {
-            let len = job.transfers[0].src_range.len.min(DMA_CHUNK);
+    /// Starts the oldest queued job that is not cancelled, if any.
+    fn start_next(self: &Arc<Self>, st: &mut EduState, fin: &mut Finished) {
+        while let Some(job) = st.queue.pop_front() {
+            if job.cancelled() {
+                fin.cancelled.push_back(job);
+                continue;
+            }
             st.current = Some(Cursor {
-                job,
+                job: job.into_arc(),
                 transfer: 0,
                 offset: 0,
-                len,
+                len: 0,
                 to_ram: false,
             });
             self.program(st);
+            return;
         }
     }
 
-    /// Programs the device for the step `st.current` describes and arms
-    /// the watchdog.
+    /// Programs the device for the step `st.current` describes (computing
+    /// the chunk length when it starts a chunk) and arms the watchdog.
     fn program(self: &Arc<Self>, st: &mut EduState) {
-        let Some(cur) = st.current.as_ref() else {
+        let Some(cur) = st.current.as_mut() else {
             return;
         };
         let t = &cur.job.transfers[cur.transfer];
-        let ram_src = t.src.dma_addr() + (t.src_range.start + cur.offset) as u64;
-        let ram_dst = t.dst.dma_addr() + (t.dst_offset + cur.offset) as u64;
+        let (ram_src, src_left) = t.src.dma_span(t.src_range.start + cur.offset);
+        let (ram_dst, dst_left) = t.dst.dma_span(t.dst_offset + cur.offset);
+        if !cur.to_ram {
+            // A chunk stays within one piece of each buffer.
+            cur.len = (t.src_range.len - cur.offset)
+                .min(DMA_CHUNK)
+                .min(src_left)
+                .min(dst_left);
+        }
         let (src, dst) = if cur.to_ram {
             (DMA_BUFFER_ADDR, ram_dst)
         } else {
@@ -208,36 +301,42 @@ impl EduEngine {
             .with_const_run::<1>()
             .with_const_raise_irq::<1>()
             .with_to_ram(cur.to_ram);
+        let len = cur.len;
         let programmed = self.bar.try_access_with(|bar| {
             bar.write_reg(DMA_SRC::zeroed().with_addr(src));
             bar.write_reg(DMA_DST::zeroed().with_addr(dst));
-            bar.write_reg(DMA_COUNT::zeroed().with_bytes(cur.len as u64));
+            bar.write_reg(DMA_COUNT::zeroed().with_bytes(len as u64));
             bar.write_reg(cmd);
         });
         // If the BAR is already revoked, unbind is under way and will fail
         // the job; the watchdog is not needed.
         if programmed.is_some() {
             st.started = Some(Instant::now());
-            let delay = msecs_to_jiffies(self.timeout.as_millis() as u32);
-            let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
+            if take_one(&self.inject_stall) {
+                st.stalled = true;
+            }
+            self.arm_watchdog(self.timeout.as_millis() as u64);
         }
     }
 
-    /// Moves the engine one step on after a DMA completion. Returns the job
-    /// that finished, if any.
+    /// Moves the engine one step on after the chunk in flight completed.
     fn step(self: &Arc<Self>, st: &mut EduState) -> Finished {
-        if st.orphan.take().is_some() {
-            // The timed-out transfer is finally over: its buffers may go.
-            self.start_next(st);
-            return None;
-        }
-        let mut cur = st.current.take()?;
+        let mut fin = Finished::new();
         st.started = None;
+        if st.orphan.take().is_some() {
+            // The timed-out transfer is finally over: its buffers may go,
+            // and the engine serves jobs again.
+            self.start_next(st, &mut fin);
+            return fin;
+        }
+        let Some(mut cur) = st.current.take() else {
+            return fin;
+        };
         if !cur.to_ram {
             cur.to_ram = true;
             st.current = Some(cur);
             self.program(st);
-            return None;
+            return fin;
         }
         cur.offset += cur.len;
         if cur.offset == cur.job.transfers[cur.transfer].src_range.len {
@@ -245,50 +344,74 @@ impl EduEngine {
             cur.offset = 0;
         }
         if cur.transfer == cur.job.transfers.len() {
-            self.start_next(st);
-            return Some((cur.job, Ok(())));
+            self.start_next(st, &mut fin);
+            fin.job = Some((cur.job, Ok(())));
+            return fin;
         }
-        let t = &cur.job.transfers[cur.transfer];
-        cur.len = (t.src_range.len - cur.offset).min(DMA_CHUNK);
+        if cur.job.cancelled() {
+            // Its file closed: the chunk in flight was the last one.
+            self.start_next(st, &mut fin);
+            fin.job = Some((cur.job, Err(ecanceled())));
+            return fin;
+        }
         cur.to_ram = false;
         st.current = Some(cur);
         self.program(st);
-        None
+        fin
+    }
+
+    /// Reads the device's view of the chunk in flight, consuming a pending
+    /// completion. Call with the engine lock held: this is the only place
+    /// completions are acknowledged.
+    fn chunk_state(&self, st: &mut EduState) -> ChunkState {
+        let seen = self.bar.try_access_with(|bar| {
+            let status = bar.read(IRQ_STATUS).value().get();
+            if status != 0 {
+                bar.write_reg(IRQ_ACK::zeroed().with_value(status));
+            }
+            (status, bar.read(DMA_CMD).run().get() != 0)
+        });
+        let Some((status, running)) = seen else {
+            // Unbind revoked the BAR: it fails the jobs itself.
+            return ChunkState::Running;
+        };
+        if st.stalled {
+            // Injected: the device looks busy, whatever it did.
+            return ChunkState::Running;
+        }
+        if status & IRQ_DMA != 0 {
+            if take_one(&self.inject_lose_irq) {
+                return ChunkState::Lost;
+            }
+            ChunkState::Done
+        } else if running {
+            ChunkState::Running
+        } else {
+            ChunkState::Lost
+        }
     }
 
     /// Threaded interrupt work: advance the engine after a DMA completion.
     fn advance(self: &Arc<Self>) {
-        let finished = {
+        let fin = {
             let mut st = self.state.lock();
-            if st.stopped || (st.current.is_none() && st.orphan.is_none()) {
-                // Nothing was in flight: the interrupt was not ours.
-                self.spurious_irqs.add(1, Relaxed);
-                return;
+            let busy = st.current.is_some() || st.orphan.is_some();
+            match self.chunk_state(&mut st) {
+                ChunkState::Done if busy && !st.stopped => self.step(&mut st),
+                _ => {
+                    // Nothing was in flight, or the completion was already
+                    // consumed (by the watchdog): not ours to act on.
+                    self.spurious_irqs.add(1, Relaxed);
+                    return;
+                }
             }
-            self.step(&mut st)
         };
-        if let Some((job, result)) = finished {
-            job.complete(result);
-        }
-    }
-
-    /// True while the device runs a DMA transfer (or cannot be reached).
-    fn dma_running(&self) -> bool {
-        self.bar
-            .try_access_with(|bar| bar.read(DMA_CMD).run().get() != 0)
-            .unwrap_or(false)
-    }
-
-    /// True while a DMA completion interrupt is raised but not handled.
-    fn dma_irq_pending(&self) -> bool {
-        self.bar
-            .try_access_with(|bar| bar.read(IRQ_STATUS).value().get() & IRQ_DMA != 0)
-            .unwrap_or(false)
+        fin.complete();
     }
 
     /// Watchdog: runs while a chunk is in flight.
     fn check_deadline(self: &Arc<Self>) {
-        let finished = {
+        let fin = {
             let mut st = self.state.lock();
             if st.stopped {
                 return;
@@ -296,53 +419,104 @@ impl EduEngine {
             let Some(started) = st.started else {
                 return;
             };
-            if started.elapsed() < self.timeout {
+            let elapsed = started.elapsed();
+            if elapsed < self.timeout {
                 // Not due yet: look again when it would be.
-                let left = self.timeout - started.elapsed();
-                let delay = msecs_to_jiffies(left.as_millis().max(1) as u32);
-                let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
+                self.arm_watchdog((self.timeout - elapsed).as_millis().max(1) as u64);
                 return;
             }
-            if self.dma_irq_pending() {
-                // The transfer just finished and its interrupt is on its
-                // way: let the interrupt handler advance the engine.
-                let _ = workqueue::system().enqueue_delayed(self.clone(), 1);
-                None
-            } else if !self.dma_running() {
-                // The transfer finished but its interrupt was lost: treat
-                // this as the completion.
-                self.spurious_irqs.add(1, Relaxed);
-                self.step(&mut st)
-            } else if let Some(cur) = st.current.take() {
-                // The device is stuck on this job: fail it, but keep its
-                // buffers alive until the device lets go of them.
-                self.watchdog_timeouts.add(1, Relaxed);
-                pr_warn!("edu: job timed out after {} ms\n", self.timeout.as_millis());
-                st.orphan = Some(cur.job.clone());
-                st.started = Some(Instant::now());
-                let delay = msecs_to_jiffies(self.timeout.as_millis() as u32);
-                let _ = workqueue::system().enqueue_delayed(self.clone(), delay);
-                Some((cur.job, Err(ETIMEDOUT)))
-            } else {
-                None
+            match self.chunk_state(&mut st) {
+                // Finished, with its interrupt late or lost: advance here;
+                // the interrupt, if it comes, finds nothing to consume.
+                ChunkState::Done | ChunkState::Lost => {
+                    self.spurious_irqs.add(1, Relaxed);
+                    self.step(&mut st)
+                }
+                ChunkState::Running => self.recover(&mut st),
             }
         };
-        if let Some((job, result)) = finished {
-            job.complete(result);
-        }
+        fin.complete();
     }
 
-    /// Stops the engine for unbind: no new jobs, every queued or running
-    /// job fails with ENODEV, and the device's DMA has stopped on return.
-    pub(crate) fn shutdown(&self) {
+    /// The chunk in flight is stuck: fail its job (ETIMEDOUT) and every
+    /// queued job (EIO), keep the job's buffers until the device lets go,
+    /// and refuse new jobs until then.
+    fn recover(self: &Arc<Self>, st: &mut EduState) -> Finished {
+        let mut fin = Finished::new();
+        // An injected stall ends here: the device is observed as it is
+        // from now on, so the engine recovers once it is idle.
+        st.stalled = false;
+        if let Some(cur) = st.current.take() {
+            self.watchdog_timeouts.add(1, Relaxed);
+            self.resets.add(1, Relaxed);
+            dev_warn!(
+                self.dev,
+                "DMA chunk timed out after {} ms; failing queued jobs\n",
+                self.timeout.as_millis()
+            );
+            st.orphan = Some(cur.job.clone());
+            fin.job = Some((cur.job, Err(ETIMEDOUT)));
+            fin.failed = core::mem::replace(&mut st.queue, List::new());
+        }
+        // Look again after another period: the orphan goes once the device
+        // stops (or its completion arrives).
+        st.started = Some(Instant::now());
+        self.arm_watchdog(self.timeout.as_millis() as u64);
+        fin
+    }
+
+    /// Applies a fault-injection command from debugfs.
+    fn inject(&self, cmd: &[u8]) -> Result {
+        match cmd {
+            b"lose_irq" => self.inject_lose_irq.add(1, Relaxed),
+            b"stall" => self.inject_stall.add(1, Relaxed),
+            _ => return Err(EINVAL),
+        }
+        Ok(())
+    }
+}
+
+/// The edu engine as the core sees it.
+struct EduBackend(Arc<EduEngine>);
+
+impl Engine for EduBackend {
+    fn submit(&self, job: ListArc<Job>) -> Result {
+        let e = &self.0;
+        let fin = {
+            let mut st = e.state.lock();
+            if st.stopped {
+                return Err(ENODEV);
+            }
+            if st.orphan.is_some() {
+                // Recovering from a stuck transfer.
+                return Err(EIO);
+            }
+            st.queue.push_back(job);
+            let mut fin = Finished::new();
+            if st.current.is_none() {
+                e.start_next(&mut st, &mut fin);
+            }
+            fin
+        };
+        fin.complete();
+        Ok(())
+    }
+
+    fn cancel(&self, tracker: &JobTracker) {
+        let taken = take_jobs_of(&mut self.0.state.lock().queue, tracker);
+        fail_all(taken, ecanceled());
+    }
+
+    fn shutdown(&self) {
+        let e = &self.0;
         let (current, orphan, queue) = {
-            let mut st = self.state.lock();
+            let mut st = e.state.lock();
             st.stopped = true;
             st.started = None;
             (
                 st.current.take(),
                 st.orphan.take(),
-                core::mem::take(&mut st.queue),
+                core::mem::replace(&mut st.queue, List::new()),
             )
         };
         // Flush rather than cancel: a cancelled work item would never give
@@ -350,18 +524,23 @@ impl EduEngine {
         // sees `stopped`, does nothing and does not queue itself again.
         //
         // SAFETY: `raw_as_work` points at the `work` member of the
-        // initialised, pinned `struct delayed_work` in `self.watchdog`, its
-        // first member, so the cast yields the `delayed_work` itself, which
-        // lives as long as `self`.
+        // initialised, pinned `struct delayed_work` in `watchdog`, its first
+        // member, so the cast yields the `delayed_work` itself, which lives
+        // as long as the engine.
         unsafe {
-            bindings::flush_delayed_work(
-                DelayedWork::raw_as_work(&raw const self.watchdog).cast::<bindings::delayed_work>(),
+            kernel::bindings::flush_delayed_work(
+                DelayedWork::raw_as_work(&raw const e.watchdog)
+                    .cast::<kernel::bindings::delayed_work>(),
             )
         };
         // A transfer in flight may still write to its destination: wait
         // for the device (a chunk takes ~100 ms) before buffers may go.
         for _ in 0..50 {
-            if !self.dma_running() {
+            let running = e
+                .bar
+                .try_access_with(|bar| bar.read(DMA_CMD).run().get() != 0)
+                .unwrap_or(false);
+            if !running {
                 break;
             }
             fsleep(Delta::from_millis(20));
@@ -370,9 +549,21 @@ impl EduEngine {
             cur.job.complete(Err(ENODEV));
         }
         drop(orphan);
-        for job in queue {
-            job.complete(Err(ENODEV));
+        fail_all(queue, ENODEV);
+    }
+
+    fn counters(&self) -> EngineCounters {
+        let e = &self.0;
+        EngineCounters {
+            irqs: e.irqs.load(Relaxed),
+            spurious_irqs: e.spurious_irqs.load(Relaxed),
+            watchdog_timeouts: e.watchdog_timeouts.load(Relaxed),
+            resets: e.resets.load(Relaxed),
         }
+    }
+
+    fn inject(&self, cmd: &[u8]) -> Result {
+        self.0.inject(cmd)
     }
 }
 
@@ -385,24 +576,11 @@ impl WorkItem for EduEngine {
 }
 
 impl EduEngine {
-    /// Hard interrupt: acknowledge, count, and hand DMA completions to the
-    /// threaded handler.
-    fn handle(&self, dev: &device::Device<Bound>) -> ThreadedIrqReturn {
-        let Ok(bar) = self.bar.access(dev) else {
-            return ThreadedIrqReturn::None;
-        };
-        let status = bar.read(IRQ_STATUS).value().get();
-        if status == 0 {
-            self.spurious_irqs.add(1, Relaxed);
-            return ThreadedIrqReturn::None;
-        }
-        bar.write_reg(IRQ_ACK::zeroed().with_value(status));
+    /// Hard interrupt: count it and hand it to the threaded handler, which
+    /// reads the status under the engine lock. With MSI nothing needs to
+    /// be acknowledged here.
+    fn handle(&self) -> ThreadedIrqReturn {
         self.irqs.add(1, Relaxed);
-        if status & IRQ_DMA == 0 {
-            // Raised by someone else (IRQ_RAISE, factorial): not ours.
-            self.spurious_irqs.add(1, Relaxed);
-            return ThreadedIrqReturn::Handled;
-        }
         ThreadedIrqReturn::WakeThread
     }
 }
@@ -412,8 +590,8 @@ impl EduEngine {
 pub(crate) struct EduIrq(Arc<EduEngine>);
 
 impl irq::ThreadedHandler for EduIrq {
-    fn handle(&self, dev: &device::Device<Bound>) -> ThreadedIrqReturn {
-        self.0.handle(dev)
+    fn handle(&self, _dev: &device::Device<Bound>) -> ThreadedIrqReturn {
+        self.0.handle()
     }
 
     fn handle_threaded(&self, _dev: &device::Device<Bound>) -> IrqReturn {
@@ -430,7 +608,6 @@ pub(crate) struct EduDevice {
     irq: irq::ThreadedRegistration<EduIrq>,
     #[pin]
     node: DeviceNode,
-    engine: Arc<EduEngine>,
     _debugfs: DeviceDebugfs,
 }
 
@@ -484,15 +661,10 @@ impl pci::Driver for EduDriver {
             check_alive(&bar)?;
             // Clear interrupt sources left over from a previous driver.
             bar.write_reg(IRQ_ACK::zeroed().with_value(u32::MAX));
-            let engine = EduEngine::new(bar.into_devres()?, params.edu_timeout_ms)?;
-            let device = TdrvDevice::new(
-                pdev.as_ref(),
-                DEVICE_EDU,
-                DeviceIndex::take()?,
-                params.channels,
-                params.channel_limit,
-                Engine::Edu(engine.clone()),
-            )?;
+            let engine = EduEngine::new(pdev.as_ref(), bar.into_devres()?, params.edu_timeout_ms)?;
+            let backend: KBox<dyn Engine> = KBox::new(EduBackend(engine.clone()), GFP_KERNEL)?;
+            let device =
+                TdrvDevice::new(pdev.as_ref(), DEVICE_EDU, DeviceIndex::take()?, &params, backend)?;
             let debugfs = DeviceDebugfs::new(&device)?;
             let vectors =
                 pdev.alloc_irq_vectors(1, 1, pci::IrqTypes::default().with(pci::IrqType::Msi))?;
@@ -510,20 +682,21 @@ impl pci::Driver for EduDriver {
                     Ok::<_, Error>(EduIrq(engine.clone())),
                 ),
                 node <- DeviceNode::new(device),
-                engine,
                 _debugfs: debugfs,
             }))
         })
     }
 
-    fn unbind<'bound>(_pdev: &'bound pci::Device<Core<'_>>, this: Pin<&Self::Data<'bound>>) {
-        let device = &this.node.device;
-        // New work is refused from here on ...
-        device.mark_unbound();
-        // ... in-flight jobs fail and the device stops touching memory ...
-        this.engine.shutdown();
-        // ... every waiter wakes with ENODEV, and the DMA memory is freed
-        // (user mappings lose their pages first).
-        device.revoke_all();
+    fn unbind<'bound>(pdev: &'bound pci::Device<Core<'_>>, this: Pin<&Self::Data<'bound>>) {
+        // Refuse new work, fail the jobs, wait for the DMA to stop, wake
+        // every waiter, then (after bus mastering is off, so that nothing
+        // the device still had queued can reach memory) free every buffer.
+        this.node.device.unbind(|| {
+            let raw = core::ptr::from_ref(pdev).cast::<kernel::bindings::pci_dev>().cast_mut();
+            // SAFETY: `pci::Device` is a `#[repr(transparent)]` wrapper of
+            // `struct pci_dev`, and the device is bound (we are in its
+            // unbind), so clearing its bus-master bit is allowed.
+            unsafe { kernel::bindings::pci_clear_master(raw) };
+        });
     }
 }

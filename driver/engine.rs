@@ -1,19 +1,23 @@
 // SPDX-License-Identifier: GPL-2.0
 
-//! The copy engines behind `TDRV_IOC_SUBMIT`.
+//! The seam between the core and the copy engines behind `TDRV_IOC_SUBMIT`.
 //!
-//! Each device has one engine, which runs the device's jobs in FIFO order
-//! and ends every job through [`crate::job::Job::complete`]:
-//! - [`SoftEngine`]: a work item that copies with the CPU (no hardware);
+//! A backend implements [`Engine`]: it runs the device's jobs in FIFO
+//! order and ends every job through [`crate::job::Job::complete`]. The core
+//! (files, jobs, unbind) only talks to this trait:
+//! - [`SoftEngine`] (here): a work item that copies with the CPU;
 //! - the edu engine (`edu.rs`): QEMU edu's DMA engine, advanced one chunk
 //!   per MSI completion interrupt.
 
 use kernel::{
     bindings,
+    list::{
+        List,
+        ListArc, //
+    },
     new_mutex,
     prelude::*,
     sync::{
-        atomic::Relaxed,
         Arc,
         Mutex, //
     },
@@ -27,45 +31,87 @@ use kernel::{
 };
 
 use crate::{
-    edu::EduEngine,
-    job::Job, //
+    uapi::ecanceled,
+    buffer::ENGINE_PIECE,
+    glue,
+    job::{
+        Job,
+        JobTracker, //
+    },
 };
 
-/// The engine of one device.
-pub(crate) enum Engine {
-    Soft(Arc<SoftEngine>),
-    Edu(Arc<EduEngine>),
+/// The workqueue every tdrv work item runs on: the unbound default queue
+/// (`system_dfl_wq`). 7.2's Rust API only names the per-CPU `system_wq`,
+/// which distribution kernels flag as deprecated at run time.
+pub(crate) fn queue() -> &'static workqueue::Queue {
+    // SAFETY: `system_dfl_wq` is a C global, set up before any module loads
+    // and never destroyed.
+    unsafe { workqueue::Queue::from_raw(bindings::system_dfl_wq) }
 }
 
-impl Engine {
-    /// Queues `job`; ENODEV once the engine is shut down.
-    pub(crate) fn submit(&self, job: Arc<Job>) -> Result {
-        match self {
-            Engine::Soft(e) => e.submit(job),
-            Engine::Edu(e) => e.submit(job),
-        }
+/// Counters an engine reports in debugfs.
+#[derive(Default)]
+pub(crate) struct EngineCounters {
+    /// Interrupts taken.
+    pub(crate) irqs: u64,
+    /// Interrupts that completed nothing.
+    pub(crate) spurious_irqs: u64,
+    /// Chunks the watchdog found stuck.
+    pub(crate) watchdog_timeouts: u64,
+    /// Recoveries after a stuck chunk (queued jobs failed with EIO).
+    pub(crate) resets: u64,
+}
+
+/// A copy engine: what a backend provides to the core.
+pub(crate) trait Engine: Send + Sync {
+    /// Queues `job`; ENODEV once the engine is shut down, EIO while it
+    /// recovers from a stuck transfer.
+    fn submit(&self, job: ListArc<Job>) -> Result;
+
+    /// The file of `tracker` closed: completes its queued jobs with
+    /// ecanceled() now; a running one stops at its next piece or chunk.
+    fn cancel(&self, tracker: &JobTracker);
+
+    /// Refuses new jobs, ends the queued and running ones, and returns
+    /// once the engine no longer touches any buffer.
+    fn shutdown(&self);
+
+    /// Counters for debugfs.
+    fn counters(&self) -> EngineCounters {
+        EngineCounters::default()
     }
 
-    /// Interrupts taken and spurious interrupts (zero for the software
-    /// engine, which has none).
-    pub(crate) fn irq_counts(&self) -> (u64, u64) {
-        match self {
-            Engine::Soft(_) => (0, 0),
-            Engine::Edu(e) => (e.irqs.load(Relaxed), e.spurious_irqs.load(Relaxed)),
+    /// Applies a fault-injection command written to debugfs `inject`
+    /// (tests only); EINVAL for commands the engine does not know.
+    fn inject(&self, _cmd: &[u8]) -> Result {
+        Err(EINVAL)
+    }
+}
+
+/// Removes from `queue` the jobs `tracker` submitted, in order.
+pub(crate) fn take_jobs_of(queue: &mut List<Job>, tracker: &JobTracker) -> List<Job> {
+    let mut taken = List::new();
+    let mut cursor = queue.cursor_front();
+    while let Some(next) = cursor.peek_next() {
+        if next.arc().submitted_by(tracker) {
+            taken.push_back(next.remove());
+        } else {
+            drop(next);
+            cursor.move_next();
         }
     }
+    taken
+}
 
-    /// Jobs failed by the engine's watchdog.
-    pub(crate) fn watchdog_timeouts(&self) -> u64 {
-        match self {
-            Engine::Soft(_) => 0,
-            Engine::Edu(e) => e.watchdog_timeouts.load(Relaxed),
-        }
+/// Completes every job of `jobs` with `err`.
+pub(crate) fn fail_all(mut jobs: List<Job>, err: Error) {
+    while let Some(job) = jobs.pop_front() {
+        job.complete(Err(err));
     }
 }
 
 struct SoftQueue {
-    jobs: KVec<Arc<Job>>,
+    jobs: List<Job>,
     stopped: bool,
 }
 
@@ -82,26 +128,45 @@ impl_has_work! {
     impl HasWork<Self> for SoftEngine { self.work }
 }
 
+/// Runs one job with the CPU, a piece at a time, stopping early if its
+/// file closes.
+fn run_on_cpu(job: &Job) -> Result {
+    for t in &job.transfers {
+        let mut done = 0;
+        while done < t.src_range.len {
+            if job.cancelled() {
+                return Err(ecanceled());
+            }
+            let n = (t.src_range.len - done).min(ENGINE_PIECE);
+            // SAFETY: The job holds both buffers, and their memory stays
+            // live while the engine runs: unbind frees it only after
+            // `shutdown`, which waits for this work item. SUBMIT checked
+            // both ranges.
+            unsafe {
+                t.dst
+                    .copy_span(t.dst_offset + done, &t.src, t.src_range.start + done, n)
+            };
+            done += n;
+            glue::cond_resched();
+        }
+    }
+    Ok(())
+}
+
 impl WorkItem for SoftEngine {
     type Pointer = Arc<SoftEngine>;
 
     fn run(this: Arc<SoftEngine>) {
-        let mut batch = KVec::new();
+        // One job at a time, so that a closing file can take its queued
+        // jobs back while this one runs.
         loop {
-            // Take the whole queue at once: submitters are not blocked while
-            // jobs run, and order is kept because batches run in turn. The
-            // swap hands the drained vector (and its capacity) back to the
-            // queue, so steady-state submission does not reallocate it.
-            core::mem::swap(&mut this.queue.lock().jobs, &mut batch);
-            if batch.is_empty() {
+            // (A `let` statement: the lock is dropped before the job runs.)
+            let job = this.queue.lock().jobs.pop_front();
+            let Some(job) = job else {
                 return;
-            }
-            for job in batch.drain_all() {
-                for t in &job.transfers {
-                    t.run_on_cpu();
-                }
-                job.complete(Ok(()));
-            }
+            };
+            let result = run_on_cpu(&job);
+            job.complete(result);
         }
     }
 }
@@ -112,7 +177,7 @@ impl SoftEngine {
             pin_init!(Self {
                 queue <- new_mutex!(
                     SoftQueue {
-                        jobs: KVec::new(),
+                        jobs: List::new(),
                         stopped: false,
                     },
                     "SoftEngine::queue"
@@ -122,28 +187,37 @@ impl SoftEngine {
             GFP_KERNEL,
         )
     }
+}
 
-    fn submit(self: &Arc<Self>, job: Arc<Job>) -> Result {
-        let mut q = self.queue.lock();
+/// The software engine as the core sees it.
+pub(crate) struct SoftBackend(pub(crate) Arc<SoftEngine>);
+
+impl Engine for SoftBackend {
+    fn submit(&self, job: ListArc<Job>) -> Result {
+        let mut q = self.0.queue.lock();
         if q.stopped {
             return Err(ENODEV);
         }
-        q.jobs.push(job, GFP_KERNEL)?;
+        q.jobs.push_back(job);
         // Queue the work while still holding the lock, so `shutdown` (which
         // sets `stopped` under it, then flushes) cannot miss this job. This
         // fails only if the work is already pending, and that run will see
         // the job.
-        let _ = workqueue::system_unbound().enqueue(self.clone());
+        let _ = queue().enqueue(self.0.clone());
         Ok(())
     }
 
-    /// Refuses new jobs and returns once every queued job has completed.
-    pub(crate) fn shutdown(&self) {
-        self.queue.lock().stopped = true;
-        // SAFETY: `self.work` is an initialised, pinned `Work` that lives as
-        // long as `self`. After `stopped` is set nothing queues it again, so
+    fn cancel(&self, tracker: &JobTracker) {
+        let taken = take_jobs_of(&mut self.0.queue.lock().jobs, tracker);
+        fail_all(taken, ecanceled());
+    }
+
+    fn shutdown(&self) {
+        self.0.queue.lock().stopped = true;
+        // SAFETY: `work` is an initialised, pinned `Work` that lives as long
+        // as the engine. After `stopped` is set nothing queues it again, so
         // once `flush_work` returns the work item is idle and the queue is
         // empty.
-        unsafe { bindings::flush_work(Work::raw_get(&raw const self.work)) };
+        unsafe { bindings::flush_work(Work::raw_get(&raw const self.0.work)) };
     }
 }

@@ -68,6 +68,9 @@ pub(crate) struct FenceCounts {
     pub(crate) reads: u64,
     /// In-flight device writes to the buffer.
     pub(crate) writes: u64,
+    /// Synchronous CPU accesses (COPY_IN, COPY_OUT, MEMSET, COPY) in
+    /// progress: jobs are not queued on the buffer while any is.
+    pub(crate) cpu: u64,
     /// Jobs that finished writing the buffer since the last reset.
     pub(crate) completions: u64,
     /// Set when the device is gone: waits end with ENODEV.
@@ -105,13 +108,56 @@ impl Fence {
     }
 
     /// Producer: a job that will read (`write == false`) or write the
-    /// buffer was queued.
-    pub(crate) fn begin(&self, write: bool) {
+    /// buffer is being queued. Fails with EBUSY, changing nothing, while a
+    /// synchronous CPU access of the buffer is in progress: the caller
+    /// undoes its other marks, waits with [`Fence::wait_cpu_idle`] and
+    /// tries again, so a job never overlaps a CPU copy.
+    pub(crate) fn try_begin(&self, write: bool) -> Result {
         let mut c = self.counts.lock();
+        if c.cpu > 0 {
+            return Err(EBUSY);
+        }
         if write {
             c.writes += 1;
         } else {
             c.reads += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits until no synchronous CPU access of the buffer is in progress.
+    pub(crate) fn wait_cpu_idle(&self) -> Result {
+        self.wait_until(Timeout::Forever, |c| c.cpu == 0)
+            .map(drop)
+            .map_err(|(e, _)| e)
+    }
+
+    /// Starts a synchronous CPU access: waits until the device accesses
+    /// selected by `kind` are done, then marks the access in the same
+    /// critical section, so that no job can be queued on the buffer until
+    /// [`Fence::cpu_end`].
+    pub(crate) fn cpu_begin(&self, kind: u32) -> Result {
+        let mut c = self.counts.lock();
+        loop {
+            if c.dead {
+                return Err(ENODEV);
+            }
+            if c.idle(kind) {
+                c.cpu += 1;
+                return Ok(());
+            }
+            if self.cv.wait_interruptible(&mut c) {
+                return Err(ERESTARTSYS);
+            }
+        }
+    }
+
+    /// Ends a [`Fence::cpu_begin`].
+    pub(crate) fn cpu_end(&self) {
+        let mut c = self.counts.lock();
+        c.cpu = c.cpu.saturating_sub(1);
+        if c.cpu == 0 {
+            self.cv.notify_all();
         }
     }
 
@@ -145,8 +191,10 @@ impl Fence {
     }
 
     /// Waits until `done` holds for the counters; returns the counters it
-    /// saw last. ETIMEDOUT on timeout (or a failed poll), EINTR on a signal,
-    /// ENODEV if the device went away.
+    /// saw last. ETIMEDOUT on timeout (or a failed poll), ENODEV if the
+    /// device went away. A signal ends an unbounded wait with ERESTARTSYS
+    /// (the call restarts after a handler installed with SA_RESTART) and a
+    /// timed one with EINTR (its deadline would not survive a restart).
     pub(crate) fn wait_until(
         &self,
         timeout: Timeout,
@@ -168,7 +216,7 @@ impl Fence {
                 Timeout::Poll => return Err((ETIMEDOUT, *c)),
                 Timeout::Forever => {
                     if self.cv.wait_interruptible(&mut c) {
-                        return Err((EINTR, *c));
+                        return Err((ERESTARTSYS, *c));
                     }
                 }
                 Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut c, left) {
@@ -207,9 +255,9 @@ mod tests {
     #[test]
     fn counters_balance() -> Result {
         let f = fence()?;
-        f.begin(false);
-        f.begin(true);
-        f.begin(true);
+        f.try_begin(false)?;
+        f.try_begin(true)?;
+        f.try_begin(true)?;
         let c = f.counts();
         assert_eq!((c.reads, c.writes, c.completions), (1, 2, 0));
         assert!(!c.idle(FENCE_READS));
@@ -235,7 +283,7 @@ mod tests {
     fn poll_and_timeout() -> Result {
         let f = fence()?;
         assert_eq!(f.wait_idle(FENCE_ALL, Timeout::Poll), Ok(()));
-        f.begin(true);
+        f.try_begin(true)?;
         assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::Poll), Err(ETIMEDOUT));
         // Reads are idle even while a write is pending.
         assert_eq!(f.wait_idle(FENCE_READS, Timeout::Poll), Ok(()));
@@ -253,9 +301,27 @@ mod tests {
     #[test]
     fn dead_fence_fails_waits() -> Result {
         let f = fence()?;
-        f.begin(false);
+        f.try_begin(false)?;
         f.kill();
         assert_eq!(f.wait_idle(FENCE_ALL, Timeout::Forever), Err(ENODEV));
+        Ok(())
+    }
+
+    #[test]
+    fn cpu_access_excludes_jobs() -> Result {
+        let f = fence()?;
+        f.cpu_begin(FENCE_ALL)?;
+        assert_eq!(f.try_begin(true), Err(EBUSY));
+        assert_eq!(f.counts().writes, 0);
+        f.cpu_end();
+        f.try_begin(true)?;
+        // A CPU write waits for the job; a poll shows it is not idle.
+        assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::Poll), Err(ETIMEDOUT));
+        f.end(true, true);
+        f.cpu_begin(FENCE_ALL)?;
+        assert_eq!(f.counts().cpu, 1);
+        f.cpu_end();
+        assert_eq!(f.wait_cpu_idle(), Ok(()));
         Ok(())
     }
 
@@ -271,7 +337,7 @@ mod tests {
     fn arc_fence_is_shareable() -> Result {
         let f = Arc::pin_init(Fence::new(), GFP_KERNEL)?;
         let g = f.clone();
-        g.begin(true);
+        g.try_begin(true)?;
         assert_eq!(f.counts().writes, 1);
         Ok(())
     }

@@ -32,10 +32,11 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     device::{
-        DeviceNode,
+        Revoke,
         TdrvDevice, //
     },
     fence::Timeout,
+    glue,
     handle::HandleTable,
     job::{
         JobStatus,
@@ -43,7 +44,11 @@ use crate::{
         Transfer, //
     },
     mmap,
-    range::checked_range,
+    node::DeviceNode,
+    range::{
+        checked_range,
+        overlaps, //
+    },
     uapi::{self, *}, //
 };
 
@@ -60,30 +65,30 @@ unsafe impl Send for FileMapping {}
 // SAFETY: As above.
 unsafe impl Sync for FileMapping {}
 
+/// A file's buffer handles and the bytes they hold (page-rounded), for
+/// the per-file limits.
+struct Handles {
+    table: HandleTable<Arc<Buffer>>,
+    bytes: u64,
+}
+
 /// What an open file owns: its buffer handles and its jobs. The device
-/// keeps a reference too, so that unbind can reach the file's waiters and
-/// mappings.
+/// keeps a reference too (as a [`Revoke`]), so that unbind can reach the
+/// file's mappings.
 #[pin_data]
 pub(crate) struct FileState {
     #[pin]
-    handles: Mutex<HandleTable<Arc<Buffer>>>,
+    handles: Mutex<Handles>,
     jobs: Arc<JobTracker>,
     mapping: FileMapping,
 }
 
-impl FileState {
-    /// Marks every buffer's fence dead, waking its waiters with ENODEV.
-    pub(crate) fn kill_fences(&self) {
-        self.handles.lock().for_each(|buf| buf.fence.kill());
-    }
-
-    /// Removes the pages of every user mapping made through this file; a
-    /// later access of such a mapping gets SIGBUS.
-    pub(crate) fn zap_mappings(&self) {
+impl Revoke for FileState {
+    fn zap_mappings(&self) {
         // SAFETY: The file is open (it leaves the device's registry only in
-        // `release`), so its inode and `f_mapping` are alive.
-        // `unmap_mapping_range` with length 0 covers the whole file, and all
-        // our VMAs have `vm_pgoff` 0.
+        // `release`, and the device holds the registry lock while calling
+        // this), so its inode and `f_mapping` are alive.
+        // `unmap_mapping_range` with length 0 covers the whole file.
         unsafe { bindings::unmap_mapping_range(self.mapping.0, 0, 0, 1) };
     }
 }
@@ -92,6 +97,10 @@ impl FileState {
 pub(crate) struct TdrvFile {
     device: Arc<TdrvDevice>,
     state: Arc<FileState>,
+    /// The file's key in the device's file registry.
+    key: u64,
+    /// The opener had CAP_SYS_RAWIO: it may learn bus addresses.
+    rawio: bool,
 }
 
 #[vtable]
@@ -105,34 +114,48 @@ impl MiscDevice for TdrvFile {
         }
         let state = Arc::pin_init(
             try_pin_init!(FileState {
-                handles <- new_mutex!(HandleTable::new(), "FileState::handles"),
+                handles <- new_mutex!(
+                    Handles {
+                        table: HandleTable::new(),
+                        bytes: 0,
+                    },
+                    "FileState::handles"
+                ),
                 jobs: JobTracker::new()?,
                 // SAFETY: `file` is a valid file being opened; `f_mapping`
                 // is set before `open` is called.
                 mapping: FileMapping(unsafe { (*file.as_ptr()).f_mapping }),
             }),
-            GFP_KERNEL,
+            GFP_KERNEL_ACCOUNT,
         )?;
-        device.add_file(state.clone())?;
+        let key = device.add_file(state.clone())?;
         let file = KBox::pin(
             TdrvFile {
                 device: device.clone(),
-                state: state.clone(),
+                state,
+                key,
+                rawio: glue::capable_rawio(),
             },
-            GFP_KERNEL,
+            GFP_KERNEL_ACCOUNT,
         );
         if file.is_err() {
-            device.remove_file(&state);
+            device.remove_file(key);
         }
         Ok(file?)
     }
 
     fn release(me: Pin<KBox<TdrvFile>>, _file: &File) {
-        me.device.remove_file(&me.state);
+        me.device.remove_file(me.key);
+        // The file's jobs go first: queued ones end with ECANCELED now and
+        // a running one stops at its next piece, so their buffers (and
+        // channel bytes) come back at once, not when the queue drains.
+        me.state.jobs.close();
+        me.device.engine().cancel(&me.state.jobs);
         // Dropping the table releases the file's buffer references (outside
         // the lock: that may free DMA memory). Buffers still used by
-        // in-flight jobs or mappings live on until those end.
-        let table = core::mem::replace(&mut *me.state.handles.lock(), HandleTable::new());
+        // mappings (which also hold this file, so not here) or by a job
+        // still running live on until it stops.
+        let table = core::mem::replace(&mut me.state.handles.lock().table, HandleTable::new());
         drop(table);
     }
 
@@ -143,9 +166,13 @@ impl MiscDevice for TdrvFile {
             // Works after unbind too: it tells the caller what it talks to.
             return me.version(&arg).map(|()| 0);
         }
-        // Held until the handler returns: unbind waits for it before it
-        // frees buffer memory.
-        let _active = me.device.enter()?;
+        if !me.device.is_bound() {
+            return Err(ENODEV);
+        }
+        // No active guard here: each handler holds one only around the
+        // sections that use the bus device or buffer memory, never while
+        // waiting or touching user memory, so unbind is never held up by a
+        // blocked caller.
         let r = if m(IOC_CHANNEL_INFO) {
             me.channel_info(&arg)
         } else if m(IOC_ALLOC) {
@@ -184,8 +211,8 @@ impl MiscDevice for TdrvFile {
         // and then clearing its page offset is part of that set-up.
         let pgoff = unsafe { (*vma.as_ptr()).vm_pgoff };
         let buf = me.buffer(pgoff as u64)?;
-        // SAFETY: As above. `dma_mmap_attrs` reads `vm_pgoff` as an offset
-        // into the buffer, so the handle cookie must go.
+        // SAFETY: As above. Fault offsets are then page indices in the
+        // buffer (see `mmap.rs`).
         unsafe { (*vma.as_ptr()).vm_pgoff = 0 };
         mmap::map_buffer(buf, vma)
     }
@@ -194,11 +221,21 @@ impl MiscDevice for TdrvFile {
 impl TdrvFile {
     /// Looks up a buffer of this file: ENOENT for anything else.
     fn buffer(&self, handle: u64) -> Result<Arc<Buffer>> {
-        self.state.handles.lock().get(handle).cloned().ok_or(ENOENT)
+        self.state.handles.lock().table.get(handle).cloned().ok_or(ENOENT)
+    }
+
+    /// Bus addresses are for CAP_SYS_RAWIO openers only; others see 0.
+    fn visible_dma_addr(&self, buf: &Buffer) -> u64 {
+        if self.rawio {
+            buf.dma_addr()
+        } else {
+            0
+        }
     }
 
     fn version(&self, arg: &ArgBuf) -> Result {
-        let _: Version = arg.read()?;
+        // Output only: whatever the caller's struct holds is ignored.
+        arg.check_size::<Version>()?;
         let d = &self.device;
         let irq = if d.kind == DEVICE_EDU { FEAT_IRQ } else { 0 };
         arg.write(&Version {
@@ -246,12 +283,31 @@ impl TdrvFile {
         if a.channel >= self.device.channels.count() {
             return Err(EINVAL);
         }
-        let active = self.device.enter()?;
-        let dev = self.device.bound_device(&active);
-        let buf = Buffer::new(&self.device, dev, a.size as usize, a.channel)?;
-        drop(active);
-        let dma_addr = buf.dma_addr();
-        let handle = self.state.handles.lock().insert(buf)?;
+        let limits = &self.device.limits;
+        let charge = a.size.next_multiple_of(PAGE_SIZE as u64);
+        {
+            let h = self.state.handles.lock();
+            if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+                return Err(ENOSPC);
+            }
+        }
+        let buf = {
+            let active = self.device.enter()?;
+            let dev = self.device.bound_device(&active);
+            Buffer::new(&self.device, dev, a.size as usize, a.channel)?
+        };
+        let dma_addr = self.visible_dma_addr(&buf);
+        let handle = {
+            let mut h = self.state.handles.lock();
+            // Checked again: another thread of this file may have allocated
+            // meanwhile (the allocation itself is not done under the lock).
+            if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+                return Err(ENOSPC);
+            }
+            let handle = h.table.insert(buf)?;
+            h.bytes += charge;
+            handle
+        };
         let out = Alloc {
             handle,
             dma_addr,
@@ -260,10 +316,19 @@ impl TdrvFile {
         };
         if let Err(e) = arg.write(&out) {
             // The caller cannot learn the handle: do not leak the buffer.
-            self.state.handles.lock().remove(handle);
+            drop(self.remove_handle(handle));
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Removes `handle` from the table; the caller drops the buffer outside
+    /// the lock (that may free DMA memory).
+    fn remove_handle(&self, handle: u64) -> Option<Arc<Buffer>> {
+        let mut h = self.state.handles.lock();
+        let buf = h.table.remove(handle)?;
+        h.bytes = h.bytes.saturating_sub(buf.charged());
+        Some(buf)
     }
 
     fn free(&self, arg: &ArgBuf) -> Result {
@@ -271,8 +336,7 @@ impl TdrvFile {
         if a.reserved != 0 {
             return Err(EINVAL);
         }
-        let buf = self.state.handles.lock().remove(a.handle).ok_or(ENOENT)?;
-        // Dropped outside the table lock: this may free DMA memory.
+        let buf = self.remove_handle(a.handle).ok_or(ENOENT)?;
         drop(buf);
         Ok(())
     }
@@ -287,7 +351,7 @@ impl TdrvFile {
         arg.write(&BufInfo {
             handle: a.handle,
             size: buf.size() as u64,
-            dma_addr: buf.dma_addr(),
+            dma_addr: self.visible_dma_addr(&buf),
             mmap_offset: mmap::offset_of_handle(a.handle),
             pending_reads: c.reads,
             pending_writes: c.writes,
@@ -311,17 +375,22 @@ impl TdrvFile {
     fn copy_in(&self, arg: &ArgBuf) -> Result {
         let (buf, a) = self.xfer(arg)?;
         let range = checked_range(a.offset, a.size, buf.size())?;
-        // Writing the buffer: wait for every pending device access.
-        buf.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
-        buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize))
+        // Writing the buffer: wait for every pending device access, and
+        // keep jobs off the buffer until the copy is done.
+        buf.fence.cpu_begin(FENCE_ALL)?;
+        let r = buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize));
+        buf.fence.cpu_end();
+        r
     }
 
     fn copy_out(&self, arg: &ArgBuf) -> Result {
         let (buf, a) = self.xfer(arg)?;
         let range = checked_range(a.offset, a.size, buf.size())?;
         // Reading the buffer: wait for pending device writes only.
-        buf.fence.wait_idle(FENCE_WRITES, Timeout::Forever)?;
-        buf.copy_to_user(range, UserPtr::from_addr(a.user_ptr as usize))
+        buf.fence.cpu_begin(FENCE_WRITES)?;
+        let r = buf.copy_to_user(range, UserPtr::from_addr(a.user_ptr as usize));
+        buf.fence.cpu_end();
+        r
     }
 
     fn memset(&self, arg: &ArgBuf) -> Result {
@@ -331,9 +400,10 @@ impl TdrvFile {
         }
         let buf = self.buffer(a.handle)?;
         let range = checked_range(a.offset, a.size, buf.size())?;
-        buf.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
-        buf.fill(range, a.value as u8);
-        Ok(())
+        buf.fence.cpu_begin(FENCE_ALL)?;
+        let r = buf.fill(range, a.value as u8);
+        buf.fence.cpu_end();
+        r
     }
 
     /// Resolves one copy descriptor: both handles, the same-channel rule
@@ -350,6 +420,11 @@ impl TdrvFile {
         }
         let src_range = checked_range(d.src_offset, d.size, src.size())?;
         let dst_range = checked_range(d.dst_offset, d.size, dst.size())?;
+        // Overlapping ranges of one buffer are refused: the edu engine
+        // moves bytes a chunk at a time and could not match memmove.
+        if Arc::ptr_eq(&src, &dst) && overlaps(src_range, dst_range) {
+            return Err(EINVAL);
+        }
         Ok(Transfer {
             src,
             src_range,
@@ -364,11 +439,17 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let t = self.transfer(&a.desc)?;
-        // A read of the source and a write of the destination.
-        t.src.fence.wait_idle(FENCE_WRITES, Timeout::Forever)?;
-        t.dst.fence.wait_idle(FENCE_ALL, Timeout::Forever)?;
-        t.run_on_cpu();
-        Ok(())
+        // A read of the source and a write of the destination, with jobs
+        // kept off both until the copy is done.
+        t.src.fence.cpu_begin(FENCE_WRITES)?;
+        if let Err(e) = t.dst.fence.cpu_begin(FENCE_ALL) {
+            t.src.fence.cpu_end();
+            return Err(e);
+        }
+        let r = t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range);
+        t.dst.fence.cpu_end();
+        t.src.fence.cpu_end();
+        r
     }
 
     fn submit(&self, arg: &ArgBuf) -> Result {
@@ -388,8 +469,9 @@ impl TdrvFile {
         // Bounded by MAX_JOB_DESCS * MAX_DESC_SIZE: no overflow.
         let mut reader =
             UserSlice::new(UserPtr::from_addr(a.descs as usize), count * stride).reader();
-        let mut transfers = KVec::with_capacity(count, GFP_KERNEL)?;
+        let mut transfers = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
         let mut tail = [0u8; MAX_DESC_SIZE];
+        let mut bytes: u64 = 0;
         for _ in 0..count {
             let d: CopyDesc = reader.read()?;
             // Growth rule for descriptors: unknown trailing bytes are zero.
@@ -398,9 +480,17 @@ impl TdrvFile {
             if extra.iter().any(|b| *b != 0) {
                 return Err(E2BIG);
             }
-            transfers.push(self.transfer(&d)?, GFP_KERNEL)?;
+            let t = self.transfer(&d)?;
+            bytes += t.src_range.len as u64;
+            if bytes > MAX_JOB_BYTES {
+                return Err(EINVAL);
+            }
+            transfers.push(t, GFP_KERNEL_ACCOUNT)?;
         }
-        let job_id = self.state.jobs.submit(&self.device, transfers)?;
+        let job_id = self
+            .state
+            .jobs
+            .submit(&self.device, transfers, &self.device.limits)?;
         arg.write(&Submit { job_id, ..a })
     }
 

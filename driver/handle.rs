@@ -13,9 +13,11 @@ use kernel::prelude::*;
 
 /// Bits of the slot index in a handle.
 const SLOT_BITS: u32 = 24;
-/// Bits of the generation. `SLOT_BITS + GEN_BITS` stays below 52 so that
-/// `handle << PAGE_SHIFT` is a valid, positive mmap offset.
-const GEN_BITS: u32 = 27;
+/// Bits of the generation: as many as keep `handle << PAGE_SHIFT` (the
+/// mmap offset) a positive 64-bit `off_t` for this kernel's page size (27
+/// with 4 KiB pages, 23 with 64 KiB pages).
+const GEN_BITS: u32 = 63 - kernel::page::PAGE_SHIFT as u32 - SLOT_BITS;
+const _: () = assert!(GEN_BITS >= 16);
 /// Most live handles one file may hold.
 pub(crate) const MAX_HANDLES: usize = 1 << SLOT_BITS;
 
@@ -181,7 +183,9 @@ mod tests {
         assert_eq!(t.get(u64::MAX), None);
         assert_eq!(t.get(h | (1 << 60)), None);
         // The mmap offset of any handle is a valid positive off_t.
-        assert!(h < (1 << 51));
+        let largest = (u64::from(GEN_MASK) << SLOT_BITS) | SLOT_MASK;
+        assert!((largest << kernel::page::PAGE_SHIFT) < (1 << 63));
+        assert!(h <= largest);
         Ok(())
     }
 

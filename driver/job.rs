@@ -6,24 +6,38 @@
 //! 1. `TDRV_IOC_SUBMIT` resolves the descriptors into [`Transfer`]s, which
 //!    hold references to their buffers, and [`Job::new`] marks a pending
 //!    device read on every source and a pending device write on every
-//!    destination (the seed's `tensor_async_update(.., release = false)`).
-//! 2. The device's engine runs the transfers: the software engine with CPU
-//!    copies in a work item, the edu engine with its DMA engine, one chunk per
-//!    completion interrupt.
-//! 3. The engine calls [`Job::complete`] exactly once, with the result. That
-//!    drops the pending marks (waking fence waiters when a count reaches
-//!    zero), bumps the completion count of each destination if the job
-//!    succeeded, and records the outcome in the submitting file's
-//!    [`JobTracker`], waking `TDRV_IOC_JOB_WAIT` waiters.
+//!    destination (the seed's `tensor_async_update(.., release = false)`),
+//!    waiting first for synchronous CPU copies of those buffers to end.
+//! 2. [`JobTracker::submit`] gives it the file's next id and hands it to
+//!    the device's engine (`engine.rs`), within the file's limits.
+//! 3. The engine runs the transfers and calls [`Job::complete`] exactly
+//!    once, with the result. That drops the pending marks (waking fence
+//!    waiters when a count reaches zero), bumps the completion count of
+//!    each destination if the job succeeded, and records the outcome in
+//!    the submitting file's [`JobTracker`], waking `TDRV_IOC_JOB_WAIT`.
 //!
-//! A failed job still releases its fences: waiters are never left hanging.
+//! A failed or cancelled job still releases its fences: waiters are never
+//! left hanging. When its file closes, a job that has not started is
+//! cancelled (ecanceled()) and a running one stops after the piece in
+//! flight.
 
 use kernel::{
+    list::{
+        impl_list_arc_safe,
+        impl_list_item,
+        ListArc,
+        ListLinks, //
+    },
     new_condvar,
     new_mutex,
     prelude::*,
     sync::{
-        atomic::Relaxed,
+        atomic::{
+            Acquire,
+            Atomic,
+            Relaxed,
+            Release, //
+        },
         Arc,
         CondVar,
         CondVarTimeoutResult,
@@ -33,10 +47,24 @@ use kernel::{
 
 use crate::{
     buffer::Buffer,
-    device::TdrvDevice,
+    device::{
+        Limits,
+        TdrvDevice, //
+    },
     fence::Timeout,
-    range::ByteRange, //
+    range::ByteRange,
+    uapi::{
+        ecanceled,
+        estale, //
+    }, //
 };
+
+/// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
+/// `TDRV_JOB_WINDOW` in the uapi. Older ids get estale().
+pub(crate) const JOB_WINDOW: u64 = 4096;
+
+/// Ring entry of a job that has not finished.
+const PENDING: i32 = 1;
 
 /// One buffer-to-buffer copy of a job.
 pub(crate) struct Transfer {
@@ -46,46 +74,77 @@ pub(crate) struct Transfer {
     pub(crate) dst_offset: usize,
 }
 
-impl Transfer {
-    /// Runs the transfer with the CPU (software engine).
-    pub(crate) fn run_on_cpu(&self) {
-        self.dst
-            .copy_from(self.dst_offset, &self.src, self.src_range);
+/// A submitted job.
+#[pin_data]
+pub(crate) struct Job {
+    /// Set under the tracker lock before the job is queued.
+    id: Atomic<u64>,
+    pub(crate) transfers: KVec<Transfer>,
+    /// Bytes the job moves (sum of its transfers).
+    bytes: u64,
+    tracker: Arc<JobTracker>,
+    device: Arc<TdrvDevice>,
+    /// Links of the engine's queue.
+    #[pin]
+    links: ListLinks,
+}
+
+impl_list_arc_safe! {
+    impl ListArcSafe<0> for Job { untracked; }
+}
+impl_list_item! {
+    impl ListItem<0> for Job { using ListLinks { self.links }; }
+}
+
+/// Undoes the fence marks of the first `n` transfers (and, when `src_only`,
+/// the source mark of transfer `n`), counting nothing.
+fn unmark(transfers: &[Transfer], n: usize, src_only: bool) {
+    for t in &transfers[..n] {
+        t.src.fence.end(false, false);
+        t.dst.fence.end(true, false);
+    }
+    if src_only {
+        transfers[n].src.fence.end(false, false);
     }
 }
 
-/// A submitted job.
-pub(crate) struct Job {
-    id: u64,
-    pub(crate) transfers: KVec<Transfer>,
-    tracker: Arc<JobTracker>,
-    device: Arc<TdrvDevice>,
+/// Marks pending reads and writes for `transfers`. A synchronous CPU copy
+/// of one of the buffers makes it undo what it marked, wait for that copy
+/// and start again, so that it never holds marks while waiting (a CPU copy
+/// may be waiting for those very marks to clear).
+fn mark(transfers: &[Transfer]) -> Result {
+    'again: loop {
+        for (i, t) in transfers.iter().enumerate() {
+            if t.src.fence.try_begin(false).is_err() {
+                unmark(transfers, i, false);
+                t.src.fence.wait_cpu_idle()?;
+                continue 'again;
+            }
+            if t.dst.fence.try_begin(true).is_err() {
+                unmark(transfers, i, true);
+                t.dst.fence.wait_cpu_idle()?;
+                continue 'again;
+            }
+        }
+        return Ok(());
+    }
 }
 
 impl Job {
-    /// Builds the job and marks its fences (pending reads on sources,
-    /// pending writes on destinations). The id comes from
-    /// [`JobTracker::submit`].
-    fn new(
-        id: u64,
-        transfers: KVec<Transfer>,
-        tracker: Arc<JobTracker>,
-        device: Arc<TdrvDevice>,
-    ) -> Result<Arc<Self>> {
-        let job = Arc::new(
-            Job {
-                id,
-                transfers,
-                tracker,
-                device,
-            },
-            GFP_KERNEL,
-        )?;
-        for t in &job.transfers {
-            t.src.fence.begin(false);
-            t.dst.fence.begin(true);
-        }
-        Ok(job)
+    /// The bytes `transfers` move.
+    pub(crate) fn total_bytes(transfers: &[Transfer]) -> u64 {
+        transfers.iter().map(|t| t.src_range.len as u64).sum()
+    }
+
+    /// True once the submitting file has closed: the engine drops the job
+    /// (or the rest of it) with ecanceled().
+    pub(crate) fn cancelled(&self) -> bool {
+        self.tracker.closed.load(Acquire)
+    }
+
+    /// True if `tracker` submitted the job.
+    pub(crate) fn submitted_by(&self, tracker: &JobTracker) -> bool {
+        core::ptr::eq(&*self.tracker, tracker)
     }
 
     /// The completion path, shared by every engine. Call exactly once.
@@ -101,37 +160,36 @@ impl Job {
             t.dst.fence.end(true, ok && last_for_dst);
         }
         let stats = &self.device.stats;
-        if ok {
-            stats.jobs_completed.add(1, Relaxed);
-        } else {
-            stats.jobs_failed.add(1, Relaxed);
+        match result {
+            Ok(()) => stats.jobs_completed.add(1, Relaxed),
+            Err(e) if e == ecanceled() => stats.jobs_cancelled.add(1, Relaxed),
+            Err(_) => stats.jobs_failed.add(1, Relaxed),
         }
-        self.tracker.finish(self.id, result);
+        self.tracker.finish(self.id.load(Relaxed), self.bytes, result);
     }
 }
-
-/// Failed jobs whose status a file keeps for `TDRV_IOC_JOB_WAIT`; older
-/// failures are forgotten (their jobs then report plain success).
-const MAX_FAILED_KEPT: usize = 4096;
 
 struct TrackerState {
     /// Id of the next job to submit; ids start at 1.
     next_id: u64,
-    /// Every job with an id up to this one has finished. Engines run a
-    /// device's jobs in FIFO order and a file submits in id order (under the
-    /// tracker lock), so completions arrive in id order.
-    done_upto: u64,
-    /// (id, errno) of recent failed jobs.
-    failed: KVec<(u64, i32)>,
+    /// Outcome of the last `JOB_WINDOW` jobs, at `id % JOB_WINDOW`:
+    /// `PENDING`, 0, or a negative errno.
+    ring: KVec<i32>,
+    /// Jobs submitted and not finished.
+    queued: u32,
+    /// Bytes those jobs move.
+    inflight_bytes: u64,
 }
 
-/// The jobs of one open file: id allocation, outcomes and their waiters.
+/// The jobs of one open file: ids, limits, outcomes and their waiters.
 #[pin_data]
 pub(crate) struct JobTracker {
     #[pin]
     state: Mutex<TrackerState>,
     #[pin]
     cv: CondVar,
+    /// Set when the file is released.
+    closed: Atomic<bool>,
 }
 
 /// What `TDRV_IOC_JOB_WAIT` reports.
@@ -142,81 +200,118 @@ pub(crate) enum JobStatus {
 
 impl JobTracker {
     pub(crate) fn new() -> Result<Arc<Self>> {
+        let mut ring = KVec::with_capacity(JOB_WINDOW as usize, GFP_KERNEL_ACCOUNT)?;
+        ring.resize(JOB_WINDOW as usize, 0, GFP_KERNEL_ACCOUNT)?;
         Arc::pin_init(
             pin_init!(Self {
                 state <- new_mutex!(
                     TrackerState {
                         next_id: 1,
-                        done_upto: 0,
-                        failed: KVec::new(),
+                        ring,
+                        queued: 0,
+                        inflight_bytes: 0,
                     },
                     "JobTracker::state"
                 ),
                 cv <- new_condvar!("JobTracker::cv"),
+                closed: Atomic::new(false),
             }),
-            GFP_KERNEL,
+            GFP_KERNEL_ACCOUNT,
         )
     }
 
+    /// Marks the file closed: its jobs are cancelled from now on.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Release);
+    }
+
     /// Creates a job from `transfers` and hands it to `device`'s engine.
+    /// EAGAIN if the file has `limits.jobs` jobs queued, or if the job's
+    /// bytes would pass `limits.inflight_bytes` (a lone job always fits).
     /// The tracker lock is held across id allocation and queueing, so one
     /// file's jobs reach the engine in id order. Returns the job id.
     pub(crate) fn submit(
         self: &Arc<Self>,
         device: &Arc<TdrvDevice>,
         transfers: KVec<Transfer>,
+        limits: &Limits,
     ) -> Result<u64> {
+        let bytes = Job::total_bytes(&transfers);
+        // Cheap early refusal, before any allocation or waiting.
+        self.check_limits(&self.state.lock(), bytes, limits)?;
+        let job = ListArc::pin_init(
+            try_pin_init!(Job {
+                id: Atomic::new(0),
+                transfers,
+                bytes,
+                tracker: self.clone(),
+                device: device.clone(),
+                links <- ListLinks::new(),
+            }),
+            GFP_KERNEL_ACCOUNT,
+        )?;
+        mark(&job.transfers)?;
+        let undo = job.clone_arc();
         let mut state = self.state.lock();
         let id = state.next_id;
-        // Keep room to record a failure, so `finish` never allocates.
-        state.failed.reserve(1, GFP_KERNEL)?;
-        let job = Job::new(id, transfers, self.clone(), device.clone())?;
-        if let Err(e) = device.engine().submit(job.clone()) {
-            // Never queued: undo the fence marks without counting anything.
-            for t in &job.transfers {
-                t.src.fence.end(false, false);
-                t.dst.fence.end(true, false);
-            }
+        job.id.store(id, Relaxed);
+        let queued = self
+            .check_limits(&state, bytes, limits)
+            .and_then(|()| device.engine().submit(job));
+        if let Err(e) = queued {
+            // Never queued: undo the marks without counting anything.
+            unmark(&undo.transfers, undo.transfers.len(), false);
             return Err(e);
         }
+        // Still under the lock, so the job's completion (which takes it)
+        // comes after this.
+        state.ring[(id % JOB_WINDOW) as usize] = PENDING;
         state.next_id += 1;
+        state.queued += 1;
+        state.inflight_bytes += bytes;
         device.stats.jobs_submitted.add(1, Relaxed);
         Ok(id)
     }
 
-    fn finish(&self, id: u64, result: Result) {
-        let mut state = self.state.lock();
-        state.done_upto = state.done_upto.max(id);
-        if let Err(e) = result {
-            if state.failed.len() >= MAX_FAILED_KEPT {
-                state.failed.remove(0).ok();
-            }
-            // Cannot fail: `submit` reserved a slot and at most one entry is
-            // added per job.
-            let _ = state.failed.push((id, e.to_errno()), GFP_ATOMIC);
+    fn check_limits(&self, state: &TrackerState, bytes: u64, limits: &Limits) -> Result {
+        if state.queued >= limits.jobs {
+            return Err(EAGAIN);
         }
+        if state.queued > 0 && state.inflight_bytes + bytes > limits.inflight_bytes {
+            return Err(EAGAIN);
+        }
+        Ok(())
+    }
+
+    fn finish(&self, id: u64, bytes: u64, result: Result) {
+        let mut state = self.state.lock();
+        state.ring[(id % JOB_WINDOW) as usize] = match result {
+            Ok(()) => 0,
+            Err(e) => e.to_errno(),
+        };
+        state.queued = state.queued.saturating_sub(1);
+        state.inflight_bytes = state.inflight_bytes.saturating_sub(bytes);
         self.cv.notify_all();
     }
 
     fn status_locked(state: &TrackerState, id: u64) -> JobStatus {
-        if id > state.done_upto {
-            return JobStatus::Pending;
+        match state.ring[(id % JOB_WINDOW) as usize] {
+            PENDING => JobStatus::Pending,
+            errno => JobStatus::Done(errno),
         }
-        let errno = state
-            .failed
-            .iter()
-            .find(|(fid, _)| *fid == id)
-            .map_or(0, |(_, e)| *e);
-        JobStatus::Done(errno)
     }
 
-    /// Waits for job `id`: EINVAL for an id this file never issued,
-    /// ETIMEDOUT if a timed wait expires, EINTR on a signal. A poll reports
+    /// Waits for job `id`: EINVAL for an id this file never issued, estale()
+    /// for one older than the last `JOB_WINDOW`, ETIMEDOUT if a timed wait
+    /// expires; a signal ends it as in `Fence::wait_until`. A poll reports
     /// `Pending` instead of failing.
     pub(crate) fn wait(&self, id: u64, timeout: Timeout) -> Result<JobStatus> {
         let mut state = self.state.lock();
         if id == 0 || id >= state.next_id {
             return Err(EINVAL);
+        }
+        if state.next_id - id > JOB_WINDOW {
+            return Err(estale());
         }
         let mut left = match timeout {
             Timeout::Jiffies(j) => j,
@@ -231,7 +326,7 @@ impl JobTracker {
                 Timeout::Poll => return Ok(status),
                 Timeout::Forever => {
                     if self.cv.wait_interruptible(&mut state) {
-                        return Err(EINTR);
+                        return Err(ERESTARTSYS);
                     }
                 }
                 Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut state, left) {

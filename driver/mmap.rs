@@ -1,17 +1,28 @@
 // SPDX-License-Identifier: GPL-2.0
 
-//! mmap of whole buffers into userspace.
+//! mmap of whole buffers into userspace, page by page on fault.
 //!
-//! The pages are mapped with `dma_mmap_attrs` (`Buffer::dma_mmap`), which
-//! goes through the DMA API and so stays correct behind an IOMMU (the
-//! original driver used `remap_pfn_range` on the physical address). 7.2 has
-//! no safe wrapper for it, nor for `vm_operations_struct`.
+//! `->mmap` maps nothing: it checks the request, marks the VMA as a raw
+//! PFN mapping and stores a buffer reference in `vm_private_data`. The
+//! `fault` handler inserts one page at a time, under the buffer's memory
+//! lock, and answers SIGBUS once unbind has detached the memory.
 //!
-//! Each mapping holds a reference to its buffer in `vm_private_data`: the
-//! `open` callback (VMA split or copy) takes another one, `close` drops one.
-//! So a buffer outlives FREE while it is mapped, and its memory is released
-//! when the last mapping goes. On unbind the device removes the mappings'
-//! pages before it frees the memory (`TdrvDevice::revoke_all`).
+//! Why not fill the page tables in `->mmap` (`dma_mmap_attrs`): the VMA is
+//! linked into the file's `i_mmap` tree only after `->mmap` returns, so an
+//! unbind in between could not zap those page table entries and would
+//! free pages that stay mapped. With fault-time insertion a page table
+//! entry can only appear after the VMA is linked, and unbind orders itself
+//! with the fault handler: it detaches the memory (under the lock the
+//! handler holds while inserting), then zaps every mapping, then frees.
+//!
+//! Each mapping holds a reference to its buffer: the `open` callback (VMA
+//! split or copy) takes another one, `close` drops one. So a buffer
+//! outlives FREE while it is mapped. Every mapping also holds its file, and
+//! with it the module (see `node.rs`), so `rmmod` fails while one exists.
+//!
+//! The mmap offset of a buffer is its handle in pages. Once the handle is
+//! decoded `vm_pgoff` is set to 0, so that a fault's page offset is the
+//! page index in the buffer, also in the pieces of a split VMA.
 
 use kernel::{
     bindings,
@@ -27,9 +38,14 @@ use kernel::{
     sync::Arc, //
 };
 
-use crate::buffer::Buffer;
+use crate::{
+    buffer::Buffer,
+    glue, //
+};
 
 /// The mmap offset userspace passes for `handle`: the handle in pages.
+/// Handles are small enough (see `handle.rs`) that this is a positive
+/// 64-bit offset for every page size.
 pub(crate) fn offset_of_handle(handle: u64) -> u64 {
     handle << PAGE_SHIFT
 }
@@ -52,16 +68,49 @@ unsafe extern "C" fn vma_close(vma: *mut bindings::vm_area_struct) {
     drop(unsafe { Arc::<Buffer>::from_raw((*vma).vm_private_data.cast()) });
 }
 
-static BUFFER_VM_OPS: bindings::vm_operations_struct = bindings::vm_operations_struct {
+unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fault_t {
+    // SAFETY: The fault handler is called with a valid `vm_fault` whose
+    // VMA uses `BUFFER_VM_OPS`, so it holds a buffer reference in
+    // `vm_private_data` for as long as the VMA exists (at least this call).
+    let (vma, address, index) = unsafe { {
+        let f = &(*vmf).__bindgen_anon_1;
+        (f.vma, f.address, f.pgoff as usize)
+    } };
+    // SAFETY: As above.
+    let buf = unsafe { &*(*vma).vm_private_data.cast::<Buffer>() };
+    buf.with_page_pfn(index, |pfn| {
+        // SAFETY: `vma` is the faulting VMA (a VM_PFNMAP mapping set up by
+        // `map_buffer`), `address` lies inside it, and `pfn` is a page of
+        // the buffer's live memory: unbind detaches the memory under the
+        // lock `with_page_pfn` holds now, and zaps this entry afterwards.
+        unsafe { bindings::vmf_insert_pfn(vma, address as _, pfn as _) }
+    })
+    .unwrap_or(bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t)
+}
+
+/// A `vm_operations_struct` that may live in a `static`.
+///
+/// Depending on the kernel configuration the C struct holds raw pointers
+/// (for example `uffd_ops` with CONFIG_USERFAULTFD), which are not `Sync`.
+#[repr(transparent)]
+struct VmOps(bindings::vm_operations_struct);
+
+// SAFETY: The table is immutable after compilation; the kernel only reads
+// it, from any thread, and every pointer in it is to code or to other
+// immutable statics.
+unsafe impl Sync for VmOps {}
+
+static BUFFER_VM_OPS: VmOps = VmOps(bindings::vm_operations_struct {
     open: Some(vma_open),
     close: Some(vma_close),
+    fault: Some(vma_fault),
     // SAFETY: All-zero is a valid `vm_operations_struct` (no callbacks).
     ..unsafe { core::mem::zeroed() }
-};
+});
 
-/// Maps `buf` into `vma`. The VMA must be shared, start at buffer offset 0
-/// (the caller has decoded and cleared the handle cookie in `vm_pgoff`) and
-/// be no longer than the buffer rounded up to pages.
+/// Maps `buf` into `vma`. The VMA must be shared, not executable, no
+/// longer than the buffer rounded up to pages, and start at buffer offset
+/// 0 (the caller has decoded and cleared the handle cookie in `vm_pgoff`).
 pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
     if vma.flags() & flags::SHARED == 0 {
         return Err(EINVAL);
@@ -70,18 +119,14 @@ pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
     if len > buf.size().next_multiple_of(PAGE_SIZE) {
         return Err(EINVAL);
     }
-    vma.set_dontcopy();
-    vma.set_dontexpand();
-    vma.set_dontdump();
-    // SAFETY: `vma` is under set-up with `vm_pgoff` 0 (see above); the VMA
-    // holds a buffer reference from here on (below), dropped by
-    // `vma_close` only when the VMA is torn down.
-    unsafe { buf.dma_mmap(vma.as_ptr())? };
+    // SAFETY: `vma` is under set-up (mmap write lock held).
+    unsafe { glue::vma_init(vma.as_ptr())? };
     // SAFETY: As above, the VMA is ours to set up; the reference moved into
-    // `vm_private_data` is given back by `vma_close`.
+    // `vm_private_data` is given back by `vma_close`, which the kernel
+    // calls for every VMA that gets these operations.
     unsafe {
         (*vma.as_ptr()).vm_private_data = Arc::into_raw(buf).cast_mut().cast();
-        (*vma.as_ptr()).vm_ops = &BUFFER_VM_OPS;
+        (*vma.as_ptr()).vm_ops = &BUFFER_VM_OPS.0;
     }
     Ok(())
 }

@@ -9,15 +9,17 @@ use crate::{
     device::{
         raw_device,
         DeviceIndex,
-        DeviceNode,
         TdrvDevice, //
     },
     engine::{
         Engine,
+        SoftBackend,
         SoftEngine, //
     },
+    node::DeviceNode,
     stats::DeviceDebugfs,
-    uapi::DEVICE_SOFT, //
+    uapi::DEVICE_SOFT,
+    Params, //
 };
 
 /// Sets the coherent DMA mask of a faux device, which 7.2 cannot do safely
@@ -41,20 +43,15 @@ pub(crate) struct SoftDevice {
 }
 
 impl SoftDevice {
-    pub(crate) fn new(channels: u32, channel_limit: u64) -> impl PinInit<Self, Error> {
+    pub(crate) fn new(params: &Params) -> impl PinInit<Self, Error> + '_ {
         pin_init::pin_init_scope(move || {
             let index = DeviceIndex::take()?;
             let name = CString::try_from_fmt(fmt!("tdrv-soft{}", index.get()))?;
             let faux = faux::Registration::new(&name, None)?;
             set_coherent_mask_all(faux.as_ref())?;
-            let device: Arc<TdrvDevice> = TdrvDevice::new(
-                faux.as_ref(),
-                DEVICE_SOFT,
-                index,
-                channels,
-                channel_limit,
-                Engine::Soft(SoftEngine::new()?),
-            )?;
+            let engine: KBox<dyn Engine> = KBox::new(SoftBackend(SoftEngine::new()?), GFP_KERNEL)?;
+            let device: Arc<TdrvDevice> =
+                TdrvDevice::new(faux.as_ref(), DEVICE_SOFT, index, params, engine)?;
             let debugfs = DeviceDebugfs::new(&device)?;
             Ok(try_pin_init!(SoftDevice {
                 node <- DeviceNode::new(device),
@@ -68,12 +65,9 @@ impl SoftDevice {
 #[pinned_drop]
 impl PinnedDrop for SoftDevice {
     fn drop(self: Pin<&mut Self>) {
-        // No file is open (the module is going away), but jobs submitted
-        // by files that have since closed may still be queued: let them
-        // finish before the faux device and its DMA memory go away.
-        if let Engine::Soft(engine) = self.node.device.engine() {
-            engine.shutdown();
-        }
-        self.node.device.mark_unbound();
+        // No file is open (the module is going away, and files pin it), and
+        // closed files' jobs were cancelled; stop the engine and free every
+        // buffer's memory before the faux device goes away.
+        self.node.device.unbind(|| ());
     }
 }

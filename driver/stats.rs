@@ -13,7 +13,8 @@ use kernel::{
     sync::{
         atomic::Relaxed,
         Arc, //
-    }, //
+    },
+    uaccess::UserSliceReader, //
 };
 
 use crate::{
@@ -46,6 +47,7 @@ impl Drop for RootGuard {
 /// The debugfs directory and files of one device; removed on drop.
 pub(crate) struct DeviceDebugfs {
     _stats: Pin<KBox<File<Arc<TdrvDevice>>>>,
+    _inject: Pin<KBox<File<Arc<TdrvDevice>>>>,
     _dir: Dir,
 }
 
@@ -59,11 +61,29 @@ impl DeviceDebugfs {
             dir.read_callback_file(c"stats", device.clone(), &write_stats),
             GFP_KERNEL,
         )?;
+        let inject = KBox::pin_init(
+            dir.write_callback_file(c"inject", device.clone(), &inject),
+            GFP_KERNEL,
+        )?;
         Ok(Self {
             _stats: stats,
+            _inject: inject,
             _dir: dir,
         })
     }
+}
+
+/// `inject`: one fault-injection command for the device's engine (see the
+/// engine's docs, e.g. `edu.rs`); root-only, for tests.
+fn inject(d: &Arc<TdrvDevice>, reader: &mut UserSliceReader) -> Result {
+    let mut buf = [0u8; 32];
+    let n = reader.len();
+    if n == 0 || n > buf.len() {
+        return Err(EINVAL);
+    }
+    reader.read_slice(&mut buf[..n])?;
+    let cmd = buf[..n].strip_suffix(b"\n").unwrap_or(&buf[..n]);
+    d.engine().inject(cmd)
 }
 
 fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -86,8 +106,10 @@ fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     writeln!(f, "jobs_failed: {}", s.jobs_failed.load(Relaxed))?;
     writeln!(f, "waits: {}", s.waits.load(Relaxed))?;
     writeln!(f, "wait_timeouts: {}", s.wait_timeouts.load(Relaxed))?;
-    let (irqs, spurious) = d.engine().irq_counts();
-    writeln!(f, "irqs: {irqs}")?;
-    writeln!(f, "spurious_irqs: {spurious}")?;
-    writeln!(f, "watchdog_timeouts: {}", d.engine().watchdog_timeouts())
+    writeln!(f, "jobs_cancelled: {}", s.jobs_cancelled.load(Relaxed))?;
+    let e = d.engine_counters();
+    writeln!(f, "irqs: {}", e.irqs)?;
+    writeln!(f, "spurious_irqs: {}", e.spurious_irqs)?;
+    writeln!(f, "watchdog_timeouts: {}", e.watchdog_timeouts)?;
+    writeln!(f, "resets: {}", e.resets)
 }

@@ -12,13 +12,17 @@
 //! - `buffer.rs`: a DMA-coherent buffer, charged to a channel
 //!   (`channel.rs`) and mapped by `mmap.rs`;
 //! - `job.rs`: a submitted job, its fence marks and the completion path;
-//! - `engine.rs`: the engine that runs jobs (software: CPU copies in a
-//!   work item; edu: DMA chunks advanced by interrupts, see `edu.rs`);
+//! - `engine.rs`: the [`engine::Engine`] seam every backend implements, and
+//!   the software engine (CPU copies in a work item); edu's DMA chunks are
+//!   advanced by interrupts in `edu.rs`;
 //! - `fence.rs`: per-buffer pending-read/write counters and completion
 //!   counts, whose wait queues the waiters sleep on;
-//! - `device.rs`, `soft.rs`, `edu.rs` (+ `edu_regs.rs`): the device state,
-//!   the software device, and the QEMU edu PCI device whose DMA engine and
-//!   MSI interrupt run jobs in hardware; `stats.rs`: statistics in debugfs.
+//! - `device.rs`, `soft.rs`, `edu.rs` (+ `edu_regs.rs`): the device state
+//!   and unbind sequence, the software device, and the QEMU edu PCI device
+//!   whose DMA engine and MSI interrupt run jobs in hardware;
+//! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
+//!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
+//!   helpers 7.2's Rust bindings lack.
 
 use kernel::{
     driver,
@@ -35,15 +39,20 @@ mod edu_regs;
 mod engine;
 mod fence;
 mod file;
+mod glue;
 mod handle;
 mod job;
 mod mmap;
+mod node;
 mod range;
 mod soft;
 mod stats;
 mod uapi;
 
-use device::MAX_DEVICES;
+use device::{
+    Limits,
+    MAX_DEVICES, //
+};
 use soft::SoftDevice;
 
 module! {
@@ -71,7 +80,23 @@ module! {
         },
         edu_timeout_ms: u32 {
             default: 5000,
-            description: "Watchdog: time one edu DMA chunk may take before its job fails (10-600000)",
+            description: "Watchdog: time one edu DMA chunk may take before its job fails (200-600000; a chunk takes about 100 ms)",
+        },
+        file_max_buffers: u32 {
+            default: 65536,
+            description: "Most live buffers one open file may hold (1-16777216); more is ENOSPC",
+        },
+        file_max_mib: u32 {
+            default: 4096,
+            description: "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC",
+        },
+        file_max_jobs: u32 {
+            default: 1024,
+            description: "Most unfinished jobs one open file may have (1-4095); more is EAGAIN",
+        },
+        file_max_inflight_mib: u32 {
+            default: 1024,
+            description: "Most MiB the unfinished jobs of one open file may move (1-1048576); more is EAGAIN, but a lone job always fits",
         },
     },
 }
@@ -86,22 +111,37 @@ pub(crate) struct Params {
     pub(crate) channel_limit: u64,
     pub(crate) edu_dma_bits: u32,
     pub(crate) edu_timeout_ms: u32,
+    pub(crate) limits: Limits,
 }
 
 /// Reads and range-checks the module parameters.
 pub(crate) fn params() -> Result<Params> {
+    let file_max_buffers = *module_parameters::file_max_buffers.value();
+    let file_max_mib = *module_parameters::file_max_mib.value();
+    let file_max_jobs = *module_parameters::file_max_jobs.value();
+    let file_max_inflight_mib = *module_parameters::file_max_inflight_mib.value();
     let p = Params {
         soft_devices: *module_parameters::soft_devices.value(),
         channels: *module_parameters::channels.value(),
         channel_limit: u64::from(*module_parameters::channel_mib.value()) << 20,
         edu_dma_bits: *module_parameters::edu_dma_bits.value(),
         edu_timeout_ms: *module_parameters::edu_timeout_ms.value(),
+        limits: Limits {
+            handles: file_max_buffers as usize,
+            bytes: u64::from(file_max_mib) << 20,
+            jobs: file_max_jobs,
+            inflight_bytes: u64::from(file_max_inflight_mib) << 20,
+        },
     };
     if p.soft_devices > MAX_SOFT_DEVICES
         || !(1..=16).contains(&p.channels)
         || !((1 << 20)..=(4096 << 20)).contains(&p.channel_limit)
         || !(24..=64).contains(&p.edu_dma_bits)
-        || !(10..=600_000).contains(&p.edu_timeout_ms)
+        || !(edu::MIN_TIMEOUT_MS..=600_000).contains(&p.edu_timeout_ms)
+        || !(1..=handle::MAX_HANDLES).contains(&p.limits.handles)
+        || !(1..=1 << 20).contains(&file_max_mib)
+        || !(1..job::JOB_WINDOW as u32).contains(&file_max_jobs)
+        || !(1..=1 << 20).contains(&file_max_inflight_mib)
     {
         pr_err!("invalid module parameters\n");
         return Err(EINVAL);
@@ -128,10 +168,7 @@ impl InPlaceModule for TdrvModule {
             let root = stats::RootGuard;
             let mut soft = KVec::with_capacity(p.soft_devices as usize, GFP_KERNEL)?;
             for _ in 0..p.soft_devices {
-                soft.push(
-                    KBox::pin_init(SoftDevice::new(p.channels, p.channel_limit), GFP_KERNEL)?,
-                    GFP_KERNEL,
-                )?;
+                soft.push(KBox::pin_init(SoftDevice::new(&p), GFP_KERNEL)?, GFP_KERNEL)?;
             }
             pr_info!(
                 "loaded: {} software device(s), {} channel(s) of {} MiB each\n",

@@ -45,6 +45,7 @@ pub(crate) const DEVICE_EDU: u32 = 2;
 
 pub(crate) const MAX_BUFFER_SIZE: u64 = 1 << 30;
 pub(crate) const MAX_JOB_DESCS: u32 = 1024;
+pub(crate) const MAX_JOB_BYTES: u64 = 1 << 32;
 
 pub(crate) const JOB_PENDING: u32 = 1;
 pub(crate) const JOB_DONE: u32 = 2;
@@ -288,6 +289,17 @@ const _: () = {
     assert!(IOC_COMPLETION_RESET == 0x4010_D70D);
 };
 
+/// ECANCELED: a job of a closed file that did not run (to its end).
+/// (7.2 names no constant for it.)
+pub(crate) fn ecanceled() -> Error {
+    Error::from_errno(-(kernel::bindings::ECANCELED as i32))
+}
+
+/// ESTALE: JOB_WAIT on an id older than the retained window.
+pub(crate) fn estale() -> Error {
+    Error::from_errno(-(kernel::bindings::ESTALE as i32))
+}
+
 /// Returns true if any of `words` is non-zero (reserved-field check).
 pub(crate) fn any_nonzero(words: &[u64]) -> bool {
     words.iter().any(|w| *w != 0)
@@ -295,10 +307,48 @@ pub(crate) fn any_nonzero(words: &[u64]) -> bool {
 
 /// The argument of one ioctl call: its user address and the size the
 /// caller's request number declares.
+///
+/// The growth rule of `tdrv.h`: a caller's struct may be smaller than ours
+/// (an older binary, down to the first published size, which for every
+/// struct of ABI 1.0 is its current size) or larger (a newer one, whose
+/// extra bytes must be zero on input). Input copies the smaller of the two
+/// sizes and zero-extends; output writes back the smaller of the two.
 pub(crate) struct ArgBuf {
     addr: usize,
     size: usize,
 }
+
+/// Sizes of the first published version of each argument struct.
+pub(crate) trait FirstSize {
+    /// The struct's size in ABI 1.0.
+    const FIRST_SIZE: usize;
+}
+
+macro_rules! first_size {
+    ($($ty:ident),* $(,)?) => {
+        $(impl FirstSize for $ty {
+            const FIRST_SIZE: usize = core::mem::size_of::<$ty>();
+        })*
+    };
+}
+first_size!(
+    Version,
+    ChannelInfo,
+    Alloc,
+    Free,
+    BufInfo,
+    Xfer,
+    Memset,
+    Copy,
+    Submit,
+    JobWait,
+    FenceWait,
+    CompletionWait,
+    CompletionReset,
+);
+
+/// Largest argument struct of this ABI (bounds the stack copy below).
+const MAX_OUR_SIZE: usize = 128;
 
 impl ArgBuf {
     /// Matches `cmd` against the canonical request `known` by type, number
@@ -316,16 +366,24 @@ impl ArgBuf {
         }
     }
 
-    /// Reads a `T`, applying the growth rule: the caller's struct must be at
-    /// least ours (EINVAL otherwise, or if absurdly large); bytes past ours
-    /// must be zero (E2BIG otherwise).
-    pub(crate) fn read<T: FromBytes>(&self) -> Result<T> {
-        let ours = core::mem::size_of::<T>();
-        if self.size < ours || self.size > MAX_ARG_SIZE {
+    /// Checks the caller's size for `T`: EINVAL below the first published
+    /// size or above `MAX_ARG_SIZE`. All an output-only struct needs.
+    pub(crate) fn check_size<T: FirstSize>(&self) -> Result {
+        if self.size < T::FIRST_SIZE || self.size > MAX_ARG_SIZE {
             return Err(EINVAL);
         }
+        Ok(())
+    }
+
+    /// Reads a `T` under the growth rule: E2BIG if bytes past ours are not
+    /// zero; fields the caller's (older) struct lacks read as zero.
+    pub(crate) fn read<T: FromBytes + FirstSize>(&self) -> Result<T> {
+        const { assert!(core::mem::size_of::<T>() <= MAX_OUR_SIZE) };
+        self.check_size::<T>()?;
+        let ours = core::mem::size_of::<T>();
         let mut reader = UserSlice::new(UserPtr::from_addr(self.addr), self.size).reader();
-        let value: T = reader.read()?;
+        let mut bytes = [0u8; MAX_OUR_SIZE];
+        reader.read_slice(&mut bytes[..ours.min(self.size)])?;
         let mut rest = [0u8; 64];
         while !reader.is_empty() {
             let n = reader.len().min(rest.len());
@@ -334,15 +392,16 @@ impl ArgBuf {
                 return Err(E2BIG);
             }
         }
-        Ok(value)
+        T::from_bytes_copy(&bytes[..ours]).ok_or(EINVAL)
     }
 
-    /// Writes `value` back over the first `size_of::<T>()` bytes of the
-    /// caller's struct (which [`ArgBuf::read`] proved is at least that big).
+    /// Writes `value` back over the first `min(size_of::<T>(), caller's
+    /// size)` bytes of the caller's struct; the caller's further bytes are
+    /// left alone (they are ours to ignore, not to define).
     pub(crate) fn write<T: AsBytes>(&self, value: &T) -> Result {
-        let ours = core::mem::size_of::<T>();
-        UserSlice::new(UserPtr::from_addr(self.addr), ours)
+        let n = core::mem::size_of::<T>().min(self.size);
+        UserSlice::new(UserPtr::from_addr(self.addr), n)
             .writer()
-            .write(value)
+            .write_slice(&value.as_bytes()[..n])
     }
 }

@@ -13,20 +13,51 @@
  *    and are zeroed on output;
  *  - structs may grow at the end. The size encoded in the ioctl number is
  *    the caller's struct size: the driver accepts any size from the first
- *    published one up; bytes the driver does not know must be zero (else
- *    E2BIG); output is written back up to the smaller of the two sizes.
+ *    published one (the sizes below, ABI 1.0) up to 4096 bytes. Input
+ *    copies the smaller of the caller's and the driver's size and reads
+ *    missing fields as zero; bytes the driver does not know must be zero
+ *    (else E2BIG). Output is written back up to the smaller of the two
+ *    sizes. Output-only structs (TDRV_IOC_VERSION) are not read at all.
  *    TDRV_IOC_VERSION reports the ABI version and feature bits.
  *
  * Errors are negative errno values from ioctl(2) (errno in userspace):
- *  EINVAL   malformed argument (reserved bits, bad flags, zero size, ...)
+ *  EINVAL   malformed argument (reserved bits, bad flags, zero size,
+ *           overlapping source and destination ranges in one buffer, a job
+ *           moving more than TDRV_MAX_JOB_BYTES, ...)
  *  E2BIG    unknown trailing struct bytes are non-zero
  *  ENOENT   no such buffer handle in this open file (or it was freed)
  *  ERANGE   offset + size outside the buffer, or overflows 64 bits
  *  EFAULT   a user pointer cannot be read or written
  *  EXDEV    a copy between buffers on different HBM channels
- *  ENOMEM   no memory; ENOSPC: the channel's byte limit would be exceeded
- *  ETIMEDOUT a wait timed out; EINTR: a signal interrupted a wait
+ *  ENOMEM   no memory
+ *  ENOSPC   the channel's byte limit, or this file's buffer or byte limit
+ *           (module parameters file_max_buffers, file_max_mib), would be
+ *           exceeded
+ *  EAGAIN   this file has too many unfinished jobs, or they would move too
+ *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
+ *           some to finish and submit again
+ *  ETIMEDOUT a timed wait expired, or (as a job status) the device did not
+ *           finish the job in time
+ *  EINTR    a signal interrupted a timed wait. Waits without a timeout are
+ *           restarted after a handler installed with SA_RESTART, and
+ *           return EINTR otherwise.
+ *  ESTALE   TDRV_IOC_JOB_WAIT on a job older than this file's last
+ *           TDRV_JOB_WINDOW jobs: its status is no longer kept
+ *  EIO      (job status, or SUBMIT) the device failed and is recovering
+ *  ECANCELED (job status) the job's file was closed before it ended
  *  ENODEV   the device was removed; its files only support close(2)
+ *
+ * Memory: buffers are charged to their channel (and to the allocating
+ * process's memory cgroup) at their size rounded up to pages. A buffer
+ * may be made of several DMA-contiguous pieces; buffers up to 4 MiB are
+ * one piece when memory allows. dma_addr is the bus address of byte 0 and
+ * covers the first piece only. Bus addresses are reported only to openers
+ * with CAP_SYS_RAWIO; others see 0.
+ *
+ * Lifetime: a file's mapping keeps the module loaded (rmmod fails while a
+ * file is open or a buffer mapped). Closing a file (also by exit or
+ * SIGKILL) cancels its jobs: queued ones end with ECANCELED, a running one
+ * after the chunk in flight.
  */
 #ifndef _UAPI_TDRV_H
 #define _UAPI_TDRV_H
@@ -51,6 +82,10 @@
 #define TDRV_MAX_BUFFER_SIZE	(1ULL << 30)
 /* Most descriptors one TDRV_IOC_SUBMIT may carry. */
 #define TDRV_MAX_JOB_DESCS	1024
+/* Most bytes one job may move (sum of its descriptors' sizes). */
+#define TDRV_MAX_JOB_BYTES	(1ULL << 32)
+/* Jobs per file whose status TDRV_IOC_JOB_WAIT keeps (older: ESTALE). */
+#define TDRV_JOB_WINDOW		4096
 
 /* Timeouts are in microseconds: 0 polls, negative waits without limit. */
 #define TDRV_TIMEOUT_INFINITE	(-1LL)
@@ -84,7 +119,7 @@ struct tdrv_alloc {
 	__u32 channel;		/* in: HBM channel index */
 	__u32 flags;		/* in: zero (no flags defined yet) */
 	__u64 handle;		/* out: buffer handle, valid in this file only */
-	__u64 dma_addr;		/* out: device (bus) address of byte 0 */
+	__u64 dma_addr;		/* out: bus address of byte 0 (0 without CAP_SYS_RAWIO) */
 	__u64 mmap_offset;	/* out: offset to pass to mmap(2) */
 	__u64 reserved[2];	/* in: zero */
 };
@@ -139,8 +174,10 @@ struct tdrv_copy_desc {
 	__u64 size;		/* bytes, > 0 */
 };
 
-/* TDRV_IOC_COPY: synchronous buffer-to-buffer copy, fenced like a read of
- * the source and a write of the destination. */
+/* TDRV_IOC_COPY: synchronous buffer-to-buffer copy. It waits like a read
+ * of the source and a write of the destination, and no job is queued on
+ * either buffer while it runs (SUBMIT waits for it; the same holds for
+ * COPY_IN, COPY_OUT and MEMSET). */
 struct tdrv_copy {
 	struct tdrv_copy_desc desc; /* in */
 	__u64 reserved[2];	/* in: zero */

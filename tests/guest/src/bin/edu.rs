@@ -7,7 +7,7 @@
 
 use std::{fs, thread, time::Duration};
 
-use tdrv_guest_tests::{expect_eq, ok, open_device_or_skip, raw::Dev, Tap};
+use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
@@ -160,7 +160,7 @@ impl MappedChild {
 
 fn main() {
     let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
-    let mut t = Tap::new(6);
+    let mut t = Tap::new(7);
 
     t.run("the interrupt counter grows with jobs", || -> R {
         let before = stat(&path, "irqs")?;
@@ -292,5 +292,128 @@ fn main() {
         Ok(())
     });
 
+    t.run(
+        "unbind is not held up by a COPY_IN stalled on a user page fault",
+        unbind_during_stalled_copy,
+    );
+
     t.finish();
+}
+
+/// `struct uffdio_api` and `struct uffdio_register` (linux/userfaultfd.h).
+#[repr(C)]
+struct UffdApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+#[repr(C)]
+struct UffdRegister {
+    start: u64,
+    len: u64,
+    mode: u64,
+    ioctls: u64,
+}
+const UFFD_API: u64 = 0xAA;
+const UFFDIO_API: u64 = 0xC018_AA3F;
+const UFFDIO_REGISTER: u64 = 0xC020_AA00;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+
+/// A COPY_IN whose source is a userfaultfd-registered page that nobody
+/// serves blocks in the kernel's page fault. Other files must still work,
+/// and unbind must complete; once the fault is resolved (the userfaultfd
+/// closed) the copy ends with ENODEV.
+fn unbind_during_stalled_copy() -> R {
+    let pci = bound_pci_address()?;
+    let node = edu_nodes().first().cloned().ok_or("no edu device")?;
+    let dev = ok("open", Dev::open(&node))?;
+    let a = ok("alloc", dev.alloc(8192, 0))?;
+    // SAFETY: plain syscalls on fresh descriptors and a fresh anonymous
+    // mapping that no Rust object uses.
+    let (uffd, region) = unsafe {
+        let uffd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) as i32;
+        if uffd < 0 {
+            return Err(format!("userfaultfd: errno {}", tdrv_guest_tests::raw::errno()));
+        }
+        let mut api = UffdApi { api: UFFD_API, features: 0, ioctls: 0 };
+        if libc::ioctl(uffd, UFFDIO_API as _, &mut api) != 0 {
+            return Err("UFFDIO_API".into());
+        }
+        let region = libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        let mut reg = UffdRegister {
+            start: region as u64,
+            len: 8192,
+            mode: UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        if libc::ioctl(uffd, UFFDIO_REGISTER as _, &mut reg) != 0 {
+            return Err("UFFDIO_REGISTER".into());
+        }
+        (uffd, region as u64)
+    };
+    let dev = std::sync::Arc::new(dev);
+    let copier = {
+        let dev = dev.clone();
+        thread::spawn(move || {
+            let mut x = tdrv_xfer {
+                handle: a.handle,
+                offset: 0,
+                size: 8192,
+                user_ptr: region,
+                ..Default::default()
+            };
+            dev.ioctl(TDRV_IOC_COPY_IN, &mut x)
+        })
+    };
+    thread::sleep(Duration::from_millis(200));
+    if copier.is_finished() {
+        return Err("COPY_IN did not block on the unserved page".into());
+    }
+    // Bounded waits: a hang here would otherwise hang the whole suite.
+    let bounded = |what: &'static str, f: Box<dyn FnOnce() -> R + Send>| -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(30))
+            .map_err(|_| format!("{what} blocked behind the stalled copy"))?
+    };
+    let node2 = node.clone();
+    bounded(
+        "another file",
+        Box::new(move || {
+            let other = ok("open", Dev::open(&node2))?;
+            let b = ok("alloc", other.alloc(4096, 0))?;
+            ok("free", other.free(b.handle))
+        }),
+    )?;
+    let pci2 = pci.clone();
+    bounded(
+        "unbind",
+        Box::new(move || {
+            fs::write(format!("{DRIVER_DIR}/unbind"), &pci2).map_err(|e| format!("unbind: {e}"))
+        }),
+    )?;
+    // Resolve the fault: without its userfaultfd the page is an ordinary
+    // anonymous page again.
+    // SAFETY: closes our own descriptor.
+    unsafe { libc::close(uffd) };
+    let copied = copier.join().map_err(|_| "copier panicked")?;
+    let rebind = fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
+    // SAFETY: unmaps our own region.
+    unsafe { libc::munmap(region as *mut _, 8192) };
+    expect_err("the stalled COPY_IN", copied, libc::ENODEV)?;
+    rebind?;
+    thread::sleep(Duration::from_millis(100));
+    if edu_nodes().is_empty() {
+        return Err("no edu device after rebind".into());
+    }
+    Ok(())
 }

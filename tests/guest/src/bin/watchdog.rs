@@ -1,88 +1,123 @@
-//! The edu watchdog: with `edu_timeout_ms` below the device's ~100 ms DMA
-//! time, every job must fail with ETIMEDOUT and still release its fences,
-//! and the device must stay usable for synchronous work.
+//! The edu watchdog, driven by the engine's fault injection (debugfs
+//! `inject`): a lost completion interrupt is recovered without failing the
+//! job, a stuck chunk fails its job with ETIMEDOUT and the queued jobs with
+//! EIO, and the engine then serves jobs again.
 //!
-//! usage: watchdog /dev/tdrvN   (an edu device; load tdrv with
-//! edu_timeout_ms=20)
+//! usage: watchdog /dev/tdrvN   (an edu device; others are skipped)
+//!
+//! The watchdog fires after `edu_timeout_ms` (default 5 s) of guest time;
+//! under `-icount sleep=off` an idle guest skips to it at once.
 
-use std::fs;
+use std::{fs, thread, time::Duration};
 
-use tdrv_guest_tests::{expect_eq, ok, open_device_or_skip, Tap};
+use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
+fn desc(src: u64, dst: u64, size: u64) -> tdrv_copy_desc {
+    tdrv_copy_desc {
+        src_handle: src,
+        dst_handle: dst,
+        size,
+        ..Default::default()
+    }
+}
+
 fn main() {
     let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
     let name = path.trim_start_matches("/dev/").to_string();
-    let timeouts = || -> Result<u64, String> {
+    let stat = |key: &str| -> Result<u64, String> {
         let text = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/stats"))
             .map_err(|e| e.to_string())?;
         text.lines()
-            .find_map(|l| l.strip_prefix("watchdog_timeouts:")?.trim().parse().ok())
-            .ok_or_else(|| "no watchdog_timeouts in stats".into())
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
+            .ok_or_else(|| format!("no {key} in stats"))
     };
-    let mut t = Tap::new(3);
+    let inject = |cmd: &str| -> std::io::Result<()> {
+        fs::write(format!("/sys/kernel/debug/tdrv/{name}/inject"), cmd)
+    };
+    let mut t = Tap::new(5);
 
     let a = dev.alloc(8192, 0).expect("alloc");
     let b = dev.alloc(8192, 0).expect("alloc");
-    t.run(
-        "a job the device does not finish in time fails with ETIMEDOUT",
-        || -> R {
-            let before = timeouts()?;
-            let d = tdrv_copy_desc {
-                src_handle: a.handle,
-                dst_handle: b.handle,
-                size: 8192,
-                ..Default::default()
-            };
-            let id = ok("submit", dev.submit(&[d]))?;
-            expect_eq(
-                "job",
-                ok("wait", dev.job_wait(id, -1))?,
-                (TDRV_JOB_DONE, -libc::ETIMEDOUT),
-            )?;
-            if timeouts()? <= before {
-                return Err("watchdog_timeouts did not grow".into());
-            }
-            Ok(())
-        },
-    );
+    dev.copy_in(a.handle, 0, &[0xAB; 8192]).expect("copy_in");
 
-    t.run(
-        "the failed job released its fences and counted no completion",
-        || -> R {
-            let i = ok("buf_info", dev.buf_info(b.handle))?;
-            expect_eq("pending", (i.pending_reads, i.pending_writes), (0, 0))?;
-            expect_eq("completions", i.completion_count, 0)?;
-            ok("fence wait", dev.fence_wait(b.handle, TDRV_FENCE_ALL, 0))
-        },
-    );
+    t.run("a lost completion interrupt is recovered: the job succeeds", || -> R {
+        let spurious = stat("spurious_irqs")?;
+        let timeouts = stat("watchdog_timeouts")?;
+        inject("lose_irq").map_err(|e| format!("inject: {e}"))?;
+        let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
+        expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+        let mut out = [0u8; 100];
+        ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+        expect_eq("data", out.iter().all(|x| *x == 0xAB), true)?;
+        expect_eq("no timeout counted", stat("watchdog_timeouts")?, timeouts)?;
+        if stat("spurious_irqs")? <= spurious {
+            return Err("the lost interrupt was not noticed".into());
+        }
+        Ok(())
+    });
 
-    t.run(
-        "later jobs time out too, and synchronous work still runs",
-        || -> R {
-            let d = tdrv_copy_desc {
-                src_handle: a.handle,
-                dst_handle: b.handle,
-                size: 100,
-                ..Default::default()
-            };
-            let ids: Vec<u64> = (0..3)
-                .map(|_| ok("submit", dev.submit(&[d])))
-                .collect::<Result<_, _>>()?;
-            for id in ids {
-                expect_eq(
-                    "job",
-                    ok("wait", dev.job_wait(id, -1))?,
-                    (TDRV_JOB_DONE, -libc::ETIMEDOUT),
-                )?;
+    t.run("a stuck chunk fails its job with ETIMEDOUT and the queued ones with EIO", || -> R {
+        let timeouts = stat("watchdog_timeouts")?;
+        let resets = stat("resets")?;
+        let completions = ok("buf_info", dev.buf_info(b.handle))?.completion_count;
+        inject("stall").map_err(|e| format!("inject: {e}"))?;
+        let stuck = ok("submit", dev.submit(&[desc(a.handle, b.handle, 8192)]))?;
+        let queued: Vec<u64> = (0..3)
+            .map(|_| ok("submit", dev.submit(&[desc(a.handle, b.handle, 64)])))
+            .collect::<Result<_, _>>()?;
+        expect_eq(
+            "stuck job",
+            ok("wait", dev.job_wait(stuck, -1))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        )?;
+        for id in queued {
+            expect_eq("queued job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, -libc::EIO))?;
+        }
+        expect_eq("watchdog_timeouts", stat("watchdog_timeouts")?, timeouts + 1)?;
+        expect_eq("resets", stat("resets")?, resets + 1)?;
+        let i = ok("buf_info", dev.buf_info(b.handle))?;
+        expect_eq("pending", (i.pending_reads, i.pending_writes), (0, 0))?;
+        expect_eq("completions", i.completion_count, completions)
+    });
+
+    t.run("after recovery the engine serves jobs again", || -> R {
+        let mut tries = 0;
+        let id = loop {
+            match dev.submit(&[desc(a.handle, b.handle, 4096)]) {
+                Ok(id) => break id,
+                // Still letting go of the stuck transfer.
+                Err(e) if e == libc::EIO && tries < 30 => {
+                    tries += 1;
+                    thread::sleep(Duration::from_millis(500));
+                }
+                Err(e) => return Err(format!("submit after recovery: errno {e}")),
             }
-            ok("copy_in", dev.copy_in(b.handle, 0, &[1, 2, 3]))?;
-            let mut out = [0u8; 3];
-            ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
-            expect_eq("data", out, [1, 2, 3])
-        },
-    );
+        };
+        expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+        let mut out = vec![0u8; 4096];
+        ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+        expect_eq("data", out.iter().all(|x| *x == 0xAB), true)
+    });
+
+    t.run("synchronous work and other files are unaffected", || -> R {
+        let other = ok("open", Dev::open(&path))?;
+        let c = ok("alloc", other.alloc(100, 0))?;
+        ok("copy_in", other.copy_in(c.handle, 0, &[1, 2, 3]))?;
+        let mut out = [0u8; 3];
+        ok("copy_out", other.copy_out(c.handle, 0, &mut out))?;
+        expect_eq("data", out, [1, 2, 3])
+    });
+
+    t.run("unknown injection commands are refused", || -> R {
+        match inject("melt") {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+            other => Err(format!("inject melt: {other:?}")),
+        }?;
+        expect_err("nothing else changed", dev.buf_info(0), libc::ENOENT)
+    });
+
     t.finish();
 }

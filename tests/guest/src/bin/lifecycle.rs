@@ -1,0 +1,526 @@
+//! Lifecycle and limits of the module (issue 10): module pinning, job
+//! cancellation on close and SIGKILL, honest accounting, per-file caps, the
+//! job status window, SA_RESTART, exec-free mappings, CAP_SYS_RAWIO and the
+//! exclusion of synchronous copies and jobs.
+//!
+//! usage: lifecycle /dev/tdrvN
+
+use std::{
+    fs,
+    sync::atomic::{AtomicBool, AtomicUsize, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use tdrv_guest_tests::{
+    expect_eq, expect_err, ok, open_device_or_skip,
+    raw::{page_size, Dev},
+    Tap,
+};
+use tdrv_uapi::*;
+
+type R = Result<(), String>;
+
+fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv_copy_desc {
+    tdrv_copy_desc {
+        src_handle: src,
+        src_offset,
+        dst_handle: dst,
+        dst_offset,
+        size,
+    }
+}
+
+/// The module's reference count, as sysfs shows it.
+fn module_refcnt() -> Result<u64, String> {
+    let text = fs::read_to_string("/sys/module/tdrv/refcnt").map_err(|e| e.to_string())?;
+    text.trim().parse().map_err(|e| format!("refcnt {text:?}: {e}"))
+}
+
+/// `delete_module("tdrv", O_NONBLOCK)`: what `rmmod` does.
+fn try_unload() -> Result<(), i32> {
+    // SAFETY: a NUL-terminated name and flags; no memory is passed back.
+    let r = unsafe { libc::syscall(libc::SYS_delete_module, c"tdrv".as_ptr(), libc::O_NONBLOCK) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(tdrv_guest_tests::raw::errno())
+    }
+}
+
+/// Reads one counter of a device's debugfs statistics.
+fn stat(node: &str, key: &str) -> Result<u64, String> {
+    let name = node.trim_start_matches("/dev/");
+    let text = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/stats"))
+        .map_err(|e| format!("read stats of {name}: {e}"))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
+        .ok_or_else(|| format!("no {key} in stats of {name}"))
+}
+
+/// Polls channel 0's usage until it is back to `base` bytes and buffers,
+/// returning how long that took, or an error after `limit`.
+fn wait_usage(dev: &Dev, base: &tdrv_channel_info, limit: Duration) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    loop {
+        let c = ok("channel_info", dev.channel_info(0))?;
+        if (c.used_bytes, c.buffers) == (base.used_bytes, base.buffers) {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() > limit {
+            return Err(format!(
+                "channel 0 still holds {} bytes in {} buffers after {limit:?} (start: {} in {})",
+                c.used_bytes, c.buffers, base.used_bytes, base.buffers
+            ));
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Fills one file with a long queue: `jobs` jobs each copying `size`
+/// bytes between two fresh buffers of channel 0. Returns the job ids.
+fn queue_jobs(dev: &Dev, size: u64, jobs: usize) -> Result<Vec<u64>, String> {
+    let a = ok("alloc", dev.alloc(size, 0))?;
+    let b = ok("alloc", dev.alloc(size, 0))?;
+    (0..jobs)
+        .map(|_| ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, size)])))
+        .collect()
+}
+
+/// One big job that keeps the engine busy (several passes over 8 MiB),
+/// submitted on a fresh file, and that file.
+fn busy_file(path: &str, passes: usize) -> Result<Dev, String> {
+    let dev = ok("open", Dev::open(path))?;
+    let size = 8 << 20;
+    let a = ok("alloc", dev.alloc(size, 0))?;
+    let b = ok("alloc", dev.alloc(size, 0))?;
+    let descs: Vec<_> = (0..passes).map(|_| desc(a.handle, 0, b.handle, 0, size)).collect();
+    ok("submit busy job", dev.submit(&descs))?;
+    Ok(dev)
+}
+
+mod sig {
+    //! Signal handling for the SA_RESTART test.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    pub static HITS: AtomicUsize = AtomicUsize::new(0);
+
+    pub extern "C" fn on_signal(_: libc::c_int) {
+        HITS.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Installs `on_signal` for SIGUSR1, with or without SA_RESTART.
+    pub fn install(restart: bool) {
+        // SAFETY: a zeroed sigaction is valid; the handler only touches an
+        // atomic, which is async-signal-safe.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = if restart { libc::SA_RESTART } else { 0 };
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn main() {
+    let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
+    let edu = version.device_kind == TDRV_DEVICE_EDU;
+    let page = page_size() as u64;
+    let mut t = Tap::new(12);
+
+    t.run("an open file or a mapping pins the module (rmmod fails)", || -> R {
+        let base = module_refcnt()?;
+        let extra = ok("open", Dev::open(&path))?;
+        expect_eq("refcnt with one more file", module_refcnt()?, base + 1)?;
+        expect_err("unload with a file open", try_unload(), libc::EWOULDBLOCK)?;
+        let a = ok("alloc", extra.alloc(page, 0))?;
+        let mut map = ok("mmap", extra.map(&a))?;
+        drop(extra);
+        // The mapping keeps its file (and so the module).
+        expect_eq("refcnt with a mapping only", module_refcnt()?, base + 1)?;
+        expect_err("unload with a mapping", try_unload(), libc::EWOULDBLOCK)?;
+        map.as_mut_slice()[0] = 7;
+        expect_eq("mapping still works", map.as_slice()[0], 7)?;
+        drop(map);
+        expect_eq("refcnt after munmap", module_refcnt()?, base)
+    });
+
+    t.run("closing a file cancels its queued jobs and frees its memory at once", || -> R {
+        let base = ok("channel_info", dev.channel_info(0))?;
+        let cancelled = stat(&path, "jobs_cancelled")?;
+        let victim = ok("open", Dev::open(&path))?;
+        // Soft: 32 x 4 MiB; edu: 4 x 64 KiB (a chunk is ~200 ms there).
+        let (size, jobs) = if edu { (64 << 10, 4) } else { (4 << 20, 32) };
+        let ids = queue_jobs(&victim, size, jobs)?;
+        drop(victim);
+        let took = wait_usage(&dev, &base, Duration::from_millis(if edu { 1500 } else { 1000 }))?;
+        let now = stat(&path, "jobs_cancelled")?;
+        if now < cancelled + (ids.len() as u64 / 2) {
+            return Err(format!("only {} jobs cancelled", now - cancelled));
+        }
+        println!("# memory back {took:?} after close, {} jobs cancelled", now - cancelled);
+        Ok(())
+    });
+
+    t.run("a SIGKILLed process's jobs are cancelled and its memory freed", || -> R {
+        let base = ok("channel_info", dev.channel_info(0))?;
+        let mut fds = [0; 2];
+        // SAFETY: `fds` has room for two descriptors.
+        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+            return Err("pipe".into());
+        }
+        // SAFETY: the child only makes syscalls and exits without unwinding.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let run = || -> Result<(), String> {
+                let d = ok("open", Dev::open(&path))?;
+                let (size, jobs) = if edu { (64 << 10, 8) } else { (2 << 20, 64) };
+                queue_jobs(&d, size, jobs)?;
+                // SAFETY: writes one byte from a live buffer.
+                unsafe { libc::write(fds[1], [1u8].as_ptr().cast(), 1) };
+                loop {
+                    thread::sleep(Duration::from_secs(10));
+                }
+            };
+            let _ = run();
+            // SAFETY: leaves the child without running the parent's cleanup.
+            unsafe { libc::_exit(1) };
+        }
+        let mut byte = [0u8];
+        // SAFETY: reads one byte into a live buffer.
+        let n = unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) };
+        // SAFETY: `pid` is our child; the fds are ours.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        if n != 1 {
+            return Err("child failed to queue its jobs".into());
+        }
+        let took = wait_usage(&dev, &base, Duration::from_millis(if edu { 1500 } else { 1000 }))?;
+        println!("# memory back {took:?} after SIGKILL");
+        Ok(())
+    });
+
+    t.run("buffers are charged page-rounded; tiny buffers cannot bypass the limit", || -> R {
+        let d = ok("open", Dev::open(&path))?;
+        let base = ok("channel_info", d.channel_info(0))?;
+        let a = ok("alloc 1 byte", d.alloc(1, 0))?;
+        let c = ok("channel_info", d.channel_info(0))?;
+        expect_eq("charge of 1 byte", c.used_bytes - base.used_bytes, page)?;
+        ok("free", d.free(a.handle))?;
+        let room = (base.limit_bytes - base.used_bytes) / page;
+        let mut n = 0u64;
+        let err = loop {
+            match d.alloc(1, 0) {
+                Ok(_) => n += 1,
+                Err(e) => break e,
+            }
+            if n > 40_000 {
+                return Err("40,000 one-byte buffers fitted in the channel".into());
+            }
+        };
+        expect_eq("errno at the limit", err, libc::ENOSPC)?;
+        if n > room {
+            return Err(format!("{n} one-byte buffers fitted, room for {room} pages"));
+        }
+        let full = ok("channel_info", d.channel_info(0))?;
+        if full.used_bytes > full.limit_bytes {
+            return Err(format!("used {} over limit {}", full.used_bytes, full.limit_bytes));
+        }
+        drop(d);
+        wait_usage(&dev, &base, Duration::from_secs(2)).map(drop)
+    });
+
+    t.run("the per-file job cap answers EAGAIN and nothing is lost", || -> R {
+        let d = busy_file(&path, if edu { 1 } else { 48 })?;
+        let a = ok("alloc", d.alloc(page, 0))?;
+        let b = ok("alloc", d.alloc(page, 0))?;
+        let mut queued = 1; // the busy job
+        let err = loop {
+            match d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]) {
+                Ok(_) => queued += 1,
+                Err(e) => break e,
+            }
+            if queued > 5000 {
+                return Err("5000 jobs queued without EAGAIN".into());
+            }
+        };
+        expect_eq("errno at the cap", err, libc::EAGAIN)?;
+        expect_eq("jobs queued at the cap (file_max_jobs)", queued, 1024)?;
+        drop(d);
+        // A job that would take a busy file past the in-flight byte cap
+        // (file_max_inflight_mib, 1 GiB) waits; alone, it would run.
+        let d = busy_file(&path, if edu { 1 } else { 48 })?;
+        let big = ok("alloc", d.alloc(8 << 20, 0))?;
+        let big2 = ok("alloc", d.alloc(8 << 20, 0))?;
+        let many: Vec<_> = (0..200).map(|_| desc(big.handle, 0, big2.handle, 0, 8 << 20)).collect();
+        expect_err("job over the byte cap", d.submit(&many), libc::EAGAIN)?;
+        let lone = ok("open", Dev::open(&path))?;
+        let c = ok("alloc", lone.alloc(8 << 20, 0))?;
+        let e = ok("alloc", lone.alloc(8 << 20, 0))?;
+        let many: Vec<_> = (0..200).map(|_| desc(c.handle, 0, e.handle, 0, 8 << 20)).collect();
+        ok("the same job alone", lone.submit(&many)).map(drop)
+    });
+
+    t.run("JOB_WAIT on an id older than TDRV_JOB_WINDOW is ESTALE", || -> R {
+        if edu {
+            println!("# (the window is engine-independent: covered on the software device)");
+            return Ok(());
+        }
+        let d = ok("open", Dev::open(&path))?;
+        let a = ok("alloc", d.alloc(page, 0))?;
+        let b = ok("alloc", d.alloc(page, 0))?;
+        let first = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
+        let mut last = first;
+        for i in 0..TDRV_JOB_WINDOW as u64 {
+            last = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
+            if i % 512 == 0 {
+                ok("wait", d.job_wait(last, -1))?;
+            }
+        }
+        ok("wait", d.job_wait(last, -1))?;
+        expect_eq("ids", last - first, TDRV_JOB_WINDOW as u64)?;
+        expect_err("oldest id", d.job_wait(first, 0), libc::ESTALE)?;
+        expect_eq("next oldest", ok("wait", d.job_wait(first + 1, 0))?, (TDRV_JOB_DONE, 0))?;
+        expect_err("never issued", d.job_wait(last + 1, 0), libc::EINVAL)
+    });
+
+    t.run("untimed waits restart after SA_RESTART handlers; timed ones get EINTR", || -> R {
+        let d = ok("open", Dev::open(&path))?;
+        let a = ok("alloc", d.alloc(page, 0))?;
+        let b = ok("alloc", d.alloc(page, 0))?;
+        let waiter_tid = AtomicUsize::new(0);
+        let done = AtomicBool::new(false);
+        sig::install(true);
+        let r = thread::scope(|s| {
+            let w = s.spawn(|| {
+                // SAFETY: gettid has no preconditions.
+                waiter_tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
+                let r = d.completion_wait(b.handle, 1, -1).map_err(|(e, _)| e);
+                done.store(true, Ordering::SeqCst);
+                r
+            });
+            while waiter_tid.load(Ordering::SeqCst) == 0 {
+                thread::yield_now();
+            }
+            thread::sleep(Duration::from_millis(50));
+            let before = sig::HITS.load(Ordering::SeqCst);
+            // SAFETY: signals a thread of this process.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    waiter_tid.load(Ordering::SeqCst) as libc::pid_t,
+                    libc::SIGUSR1,
+                )
+            };
+            let t0 = Instant::now();
+            while sig::HITS.load(Ordering::SeqCst) == before && t0.elapsed() < Duration::from_secs(5) {
+                thread::sleep(Duration::from_millis(1));
+            }
+            thread::sleep(Duration::from_millis(50));
+            let still_waiting = !done.load(Ordering::SeqCst);
+            let id = d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]);
+            (still_waiting, id, w.join())
+        });
+        let (still_waiting, id, waited) = r;
+        ok("submit", id)?;
+        let waited = waited.map_err(|_| "waiter panicked")?;
+        expect_eq("wait survived the handler", still_waiting, true)?;
+        ok("restarted wait", waited)?;
+        // A timed wait is not restarted.
+        sig::install(false);
+        let tid = AtomicUsize::new(0);
+        let timed = thread::scope(|s| {
+            let w = s.spawn(|| {
+                // SAFETY: gettid has no preconditions.
+                tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
+                d.completion_wait(b.handle, 100, 5_000_000).map_err(|(e, _)| e)
+            });
+            while tid.load(Ordering::SeqCst) == 0 {
+                thread::yield_now();
+            }
+            thread::sleep(Duration::from_millis(50));
+            // SAFETY: signals a thread of this process.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_tgkill,
+                    libc::getpid(),
+                    tid.load(Ordering::SeqCst) as libc::pid_t,
+                    libc::SIGUSR1,
+                )
+            };
+            w.join()
+        });
+        expect_err("timed wait", timed.map_err(|_| "waiter panicked")?, libc::EINTR)
+    });
+
+    t.run("mappings are never executable", || -> R {
+        let a = ok("alloc", dev.alloc(page, 0))?;
+        // SAFETY: a fresh mapping chosen by the kernel; nothing lives there.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                page as usize,
+                libc::PROT_READ | libc::PROT_EXEC,
+                libc::MAP_SHARED,
+                dev.fd(),
+                a.mmap_offset as libc::off_t,
+            )
+        };
+        if p != libc::MAP_FAILED {
+            // SAFETY: unmaps what was just mapped.
+            unsafe { libc::munmap(p, page as usize) };
+            return Err("PROT_EXEC mapping succeeded".into());
+        }
+        let map = ok("mmap rw", dev.map(&a))?;
+        // SAFETY: changes the protection of our own mapping.
+        let r = unsafe {
+            libc::mprotect(map.as_slice().as_ptr() as *mut _, page as usize, libc::PROT_READ | libc::PROT_EXEC)
+        };
+        let e = tdrv_guest_tests::raw::errno();
+        drop(map);
+        ok("free", dev.free(a.handle))?;
+        if r == 0 {
+            return Err("mprotect(PROT_EXEC) succeeded".into());
+        }
+        expect_eq("mprotect errno", e, libc::EACCES)
+    });
+
+    t.run("bus addresses only for CAP_SYS_RAWIO", || -> R {
+        let a = ok("alloc", dev.alloc(page, 0))?;
+        if a.dma_addr == 0 {
+            return Err("root (CAP_SYS_RAWIO) got dma_addr 0".into());
+        }
+        ok("free", dev.free(a.handle))?;
+        // SAFETY: the child drops a capability, makes syscalls and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            #[repr(C)]
+            struct Header {
+                version: u32,
+                pid: i32,
+            }
+            #[repr(C)]
+            #[derive(Default, Clone, Copy)]
+            struct Data {
+                effective: u32,
+                permitted: u32,
+                inheritable: u32,
+            }
+            let mut h = Header { version: 0x2008_0522, pid: 0 };
+            let mut d = [Data::default(); 2];
+            // SAFETY: valid header and two data words (capability v3).
+            let code = unsafe {
+                libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr());
+                d[0].effective &= !(1 << 17); // CAP_SYS_RAWIO
+                libc::syscall(libc::SYS_capset, &mut h, d.as_ptr());
+                match Dev::open(&path).and_then(|x| {
+                    let a = x.alloc(page, 0)?;
+                    let i = x.buf_info(a.handle)?;
+                    Ok((a.dma_addr, i.dma_addr))
+                }) {
+                    Ok((0, 0)) => 0,
+                    Ok(_) => 1,
+                    Err(_) => 2,
+                }
+            };
+            // SAFETY: leaves the child without running the parent's cleanup.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        match libc::WEXITSTATUS(status) {
+            0 => Ok(()),
+            1 => Err("an opener without CAP_SYS_RAWIO saw a bus address".into()),
+            _ => Err("child without CAP_SYS_RAWIO could not allocate".into()),
+        }
+    });
+
+    t.run("a synchronous COPY_IN and a job on its buffer never interleave", || -> R {
+        let d = ok("open", Dev::open(&path))?;
+        let size: u64 = if edu { 8064 } else { 4 << 20 };
+        let x = ok("alloc", d.alloc(size, 0))?;
+        let y = ok("alloc", d.alloc(size, 0))?;
+        let rounds = if edu { 2 } else { 40 };
+        let stop = AtomicBool::new(false);
+        thread::scope(|s| {
+            let writer = s.spawn(|| -> R {
+                let mut v = 1u8;
+                while !stop.load(Ordering::SeqCst) {
+                    ok("copy_in", d.copy_in(x.handle, 0, &vec![v; size as usize]))?;
+                    v = v.wrapping_add(1).max(1);
+                    if edu {
+                        // Idle time lets the icount clock run the DMA timer.
+                        thread::sleep(Duration::from_millis(1));
+                    }
+                }
+                Ok(())
+            });
+            let checker = s.spawn(|| -> R {
+                let mut out = vec![0u8; size as usize];
+                for _ in 0..rounds {
+                    let id = ok("submit", d.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
+                    expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+                    ok("copy_out", d.copy_out(y.handle, 0, &mut out))?;
+                    let first = out[0];
+                    if let Some(i) = out.iter().position(|b| *b != first) {
+                        return Err(format!("job saw a half-written buffer: byte 0 = {first}, byte {i} = {}", out[i]));
+                    }
+                }
+                Ok(())
+            });
+            let r = checker.join().map_err(|_| "checker panicked".to_string());
+            stop.store(true, Ordering::SeqCst);
+            let w = writer.join().map_err(|_| "writer panicked".to_string());
+            r.and_then(|r| r).and(w.and_then(|w| w))
+        })
+    });
+
+    t.run("ABI growth: older-or-equal sizes accepted, output-only VERSION ignores its input", || -> R {
+        // VERSION with a larger struct whose tail is garbage: output only.
+        let mut big = [0xFFu8; 128];
+        let req = request_with_size(TDRV_IOC_VERSION, 128);
+        ok("version, 128-byte garbage struct", dev.ioctl(req, &mut big))?;
+        let v: tdrv_version = unsafe_read(&big);
+        expect_eq("abi major", v.abi_major, TDRV_ABI_MAJOR)?;
+        expect_eq("untouched tail", big[100], 0xFF)?;
+        // Smaller than the first published size: EINVAL.
+        let mut small = [0u8; 8];
+        expect_err("version, 8 bytes", dev.ioctl(request_with_size(TDRV_IOC_VERSION, 8), &mut small), libc::EINVAL)?;
+        // An input struct larger than ours with a zero tail works.
+        let a = ok("alloc", dev.alloc(page, 0))?;
+        let mut free = [0u64; 4];
+        free[0] = a.handle;
+        ok("free, 32-byte struct", dev.ioctl(request_with_size(TDRV_IOC_FREE, 32), &mut free))?;
+        expect_err("freed", dev.buf_info(a.handle), libc::ENOENT)
+    });
+
+    t.run("the channel is back to its start after every test", || -> R {
+        // This file's own buffers from the tests above were freed; usage
+        // must equal what other files hold (none in this run).
+        let c = ok("channel_info", dev.channel_info(0))?;
+        expect_eq("buffers on channel 0", c.buffers, 0)?;
+        expect_eq("bytes on channel 0", c.used_bytes, 0)
+    });
+
+    t.finish();
+}
+
+/// `request` with its size field replaced.
+fn request_with_size(request: u64, size: u64) -> u64 {
+    (request & !(0x3fff << 16)) | (size << 16)
+}
+
+/// Reads a plain-old-data struct from the start of `bytes`.
+fn unsafe_read<T: Copy>(bytes: &[u8]) -> T {
+    assert!(bytes.len() >= std::mem::size_of::<T>());
+    // SAFETY: `bytes` holds at least `size_of::<T>()` bytes and `T` is a
+    // plain-old-data uapi struct (every bit pattern valid).
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast()) }
+}
