@@ -250,6 +250,71 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::effective_baseline;
+    use crate::storage::{DmaBuffer, Memory, Storage};
+    use crate::sys::Device;
+    use crate::Tensor;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A `Dma` tensor over a fake buffer of a `/dev/null` device: enough
+    /// for the logic above the ioctls.
+    pub(crate) fn fake_dma_tensor(dma_addr: u64) -> (std::sync::Arc<Device>, Tensor) {
+        let dev = Device::fake_for_tests();
+        let buf = DmaBuffer {
+            device: dev.clone(),
+            handle: 7,
+            channel: 0,
+            dma_addr,
+            mapping: None,
+            counted: AtomicBool::new(true),
+        };
+        let t = Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf)));
+        (dev, t)
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "opens /dev/null and frees the fake buffer with an ioctl"
+    )]
+    fn view_baselines_follow_a_raw_reset_of_their_buffer() {
+        let (dev, t) = fake_dma_tensor(0x1000);
+        let st = t.storage_for("t").unwrap();
+        let b = st.dma().unwrap();
+        // As after reset_output_completion at kernel count 5.
+        t.completion_cell().store(5, Ordering::Relaxed);
+        assert_eq!(t.dma_baseline(st, b), 5);
+        // Device::completion_reset(7) puts the kernel count back to 0.
+        dev.fake_reset(7);
+        assert_eq!(t.dma_baseline(st, b), 0);
+        // A reset of another buffer changes nothing.
+        let (dev2, t2) = fake_dma_tensor(0x1000);
+        t2.completion_cell().store(3, Ordering::Relaxed);
+        dev2.fake_reset(8);
+        let st2 = t2.storage_for("t").unwrap();
+        assert_eq!(t2.dma_baseline(st2, st2.dma().unwrap()), 3);
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "opens /dev/null and frees the fake buffer with an ioctl"
+    )]
+    fn pa_refuses_a_withheld_dma_address() {
+        let (_dev, t) = fake_dma_tensor(0);
+        assert!(matches!(
+            t.pa(),
+            Err(crate::Error::NoDmaAddress { op: "pa" })
+        ));
+        assert!(matches!(
+            t.device_allocation_info(),
+            Err(crate::Error::NoDmaAddress { .. })
+        ));
+        let (_dev, t) = fake_dma_tensor(0x1000);
+        // Never counted: slicing needs no BUF_INFO.
+        let b = t.storage_for("t").unwrap().dma().unwrap();
+        b.counted.store(false, Ordering::Relaxed);
+        assert_eq!(t.slice(16, 16, None).unwrap().pa().unwrap(), 0x1010);
+    }
 
     #[test]
     fn a_raw_completion_reset_zeroes_view_baselines() {

@@ -117,6 +117,11 @@ impl Storage {
         })
     }
 
+    #[cfg(test)]
+    pub(crate) fn __new_for_tests(size: usize, mem: Memory) -> Arc<Storage> {
+        Self::new(size, mem)
+    }
+
     /// Zeroed, aligned host memory.
     pub(crate) fn new_malloc(size: usize) -> Result<Arc<Storage>> {
         let layout =

@@ -629,9 +629,33 @@ impl Device {
             &mut r,
             true,
         )?;
-        *resets.entry(handle).or_insert(0) += 1;
-        self.any_reset.store(true, Ordering::Release);
+        Self::note_reset(&mut resets, &self.any_reset, handle);
         Ok(())
+    }
+
+    fn note_reset(resets: &mut HashMap<u64, u64>, any: &AtomicBool, handle: u64) {
+        *resets.entry(handle).or_insert(0) += 1;
+        any.store(true, Ordering::Release);
+    }
+
+    /// A device on `/dev/null` for unit tests of the layers above (every
+    /// ioctl fails with ENOTTY); `reset` records a raw reset of `handle`
+    /// as a successful `completion_reset` would.
+    #[cfg(test)]
+    pub(crate) fn fake_for_tests() -> Arc<Device> {
+        let fd: OwnedFd = std::fs::File::open("/dev/null").expect("/dev/null").into();
+        Arc::new(Device {
+            fd,
+            path: PathBuf::from("/dev/null"),
+            version: tdrv_version::default(),
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
+        })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn fake_reset(&self, handle: u64) {
+        Self::note_reset(&mut self.lock_resets(), &self.any_reset, handle);
     }
 
     /// How many times [`Device::completion_reset`] reset `handle`'s count

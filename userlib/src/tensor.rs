@@ -192,6 +192,11 @@ impl Tensor {
         Self::new_view(name, Some(storage), 0, size, (0, epoch))
     }
 
+    #[cfg(test)]
+    pub(crate) fn __from_storage_for_tests(storage: Arc<Storage>) -> Tensor {
+        Self::with_storage(None, storage).expect("view")
+    }
+
     fn inner(&self) -> &ViewInner {
         // SAFETY: the untagged pointer is a live `ViewInner`: this handle
         // holds one of its counts.
