@@ -166,18 +166,23 @@ impl Buffer {
                 }
             }
         };
-        let mut pieces = KVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
-        for m in mem.iter() {
-            pieces.push(
-                PieceAddr {
-                    cpu: m.as_mut_ptr().cast(),
-                    dma: m.dma_handle(),
-                },
-                GFP_KERNEL_ACCOUNT,
-            )?;
-        }
-        let registry_key = match device.register_buffer() {
-            Ok(key) => key,
+        let addrs = || -> Result<KVec<PieceAddr>> {
+            let mut pieces = KVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
+            for m in mem.iter() {
+                pieces.push(
+                    PieceAddr {
+                        cpu: m.as_mut_ptr().cast(),
+                        dma: m.dma_handle(),
+                    },
+                    GFP_KERNEL_ACCOUNT,
+                )?;
+            }
+            Ok(pieces)
+        };
+        let (pieces, registry_key) = match addrs()
+            .and_then(|pieces| Ok((pieces, device.register_buffer()?)))
+        {
+            Ok(ok) => ok,
             Err(e) => {
                 device.channels.release(channel, charged);
                 return Err(e);

@@ -257,10 +257,18 @@ impl EduEngine {
         let _ = engine::queue().enqueue_delayed(self.clone(), delay);
     }
 
-    /// Starts the oldest queued job that is not cancelled, if any.
+    /// Starts the oldest queued job, if any. Jobs of closed files are
+    /// skipped (completed with ECANCELED through `fin`) unless called from
+    /// `submit`: that runs under the submitting file's tracker lock, and
+    /// completing another file's job there would nest two tracker locks.
+    /// Such a job then runs one chunk and is cancelled by `step`.
     fn start_next(self: &Arc<Self>, st: &mut EduState, fin: &mut Finished) {
+        self.start_next_from(st, fin, true)
+    }
+
+    fn start_next_from(self: &Arc<Self>, st: &mut EduState, fin: &mut Finished, skip: bool) {
         while let Some(job) = st.queue.pop_front() {
-            if job.cancelled() {
+            if skip && job.cancelled() {
                 fin.cancelled.push_back(job);
                 continue;
             }
@@ -456,7 +464,7 @@ impl EduEngine {
             );
             st.orphan = Some(cur.job.clone());
             fin.job = Some((cur.job, Err(ETIMEDOUT)));
-            fin.failed = core::mem::replace(&mut st.queue, List::new());
+            fin.failed = core::mem::take(&mut st.queue);
         }
         // Look again after another period: the orphan goes once the device
         // stops (or its completion arrives).
@@ -494,11 +502,13 @@ impl Engine for EduBackend {
             st.queue.push_back(job);
             let mut fin = Finished::new();
             if st.current.is_none() {
-                e.start_next(&mut st, &mut fin);
+                e.start_next_from(&mut st, &mut fin, false);
             }
             fin
         };
-        fin.complete();
+        // Nothing to complete: `start_next_from` skipped no job.
+        debug_assert!(fin.job.is_none() && fin.cancelled.is_empty());
+        drop(fin);
         Ok(())
     }
 
@@ -516,7 +526,7 @@ impl Engine for EduBackend {
             (
                 st.current.take(),
                 st.orphan.take(),
-                core::mem::replace(&mut st.queue, List::new()),
+                core::mem::take(&mut st.queue),
             )
         };
         // Flush rather than cancel: a cancelled work item would never give

@@ -96,7 +96,6 @@ pub(crate) fn take_jobs_of(queue: &mut List<Job>, tracker: &JobTracker) -> List<
         if next.arc().submitted_by(tracker) {
             taken.push_back(next.remove());
         } else {
-            drop(next);
             cursor.move_next();
         }
     }

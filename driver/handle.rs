@@ -134,7 +134,7 @@ impl<T> HandleTable<T> {
         self.slots
             .iter()
             .filter_map(|s| s.item.as_ref())
-            .for_each(|item| f(item));
+            .for_each(&mut f);
     }
 }
 

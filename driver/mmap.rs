@@ -50,6 +50,11 @@ pub(crate) fn offset_of_handle(handle: u64) -> u64 {
     handle << PAGE_SHIFT
 }
 
+/// `vm_operations_struct.open`: a VMA was copied or split.
+///
+/// # Safety
+///
+/// Called by the kernel only, for a VMA set up by [`map_buffer`].
 unsafe extern "C" fn vma_open(vma: *mut bindings::vm_area_struct) {
     // SAFETY: `vma` is a copy of a VMA set up by `map_buffer`, so its
     // `vm_private_data` came from `Arc::into_raw`, and that reference is
@@ -61,6 +66,12 @@ unsafe extern "C" fn vma_open(vma: *mut bindings::vm_area_struct) {
     let _ = Arc::into_raw(original);
 }
 
+/// `vm_operations_struct.close`: a VMA goes away.
+///
+/// # Safety
+///
+/// Called by the kernel only, once per VMA set up by [`map_buffer`] or
+/// copied from one.
 unsafe extern "C" fn vma_close(vma: *mut bindings::vm_area_struct) {
     // SAFETY: Every VMA using `BUFFER_VM_OPS` owns one reference, taken in
     // `map_buffer` or `vma_open`; `close` runs once per VMA, so this gives
@@ -68,13 +79,19 @@ unsafe extern "C" fn vma_close(vma: *mut bindings::vm_area_struct) {
     drop(unsafe { Arc::<Buffer>::from_raw((*vma).vm_private_data.cast()) });
 }
 
+/// `vm_operations_struct.fault`: maps the page of the buffer at the fault.
+///
+/// # Safety
+///
+/// Called by the kernel only, with a valid `vmf` for a VMA set up by
+/// [`map_buffer`].
 unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fault_t {
     // SAFETY: The fault handler is called with a valid `vm_fault` whose
     // VMA uses `BUFFER_VM_OPS`, so it holds a buffer reference in
     // `vm_private_data` for as long as the VMA exists (at least this call).
     let (vma, address, index) = unsafe { {
         let f = &(*vmf).__bindgen_anon_1;
-        (f.vma, f.address, f.pgoff as usize)
+        (f.vma, f.address, f.pgoff)
     } };
     // SAFETY: As above.
     let buf = unsafe { &*(*vma).vm_private_data.cast::<Buffer>() };
@@ -83,7 +100,7 @@ unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fau
         // `map_buffer`), `address` lies inside it, and `pfn` is a page of
         // the buffer's live memory: unbind detaches the memory under the
         // lock `with_page_pfn` holds now, and zaps this entry afterwards.
-        unsafe { bindings::vmf_insert_pfn(vma, address as _, pfn as _) }
+        unsafe { bindings::vmf_insert_pfn(vma, address, pfn) }
     })
     .unwrap_or(bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t)
 }
