@@ -8,6 +8,7 @@
 
 #![allow(non_camel_case_types)]
 #![no_std]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 mod generated;
 

@@ -4,6 +4,10 @@
 //! - Figure 1: slice create + drop against `Arc::clone` + drop and against
 //!   a `Box` of a view's heap size (one allocation of the same bytes), on
 //!   a `Malloc` tensor.
+//! - C handle lookup (with figure 1): what the C ABI's table of live
+//!   handles (`tdrv::handles`) adds to every `nrt_tensor_*` call, a lookup
+//!   among 10,000 live handles plus the quiet clone, against the clone
+//!   alone.
 //! - Figure 7 (host half): heap bytes per view with 1 million slices, and
 //!   per storage (with its first view) with 1 million `Fake` tensors,
 //!   against 1 million `Box`es of a view's heap size.
@@ -20,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::Criterion;
+use tdrv::handles::HandleTable;
 use tdrv::{Tensor, VIEW_HEAP_SIZE};
 
 /// Where criterion keeps its results (`$TDRV_BENCH_CRITERION`, else the
@@ -108,6 +113,21 @@ fn fig1(c: &mut Criterion) {
     g.finish();
 }
 
+fn registry(c: &mut Criterion) {
+    let t = Tensor::allocate_host(4096, Some("registry")).expect("allocate_host");
+    let table = HandleTable::new();
+    let others: Vec<usize> = (0..10_000)
+        .map(|_| table.insert(t.clone_quiet()).expect("insert"))
+        .collect();
+    let h = others[others.len() / 2];
+    let mut g = c.benchmark_group("registry");
+    g.bench_function("lookup", |b| {
+        b.iter(|| black_box(table.get(black_box(h), Tensor::clone_quiet)))
+    });
+    g.bench_function("direct", |b| b.iter(|| black_box(t.clone_quiet())));
+    g.finish();
+}
+
 /// Bytes the C allocator hands out now (arena plus mmapped chunks).
 fn heap_in_use() -> usize {
     // SAFETY: mallinfo2 only reads the allocator's statistics.
@@ -138,7 +158,9 @@ fn fig7_memory() {
         boxed.push(bytes_each(N, |_| {
             black_box(Box::new([0u8; VIEW_HEAP_SIZE]))
         }));
-        fake.push(bytes_each(N, |_| Tensor::allocate_fake(4096, None)));
+        fake.push(bytes_each(N, |_| {
+            Tensor::allocate_fake(4096, None).expect("fake")
+        }));
     }
     emit("7", "view_host", "tensor_slice", "B", &summarize(view));
     emit("7", "view_host", "box", "B", &summarize(boxed));
@@ -159,11 +181,18 @@ fn main() {
         .sample_size(60)
         .configure_from_args();
     fig1(&mut c);
+    registry(&mut c);
     c.final_summary();
     for id in ["slice", "arc_clone", "box"] {
         match criterion_samples("fig1", id) {
             Some(s) if !s.is_empty() => emit("1", "host", id, "ns", &summarize(s)),
             _ => eprintln!("no criterion samples for fig1/{id} (filtered out?)"),
+        }
+    }
+    for id in ["lookup", "direct"] {
+        match criterion_samples("registry", id) {
+            Some(s) if !s.is_empty() => emit("1", "registry", id, "ns", &summarize(s)),
+            _ => eprintln!("no criterion samples for registry/{id} (filtered out?)"),
         }
     }
     fig7_memory();

@@ -55,7 +55,9 @@ pub enum Policy {
 impl Policy {
     /// The seed's enumerator names, for C-style callers.
     pub const COHERENT: Policy = Policy::Coherent;
+    /// The seed's `INCOHERENT_VERBOSE`.
     pub const INCOHERENT_VERBOSE: Policy = Policy::IncoherentVerbose;
+    /// The seed's `INCOHERENT_QUIET`.
     pub const INCOHERENT_QUIET: Policy = Policy::IncoherentQuiet;
 
     /// All policies, in value order.
@@ -119,8 +121,11 @@ impl fmt::Display for AccessorKind {
 /// A snapshot of the open-accessor counts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct OpenCounts {
+    /// Open buffered readers.
     pub buffered_readers: i32,
+    /// Open buffered writers.
     pub buffered_writers: i32,
+    /// Open unbuffered accessors.
     pub unbuffered_accessors: i32,
 }
 
@@ -170,7 +175,9 @@ pub enum CoherenceError {
          (policy COHERENT; set INCOHERENT_VERBOSE or INCOHERENT_QUIET to allow it)"
     )]
     Incoherent {
+        /// The kind asked for.
         requested: AccessorKind,
+        /// What was open.
         open: OpenCounts,
     },
     /// A release with no accessor of that kind open: the count stays at 0.
@@ -231,9 +238,13 @@ pub struct CoherencyEnforcer {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RawCoherencyEnforcer {
+    /// Open buffered readers.
     pub buffered_readers: i32,
+    /// Open buffered writers.
     pub buffered_writers: i32,
+    /// Open unbuffered accessors.
     pub unbuffered_accessors: i32,
+    /// The raw policy value.
     pub policy: u32,
 }
 

@@ -26,8 +26,37 @@ use crate::wait::Deadline;
 /// A direction of device access, for the async marks and fences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
+    /// The device (or host) reads the bytes.
     Read,
+    /// The device (or host) writes the bytes.
     Write,
+}
+
+/// A `Dma` view's baseline in the kernel's count: the count at which the
+/// view's count was 0, unless the buffer's count was reset through
+/// [`crate::Device::completion_reset`] since (`seen` is the reset epoch
+/// the baseline was taken at, `now` the current one); then the view counts
+/// from that reset, like every view of the buffer.
+fn effective_baseline(base: u64, seen: u64, now: u64) -> u64 {
+    if seen == now {
+        base
+    } else {
+        0
+    }
+}
+
+impl Tensor {
+    /// The baseline of a `Dma` view now (see [`effective_baseline`]).
+    fn dma_baseline(&self, st: &crate::storage::Storage, b: &crate::storage::DmaBuffer) -> u64 {
+        let now = b.device.completion_epoch(b.handle);
+        st.sync.locked(|| {
+            effective_baseline(
+                self.completion_cell().load(Ordering::Relaxed),
+                self.completion_epoch_cell().load(Ordering::Relaxed),
+                now,
+            )
+        })
+    }
 }
 
 impl Tensor {
@@ -143,10 +172,7 @@ impl Tensor {
                 })
             };
         };
-        let target = self
-            .completion_cell()
-            .load(Ordering::Acquire)
-            .saturating_add(expected);
+        let target = self.dma_baseline(st, b).saturating_add(expected);
         let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
             match b
@@ -176,8 +202,9 @@ impl Tensor {
         let cell = self.completion_cell();
         match st.dma() {
             Some(b) => {
+                let base = self.dma_baseline(st, b);
                 let now = b.device.buf_info(b.handle)?.completion_count;
-                Ok(now.saturating_sub(cell.load(Ordering::Acquire)))
+                Ok(now.saturating_sub(base))
             }
             None => Ok(cell.load(Ordering::Relaxed)),
         }
@@ -192,8 +219,13 @@ impl Tensor {
         match st.dma() {
             Some(b) => {
                 b.counted.store(true, Ordering::Release);
+                // Epoch first (see `Tensor::slice`).
+                let epoch = b.device.completion_epoch(b.handle);
                 let now = b.device.buf_info(b.handle)?.completion_count;
-                cell.store(now, Ordering::Release);
+                st.sync.locked(|| {
+                    cell.store(now, Ordering::Relaxed);
+                    self.completion_epoch_cell().store(epoch, Ordering::Relaxed);
+                });
             }
             None => st.sync.reset(cell),
         }
@@ -212,5 +244,89 @@ impl Tensor {
         }
         st.sync.complete(self.completion_cell());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::effective_baseline;
+    use crate::storage::{DmaBuffer, Memory, Storage};
+    use crate::sys::Device;
+    use crate::Tensor;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A `Dma` tensor over a fake buffer of a `/dev/null` device: enough
+    /// for the logic above the ioctls.
+    pub(crate) fn fake_dma_tensor(dma_addr: u64) -> (std::sync::Arc<Device>, Tensor) {
+        let dev = Device::fake_for_tests();
+        let buf = DmaBuffer {
+            device: dev.clone(),
+            handle: 7,
+            channel: 0,
+            dma_addr,
+            mapping: None,
+            counted: AtomicBool::new(true),
+        };
+        let t = Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf)));
+        (dev, t)
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "opens /dev/null and frees the fake buffer with an ioctl"
+    )]
+    fn view_baselines_follow_a_raw_reset_of_their_buffer() {
+        let (dev, t) = fake_dma_tensor(0x1000);
+        let st = t.storage_for("t").unwrap();
+        let b = st.dma().unwrap();
+        // As after reset_output_completion at kernel count 5.
+        t.completion_cell().store(5, Ordering::Relaxed);
+        assert_eq!(t.dma_baseline(st, b), 5);
+        // Device::completion_reset(7) puts the kernel count back to 0.
+        dev.fake_reset(7);
+        assert_eq!(t.dma_baseline(st, b), 0);
+        // A reset of another buffer changes nothing.
+        let (dev2, t2) = fake_dma_tensor(0x1000);
+        t2.completion_cell().store(3, Ordering::Relaxed);
+        dev2.fake_reset(8);
+        let st2 = t2.storage_for("t").unwrap();
+        assert_eq!(t2.dma_baseline(st2, st2.dma().unwrap()), 3);
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "opens /dev/null and frees the fake buffer with an ioctl"
+    )]
+    fn pa_refuses_a_withheld_dma_address() {
+        let (_dev, t) = fake_dma_tensor(0);
+        assert!(matches!(
+            t.pa(),
+            Err(crate::Error::NoDmaAddress { op: "pa" })
+        ));
+        assert!(matches!(
+            t.device_allocation_info(),
+            Err(crate::Error::NoDmaAddress { .. })
+        ));
+        let (_dev, t) = fake_dma_tensor(0x1000);
+        // Never counted: slicing needs no BUF_INFO.
+        let b = t.storage_for("t").unwrap().dma().unwrap();
+        b.counted.store(false, Ordering::Relaxed);
+        assert_eq!(t.slice(16, 16, None).unwrap().pa().unwrap(), 0x1010);
+    }
+
+    #[test]
+    fn a_raw_completion_reset_zeroes_view_baselines() {
+        // A view reset at kernel count 5 (epoch 0) counts from 5 ...
+        assert_eq!(effective_baseline(5, 0, 0), 5);
+        // ... until Device::completion_reset puts the kernel count back to
+        // 0 (epoch 1): from then on it counts from 0, so one completion
+        // after the reset satisfies `expected = 1` instead of waiting for
+        // count 6.
+        assert_eq!(effective_baseline(5, 0, 1), 0);
+        // A view reset again after the raw reset counts from its own
+        // baseline.
+        assert_eq!(effective_baseline(2, 1, 1), 2);
     }
 }

@@ -11,19 +11,42 @@
 //! - host copies register the range they touch, so two overlapping host
 //!   accesses where one writes never run at once (the original let them race
 //!   and tear). Accesses to disjoint ranges still run in parallel.
+//!
+//! Every host access to a storage's bytes takes part: tensor I/O, the
+//! staging copies of the stream and TCM accessors (`neuron_memcpy`), and the
+//! indexed accessors, which hold a *direct* span for their whole life. Plain
+//! copies wait for each other; a plain copy that overlaps a direct span it
+//! conflicts with fails at once with [`Error::Busy`](crate::Error::Busy)
+//! (waiting could deadlock the thread that holds the accessor), and a new
+//! direct span waits for the plain copies it overlaps. Direct spans never
+//! conflict with each other: accessors load and store with atomic byte
+//! accesses, which cannot race. See `userlib/DESIGN.md`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
+use crate::error::{Error, Result};
 use crate::log::{heartbeat_interval, log_warn};
 use crate::wait::Deadline;
 
-/// A byte range `[start, end)` of the storage a host copy touches.
+/// A byte range `[start, end)` of the storage a host access touches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Span {
     pub start: usize,
     pub end: usize,
     pub write: bool,
+    /// Held by an indexed accessor (atomic byte accesses) rather than a
+    /// plain copy.
+    pub direct: bool,
+}
+
+/// How a requested span set stands against the active spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Readiness {
+    Ready,
+    Wait,
+    /// A plain copy overlaps a conflicting direct span.
+    Busy,
 }
 
 impl Span {
@@ -32,6 +55,7 @@ impl Span {
             start,
             end: start + len,
             write: false,
+            direct: false,
         }
     }
 
@@ -40,11 +64,26 @@ impl Span {
             start,
             end: start + len,
             write: true,
+            direct: false,
+        }
+    }
+
+    /// The span of an indexed accessor (`write` for a read-write one).
+    pub(crate) fn direct(start: usize, len: usize, write: bool) -> Self {
+        Span {
+            start,
+            end: start + len,
+            write,
+            direct: true,
         }
     }
 
     fn conflicts(&self, other: &Span) -> bool {
-        (self.write || other.write) && self.start < other.end && other.start < self.end
+        // Two direct spans only ever meet through atomic accesses.
+        !(self.direct && other.direct)
+            && (self.write || other.write)
+            && self.start < other.end
+            && other.start < self.end
     }
 }
 
@@ -71,13 +110,21 @@ impl State {
         self.pending.writes == 0 && (!write || self.pending.reads == 0)
     }
 
-    fn ready(&self, spans: &[Span], fence: bool) -> bool {
-        if fence && !self.device_quiet(spans.iter().any(|s| s.write)) {
-            return false;
+    fn readiness(&self, spans: &[Span], fence: bool) -> Readiness {
+        let mut wait = fence && !self.device_quiet(spans.iter().any(|s| s.write));
+        for s in spans {
+            for a in self.active.iter().filter(|a| s.conflicts(a)) {
+                if a.direct && !s.direct {
+                    return Readiness::Busy;
+                }
+                wait = true;
+            }
         }
-        spans
-            .iter()
-            .all(|s| self.active.iter().all(|a| !s.conflicts(a)))
+        if wait {
+            Readiness::Wait
+        } else {
+            Readiness::Ready
+        }
     }
 }
 
@@ -96,15 +143,19 @@ pub(crate) struct HostAccess<'a> {
 
 impl Drop for HostAccess<'_> {
     fn drop(&mut self) {
-        let mut st = self.sync.lock();
-        for s in self.spans {
-            if let Some(i) = st.active.iter().position(|a| a == s) {
-                st.active.swap_remove(i);
-            }
-        }
-        if st.waiters > 0 {
-            self.sync.cond.notify_all();
-        }
+        self.sync.release(self.spans);
+    }
+}
+
+/// The direct span of an indexed accessor, held for the accessor's life.
+pub(crate) struct HeldSpan<'a> {
+    sync: &'a HostSync,
+    span: [Span; 1],
+}
+
+impl Drop for HeldSpan<'_> {
+    fn drop(&mut self) {
+        self.sync.release(&self.span);
     }
 }
 
@@ -153,14 +204,63 @@ impl HostSync {
         (st, true)
     }
 
-    /// Registers host access to `spans` once no conflicting host access is
+    fn release(&self, spans: &[Span]) {
+        let mut st = self.lock();
+        for s in spans {
+            if let Some(i) = st.active.iter().position(|a| a == s) {
+                st.active.swap_remove(i);
+            }
+        }
+        if st.waiters > 0 {
+            self.cond.notify_all();
+        }
+    }
+
+    /// Waits until `spans` can be registered; registers them.
+    fn register(&self, op: &'static str, spans: &[Span], fence: bool) -> Result<()> {
+        let mut st = self.lock();
+        loop {
+            match st.readiness(spans, fence) {
+                Readiness::Ready => break,
+                Readiness::Busy => return Err(Error::Busy { op }),
+                Readiness::Wait => {
+                    st.waiters += 1;
+                    st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+                    st.waiters -= 1;
+                }
+            }
+        }
+        st.active.try_reserve(spans.len()).map_err(|_| {
+            Error::OutOfMemory(spans.len().saturating_mul(std::mem::size_of::<Span>()))
+        })?;
+        st.active.extend_from_slice(spans);
+        Ok(())
+    }
+
+    /// Registers host access to `spans` once no conflicting host copy is
     /// running and, with `fence`, once in-flight device accesses that
     /// conflict are done (device writes for a read, anything for a write).
-    pub(crate) fn acquire<'a>(&'a self, spans: &'a [Span], fence: bool) -> HostAccess<'a> {
-        let st = self.lock();
-        let (mut st, _) = self.wait_until(st, Deadline::Never, None, |st| st.ready(spans, fence));
-        st.active.extend_from_slice(spans);
-        HostAccess { sync: self, spans }
+    /// Fails with [`Error::Busy`] when a span overlaps the direct span of an
+    /// open indexed accessor it conflicts with; then nothing is registered.
+    pub(crate) fn acquire<'a>(
+        &'a self,
+        op: &'static str,
+        spans: &'a [Span],
+        fence: bool,
+    ) -> Result<HostAccess<'a>> {
+        self.register(op, spans, fence)?;
+        Ok(HostAccess { sync: self, spans })
+    }
+
+    /// Registers the direct span of an indexed accessor, once the plain
+    /// copies it conflicts with are done.
+    pub(crate) fn hold(&self, op: &'static str, span: Span) -> Result<HeldSpan<'_>> {
+        debug_assert!(span.direct);
+        self.register(op, &[span], false)?;
+        Ok(HeldSpan {
+            sync: self,
+            span: [span],
+        })
     }
 
     /// Marks a device access as started (`write` selects the counter).
@@ -203,6 +303,12 @@ impl HostSync {
         let st = self.lock();
         self.wait_until(st, deadline, None, |st| st.device_quiet(write))
             .1
+    }
+
+    /// Runs `f` under the storage's lock (for values updated together).
+    pub(crate) fn locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _st = self.lock();
+        f()
     }
 
     /// Bumps a view's completion counter and wakes its waiters.
@@ -251,6 +357,27 @@ mod tests {
         assert!(r(0, 10).conflicts(&w(9, 1)));
         assert!(!w(0, 10).conflicts(&w(10, 10)));
         assert!(!w(0, 0).conflicts(&w(0, 10)));
+        let d = |a, b, w| Span::direct(a, b, w);
+        assert!(!d(0, 10, true).conflicts(&d(0, 10, true)));
+        assert!(d(0, 10, true).conflicts(&r(5, 1)));
+        assert!(!d(0, 10, false).conflicts(&r(5, 1)));
+        assert!(d(0, 10, false).conflicts(&w(5, 1)));
+    }
+
+    #[test]
+    fn a_copy_over_a_direct_span_is_busy_not_blocked() {
+        let s = HostSync::default();
+        let held = s.hold("accessor", Span::direct(0, 64, true)).unwrap();
+        let spans = [Span::read(60, 8)];
+        assert!(matches!(
+            s.acquire("read", &spans, true),
+            Err(Error::Busy { op: "read" })
+        ));
+        let other = [Span::read(64, 8)];
+        drop(s.acquire("read", &other, true).unwrap());
+        drop(held);
+        drop(s.acquire("read", &spans, true).unwrap());
+        assert!(s.lock().active.is_empty());
     }
 
     #[test]
@@ -266,11 +393,11 @@ mod tests {
     fn writer_waits_for_overlapping_host_access() {
         let s = Arc::new(HostSync::default());
         let spans = [Span::read(0, 100)];
-        let g = s.acquire(&spans, true);
+        let g = s.acquire("t", &spans, true).unwrap();
         let s2 = s.clone();
         let t = std::thread::spawn(move || {
             let spans = [Span::write(50, 10)];
-            let _g = s2.acquire(&spans, true);
+            let _g = s2.acquire("t", &spans, true).unwrap();
         });
         std::thread::sleep(Duration::from_millis(50));
         assert!(!t.is_finished());

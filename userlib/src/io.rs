@@ -34,25 +34,42 @@ pub enum Fencing {
 /// One read of a batch: `buf.len()` bytes at `offset` into `buf`.
 #[derive(Debug)]
 pub struct ReadOp<'a> {
+    /// Offset in the view.
     pub offset: usize,
+    /// Where the bytes go.
     pub buf: &'a mut [u8],
 }
 
 /// One write of a batch: `buf` to `offset`.
 #[derive(Debug, Clone, Copy)]
 pub struct WriteOp<'a> {
+    /// Offset in the view.
     pub offset: usize,
+    /// The bytes.
     pub buf: &'a [u8],
 }
 
-/// Raw-pointer copy with the host side of the fences held.
-///
-/// # Safety
-/// `src` and `dst` must be valid for `len` bytes; ranges inside storages
-/// must be covered by a held [`HostAccess`] of the right direction.
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize) {
-    // SAFETY: forwarded; `ptr::copy` tolerates overlap (same storage).
-    unsafe { ptr::copy(src, dst, len) }
+/// One read of a batch into memory given by address, for callers (the C
+/// ABI) that must not make Rust references out of their callers' buffers.
+#[derive(Debug, Clone, Copy)]
+pub struct RawReadOp {
+    /// Offset in the view.
+    pub offset: usize,
+    /// Destination address.
+    pub dst: *mut u8,
+    /// Bytes to read.
+    pub len: usize,
+}
+
+/// One write of a batch from memory given by address.
+#[derive(Debug, Clone, Copy)]
+pub struct RawWriteOp {
+    /// Offset in the view.
+    pub offset: usize,
+    /// Source address.
+    pub src: *const u8,
+    /// Bytes to write.
+    pub len: usize,
 }
 
 /// Host address of absolute offset `abs` of a storage.
@@ -72,145 +89,224 @@ fn dma_fence(st: &Storage, kind: FenceKind, fencing: Fencing) -> Result<()> {
     }
 }
 
-fn host_read(st: &Storage, abs: usize, dst: &mut [u8], fencing: Fencing) -> Result<()> {
-    match (&st.mem, st.host_base()) {
-        (Memory::Fake, _) => Ok(()),
-        (Memory::Dma(b), None) => Ok(b.device.copy_out(b.handle, abs as u64, dst)?),
-        (_, Some(base)) => {
-            let spans = [Span::read(abs, dst.len())];
-            let _g = st.sync.acquire(&spans, fencing == Fencing::Wait);
-            dma_fence(st, FenceKind::Writes, fencing)?;
-            // SAFETY: abs + len <= storage size (checked by `locate`); the
-            // read span is held, so no host write overlaps; `dst` is an
-            // exclusive borrow outside any storage.
-            unsafe { copy_bytes(at(base, abs), dst.as_mut_ptr(), dst.len()) };
-            Ok(())
-        }
-        (_, None) => Ok(()),
-    }
+/// Direction of a host transfer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    /// Tensor to caller memory.
+    Read,
+    /// Caller memory to tensor.
+    Write,
 }
 
-fn host_write(st: &Storage, abs: usize, src: &[u8], fencing: Fencing) -> Result<()> {
-    match (&st.mem, st.host_base()) {
-        (Memory::Fake, _) => Ok(()),
-        (Memory::Dma(b), None) => Ok(b.device.copy_in(b.handle, abs as u64, src)?),
-        (_, Some(base)) => {
-            let spans = [Span::write(abs, src.len())];
-            let _g = st.sync.acquire(&spans, fencing == Fencing::Wait);
-            dma_fence(st, FenceKind::All, fencing)?;
-            // SAFETY: in bounds (checked by `locate`); the write span is
-            // held, so no other host access overlaps.
-            unsafe { copy_bytes(src.as_ptr(), at(base, abs), src.len()) };
-            Ok(())
-        }
-        (_, None) => Ok(()),
-    }
+/// One checked op: absolute offset in the storage, caller address, length.
+type Checked = (usize, *mut u8, usize);
+
+fn try_vec<T>(n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| Error::OutOfMemory(n.saturating_mul(std::mem::size_of::<T>())))?;
+    Ok(v)
 }
 
 impl Tensor {
+    /// The one host transfer path of read, write and their batch forms.
+    /// Checks every op first, then holds every span at once (so a conflict
+    /// with an open accessor fails the whole call before any byte moves),
+    /// fences once and copies through raw pointers.
+    ///
+    /// # Safety
+    /// Each op's caller address is valid for `len` bytes in the direction
+    /// of `dir` (reads of the source, writes of the destination), and no
+    /// other thread writes (or, for `Dir::Read`, accesses) that memory
+    /// during the call. Caller memory may overlap itself or the tensor.
+    unsafe fn transfer(
+        &self,
+        op: &'static str,
+        dir: Dir,
+        ops: &mut dyn ExactSizeIterator<Item = (usize, *mut u8, usize)>,
+        fencing: Fencing,
+    ) -> Result<()> {
+        // One op (read, write) needs no heap: the arrays below; a batch
+        // gets vectors.
+        let many = ops.len() > 1;
+        let mut one: ([Checked; 1], [Span; 1]) = ([(0, ptr::null_mut(), 0)], [Span::read(0, 0)]);
+        let (mut checked, mut spans): (Vec<Checked>, Vec<Span>) = if many {
+            (try_vec(ops.len())?, try_vec(ops.len())?)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut st = None;
+        for (offset, ptr, len) in ops {
+            let (s, abs) = self.locate(op, offset, len)?;
+            if len == 0 {
+                continue;
+            }
+            if ptr.is_null() {
+                return Err(Error::invalid(format!("{op}: NULL buffer of {len} bytes")));
+            }
+            let span = match dir {
+                Dir::Read => Span::read(abs, len),
+                Dir::Write => Span::write(abs, len),
+            };
+            if many {
+                checked.push((abs, ptr, len));
+                spans.push(span);
+            } else {
+                one = ([(abs, ptr, len)], [span]);
+            }
+            st = Some(s);
+        }
+        let Some(st) = st else { return Ok(()) };
+        let (checked, spans): (&[Checked], &[Span]) = if many {
+            (&checked, &spans)
+        } else {
+            (&one.0, &one.1)
+        };
+        match (&st.mem, st.host_base()) {
+            (Memory::Fake, _) => Ok(()),
+            (Memory::Dma(b), None) => {
+                // Unmapped: the kernel copies, and fences itself. A failing
+                // op stops the batch (see DESIGN.md, batches).
+                for &(abs, ptr, len) in checked {
+                    // SAFETY: `ptr` is valid for `len` bytes per our
+                    // contract; the kernel accesses it with copy_*_user.
+                    unsafe {
+                        match dir {
+                            Dir::Read => b.device.copy_out_raw(b.handle, abs as u64, ptr, len)?,
+                            Dir::Write => b.device.copy_in_raw(b.handle, abs as u64, ptr, len)?,
+                        }
+                    }
+                }
+                Ok(())
+            }
+            (_, None) => Ok(()),
+            (_, Some(base)) => {
+                let _g = st.sync.acquire(op, spans, fencing == Fencing::Wait)?;
+                let kind = match dir {
+                    Dir::Read => FenceKind::Writes,
+                    Dir::Write => FenceKind::All,
+                };
+                dma_fence(st, kind, fencing)?;
+                for &(abs, ptr, len) in checked {
+                    // SAFETY: `abs + len` is inside the storage (`locate`);
+                    // the spans held exclude every other host access that
+                    // conflicts (plain copies and accessors alike); the
+                    // caller's memory is valid per our contract; `ptr::copy`
+                    // is a memmove, so caller memory may overlap the tensor.
+                    unsafe {
+                        match dir {
+                            Dir::Read => ptr::copy(at(base, abs), ptr, len),
+                            Dir::Write => ptr::copy(ptr, at(base, abs), len),
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Reads `dst.len()` bytes at `offset` of the view into `dst`, after
     /// in-flight device writes.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        let _t = trace::scope(TraceOp::Read, self.name(), dst.len());
-        let (st, abs) = self.locate("read", offset, dst.len())?;
-        if dst.is_empty() {
-            return Ok(());
-        }
-        host_read(st, abs, dst, Fencing::Wait)
+        // SAFETY: `dst` is an exclusive borrow of `dst.len()` bytes.
+        unsafe { self.read_raw(offset, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// [`Tensor::read`] into memory given by address.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes (it may be null when
+    /// `len` is 0) and no other thread may access those bytes during the
+    /// call. They may overlap the tensor's own memory.
+    pub unsafe fn read_raw(&self, offset: usize, dst: *mut u8, len: usize) -> Result<()> {
+        let _t = trace::scope(TraceOp::Read, self.name(), len);
+        let mut ops = std::iter::once((offset, dst, len));
+        // SAFETY: forwarded to our caller.
+        unsafe { self.transfer("read", Dir::Read, &mut ops, Fencing::Wait) }
     }
 
     /// Writes `src` at `offset` of the view, after every in-flight device
     /// access.
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        let _t = trace::scope(TraceOp::Write, self.name(), src.len());
-        let (st, abs) = self.locate("write", offset, src.len())?;
-        if src.is_empty() {
-            return Ok(());
-        }
-        host_write(st, abs, src, Fencing::Wait)
+        // SAFETY: `src` is a shared borrow: valid and unchanged meanwhile.
+        unsafe { self.write_raw(offset, src.as_ptr(), src.len()) }
+    }
+
+    /// [`Tensor::write`] from memory given by address.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes (it may be null when
+    /// `len` is 0) and no other thread may write those bytes during the
+    /// call. They may overlap the tensor's own memory.
+    pub unsafe fn write_raw(&self, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        let _t = trace::scope(TraceOp::Write, self.name(), len);
+        let mut ops = std::iter::once((offset, src.cast_mut(), len));
+        // SAFETY: forwarded to our caller; the memory is only read.
+        unsafe { self.transfer("write", Dir::Write, &mut ops, Fencing::Wait) }
     }
 
     /// The whole view as a vector.
     pub fn to_vec(&self) -> Result<Vec<u8>> {
-        let mut v = Vec::new();
-        v.try_reserve_exact(self.size())
-            .map_err(|_| Error::OutOfMemory(self.size()))?;
+        let mut v = try_vec(self.size())?;
         v.resize(self.size(), 0);
         self.read(0, &mut v)?;
         Ok(v)
     }
 
-    /// Several reads of this tensor, fenced once. Every range is checked
-    /// before any byte moves.
+    /// Several reads of this tensor, fenced once. Every range is checked,
+    /// and every byte range held, before any byte moves.
     pub fn read_batch(&self, ops: &mut [ReadOp<'_>], fencing: Fencing) -> Result<()> {
         let total = ops
             .iter()
             .fold(0usize, |a, o| a.saturating_add(o.buf.len()));
         let _t = trace::scope(TraceOp::ReadBatch, self.name(), total);
-        let mut spans = Vec::with_capacity(ops.len());
-        let mut st = None;
-        for o in ops.iter() {
-            let (s, abs) = self.locate("read_batch", o.offset, o.buf.len())?;
-            spans.push(Span::read(abs, o.buf.len()));
-            st = Some(s);
-        }
-        let Some(st) = st else { return Ok(()) };
-        match (&st.mem, st.host_base()) {
-            (Memory::Dma(b), None) => {
-                for (o, s) in ops.iter_mut().zip(&spans) {
-                    b.device.copy_out(b.handle, s.start as u64, o.buf)?;
-                }
-                Ok(())
-            }
-            (Memory::Fake, _) | (_, None) => Ok(()),
-            (_, Some(base)) => {
-                let _g = st.sync.acquire(&spans, fencing == Fencing::Wait);
-                dma_fence(st, FenceKind::Writes, fencing)?;
-                for (o, s) in ops.iter_mut().zip(&spans) {
-                    // SAFETY: each range was checked by `locate` and is
-                    // covered by the held read spans.
-                    unsafe { copy_bytes(at(base, s.start), o.buf.as_mut_ptr(), o.buf.len()) };
-                }
-                Ok(())
-            }
-        }
+        let mut it = ops
+            .iter_mut()
+            .map(|o| (o.offset, o.buf.as_mut_ptr(), o.buf.len()));
+        // SAFETY: every buffer is an exclusive borrow of its length.
+        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing) }
+    }
+
+    /// [`Tensor::read_batch`] into memory given by address.
+    ///
+    /// # Safety
+    /// Every `dst` must be valid for writes of its `len` bytes, and no other
+    /// thread may access them during the call. Destinations may overlap
+    /// each other (later ops win) and the tensor.
+    pub unsafe fn read_batch_raw(&self, ops: &[RawReadOp], fencing: Fencing) -> Result<()> {
+        let total = ops.iter().fold(0usize, |a, o| a.saturating_add(o.len));
+        let _t = trace::scope(TraceOp::ReadBatch, self.name(), total);
+        let mut it = ops.iter().map(|o| (o.offset, o.dst, o.len));
+        // SAFETY: forwarded to our caller.
+        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing) }
     }
 
     /// Several writes to this tensor, fenced once, applied in order. Every
-    /// range is checked before any byte moves.
+    /// range is checked, and every byte range held, before any byte moves.
     pub fn write_batch(&self, ops: &[WriteOp<'_>], fencing: Fencing) -> Result<()> {
         let total = ops
             .iter()
             .fold(0usize, |a, o| a.saturating_add(o.buf.len()));
         let _t = trace::scope(TraceOp::WriteBatch, self.name(), total);
-        let mut spans = Vec::with_capacity(ops.len());
-        let mut st = None;
-        for o in ops {
-            let (s, abs) = self.locate("write_batch", o.offset, o.buf.len())?;
-            spans.push(Span::write(abs, o.buf.len()));
-            st = Some(s);
-        }
-        let Some(st) = st else { return Ok(()) };
-        match (&st.mem, st.host_base()) {
-            (Memory::Dma(b), None) => {
-                for (o, s) in ops.iter().zip(&spans) {
-                    b.device.copy_in(b.handle, s.start as u64, o.buf)?;
-                }
-                Ok(())
-            }
-            (Memory::Fake, _) | (_, None) => Ok(()),
-            (_, Some(base)) => {
-                let _g = st.sync.acquire(&spans, fencing == Fencing::Wait);
-                dma_fence(st, FenceKind::All, fencing)?;
-                for (o, s) in ops.iter().zip(&spans) {
-                    // SAFETY: checked by `locate`, covered by the held write
-                    // spans; `o.buf` is a borrow outside the storage (or, if
-                    // the caller aliased the mapping, `ptr::copy` copes).
-                    unsafe { copy_bytes(o.buf.as_ptr(), at(base, s.start), o.buf.len()) };
-                }
-                Ok(())
-            }
-        }
+        let mut it = ops
+            .iter()
+            .map(|o| (o.offset, o.buf.as_ptr().cast_mut(), o.buf.len()));
+        // SAFETY: every buffer is a shared borrow, only read.
+        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing) }
+    }
+
+    /// [`Tensor::write_batch`] from memory given by address.
+    ///
+    /// # Safety
+    /// Every `src` must be valid for reads of its `len` bytes, and no other
+    /// thread may write them during the call. Sources may overlap each
+    /// other and the tensor.
+    pub unsafe fn write_batch_raw(&self, ops: &[RawWriteOp], fencing: Fencing) -> Result<()> {
+        let total = ops.iter().fold(0usize, |a, o| a.saturating_add(o.len));
+        let _t = trace::scope(TraceOp::WriteBatch, self.name(), total);
+        let mut it = ops.iter().map(|o| (o.offset, o.src.cast_mut(), o.len));
+        // SAFETY: forwarded to our caller; sources are only read.
+        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing) }
     }
 
     /// Fills `size` bytes at `offset` with `value`, after every in-flight
@@ -226,13 +322,13 @@ impl Tensor {
                 // The kernel fences the device side; the span keeps host
                 // copies through the mapping from overlapping it.
                 let spans = [Span::write(abs, size)];
-                let _g = st.sync.acquire(&spans, true);
+                let _g = st.sync.acquire("memset", &spans, true)?;
                 Ok(b.device.memset(b.handle, abs as u64, size as u64, value)?)
             }
             (Memory::Fake, _) | (_, None) => Ok(()),
             (_, Some(base)) => {
                 let spans = [Span::write(abs, size)];
-                let _g = st.sync.acquire(&spans, true);
+                let _g = st.sync.acquire("memset", &spans, true)?;
                 // SAFETY: checked by `locate`; the write span is held.
                 unsafe { ptr::write_bytes(at(base, abs), value, size) };
                 Ok(())
@@ -280,7 +376,7 @@ impl Tensor {
                 let src_span = [Span::read(sa, size)];
                 let dst_span = [Span::write(da, size)];
                 let both = [src_span[0], dst_span[0]];
-                let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both);
+                let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
                 Ok(a.device.copy(&tdrv_copy_desc {
                     src_handle: a.handle,
                     src_offset: sa as u64,
@@ -303,16 +399,17 @@ fn acquire_pair<'a>(
     ds: &'a Storage,
     dst: &'a [Span; 1],
     both: &'a [Span; 2],
-) -> (HostAccess<'a>, Option<HostAccess<'a>>) {
+) -> Result<(HostAccess<'a>, Option<HostAccess<'a>>)> {
+    const OP: &str = "copy";
     if ptr::eq(ss, ds) {
-        return (ss.sync.acquire(both, true), None);
+        return Ok((ss.sync.acquire(OP, both, true)?, None));
     }
     if (ss as *const Storage) < (ds as *const Storage) {
-        let g1 = ss.sync.acquire(src, true);
-        (g1, Some(ds.sync.acquire(dst, true)))
+        let g1 = ss.sync.acquire(OP, src, true)?;
+        Ok((g1, Some(ds.sync.acquire(OP, dst, true)?)))
     } else {
-        let g1 = ds.sync.acquire(dst, true);
-        (g1, Some(ss.sync.acquire(src, true)))
+        let g1 = ds.sync.acquire(OP, dst, true)?;
+        Ok((g1, Some(ss.sync.acquire(OP, src, true)?)))
     }
 }
 
@@ -322,7 +419,7 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
     let both = [src_span[0], dst_span[0]];
     match (ss.host_base(), ds.host_base()) {
         (Some(sp), Some(dp)) => {
-            let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both);
+            let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
             let same = ptr::eq(ss, ds);
             dma_fence(
                 ss,
@@ -339,28 +436,26 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
             // SAFETY: both ranges were checked by `locate`; the source read
             // span and destination write span are held; `ptr::copy` allows
             // the ranges to overlap (one storage).
-            unsafe { copy_bytes(at(sp, sa), at(dp, da), size) };
+            unsafe { ptr::copy(at(sp, sa), at(dp, da), size) };
             Ok(())
         }
         (Some(sp), None) => {
             // Host memory into an unmapped device buffer.
             let Some(b) = ds.dma() else { return Ok(()) };
-            let _g = ss.sync.acquire(&src_span, true);
+            let _g = ss.sync.acquire("copy", &src_span, true)?;
             dma_fence(ss, FenceKind::Writes, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the read span is held, so no host
-            // write changes the bytes while the slice lives.
-            let src = unsafe { std::slice::from_raw_parts(at(sp, sa), size) };
-            Ok(b.device.copy_in(b.handle, da as u64, src)?)
+            // write changes the bytes during the call.
+            Ok(unsafe { b.device.copy_in_raw(b.handle, da as u64, at(sp, sa), size) }?)
         }
         (None, Some(dp)) => {
             // An unmapped device buffer into host memory.
             let Some(a) = ss.dma() else { return Ok(()) };
-            let _g = ds.sync.acquire(&dst_span, true);
+            let _g = ds.sync.acquire("copy", &dst_span, true)?;
             dma_fence(ds, FenceKind::All, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the write span is held, so no
-            // other host access touches the bytes while the slice lives.
-            let dst = unsafe { std::slice::from_raw_parts_mut(at(dp, da), size) };
-            Ok(a.device.copy_out(a.handle, sa as u64, dst)?)
+            // other host access touches the bytes during the call.
+            Ok(unsafe { a.device.copy_out_raw(a.handle, sa as u64, at(dp, da), size) }?)
         }
         (None, None) => {
             // Two unmapped device buffers (different devices or overlap):
@@ -368,9 +463,7 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
             let (Some(a), Some(b)) = (ss.dma(), ds.dma()) else {
                 return Ok(());
             };
-            let mut tmp = Vec::new();
-            tmp.try_reserve_exact(size)
-                .map_err(|_| Error::OutOfMemory(size))?;
+            let mut tmp = try_vec(size)?;
             tmp.resize(size, 0);
             a.device.copy_out(a.handle, sa as u64, &mut tmp)?;
             Ok(b.device.copy_in(b.handle, da as u64, &tmp)?)

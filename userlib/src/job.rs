@@ -22,6 +22,24 @@ use crate::wait::Deadline;
 pub const MAX_JOB_COPIES: usize = tdrv_uapi::TDRV_MAX_JOB_DESCS as usize;
 
 /// A job being built. See the module documentation.
+///
+/// ```
+/// use tdrv::{Device, Job, Tensor};
+///
+/// // Runs anywhere: without the module loaded there is nothing to do.
+/// if let Ok(dev) = Device::open("/dev/tdrv0") {
+///     let src = Tensor::allocate_on(&dev, 0, 4096, Some("in"))?;
+///     let dst = Tensor::allocate_on(&dev, 0, 4096, Some("out"))?;
+///     src.write(0, &[42; 4096])?;
+///     let mut job = Job::new();
+///     job.copy(&src, 0, &dst, 0, 4096)?;
+///     let handle = job.submit()?;
+///     dst.check_output_completion(1_000_000, 1)?; // one job wrote it
+///     handle.wait(-1)?;
+///     assert_eq!(dst.to_vec()?, vec![42; 4096]);
+/// }
+/// # Ok::<(), tdrv::Error>(())
+/// ```
 #[derive(Default)]
 pub struct Job {
     device: Option<Arc<Device>>,
@@ -117,10 +135,10 @@ impl Job {
             size: size as u64,
         });
         if !self.inputs.iter().any(|t| t.same_view(src)) {
-            self.inputs.push(src.clone());
+            self.inputs.push(src.clone_quiet());
         }
         if !self.outputs.iter().any(|t| t.same_view(dst)) {
-            self.outputs.push(dst.clone());
+            self.outputs.push(dst.clone_quiet());
         }
         Ok(self)
     }

@@ -11,12 +11,22 @@
 //! Modules: [`sys`] (device and ioctls), `storage`, `tensor` (views and
 //! lifecycle), `io` (read/write/memset/copy), `completion` (async fences and
 //! output-completion counts), [`job`] (asynchronous copy jobs), [`trace`],
-//! [`dump`] (input dump), `set` (tensor sets).
+//! [`dump`] (input dump), `set` (tensor sets), [`handles`] (the C ABI's
+//! table of live handles), [`accessor`] and [`coherency`] (typed accessors
+//! and their enforcer), [`memcpy`] (staging copies).
+//!
+//! Soundness: no safe call can cause undefined behaviour, whatever the
+//! threads do; every host access to a storage's bytes takes part in one
+//! byte-range exclusion (see `userlib/DESIGN.md`).
+
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
 
 mod completion;
 pub mod dump;
 mod error;
 mod fence;
+pub mod handles;
 mod io;
 pub mod job;
 mod log;
@@ -37,15 +47,13 @@ use std::sync::{Arc, Mutex};
 
 pub use completion::{Access, PendingAccess};
 pub use error::{Error, Result};
-pub use io::{Fencing, ReadOp, WriteOp};
+pub use io::{Fencing, RawReadOp, RawWriteOp, ReadOp, WriteOp};
 pub use job::{Job, JobHandle, JobState};
 pub use log::{set_heartbeat_interval, set_logger, Level, Logger};
 pub use set::TensorSet;
 pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};
-pub use tensor::{
-    DeviceAllocationInfo, Placement, RawTensor, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE,
-};
+pub use tensor::{DeviceAllocationInfo, Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE};
 
 /// Environment variable naming the device node of [`default_device`].
 pub const DEVICE_ENV: &str = "TDRV_DEVICE";

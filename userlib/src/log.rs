@@ -8,9 +8,13 @@ use std::time::Duration;
 /// Severity of a log message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
+    /// Errors.
     Error,
+    /// Warnings.
     Warn,
+    /// Information.
     Info,
+    /// Debugging detail.
     Debug,
 }
 

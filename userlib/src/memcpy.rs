@@ -57,7 +57,9 @@ pub enum NeuronMemcpyMethod {
 impl NeuronMemcpyMethod {
     /// The seed's enumerator names.
     pub const C_MEMCPY: Self = Self::CMemcpy;
+    /// The seed's `VEC_MEMCPY`.
     pub const VEC_MEMCPY: Self = Self::VecMemcpy;
+    /// The seed's `DMA`.
     pub const DMA: Self = Self::Dma;
 
     /// Every method, in value order.
@@ -146,7 +148,7 @@ impl LocalBuffer {
     /// `len` (> 0) zeroed bytes in a mapped tdrv buffer on HBM `channel` of
     /// `device`, reachable by the device's copy engine.
     pub fn device(device: &Arc<Device>, channel: u32, len: usize) -> Result<LocalBuffer> {
-        let tensor = Tensor::allocate_on(device, channel, len, Some("neuron_memcpy staging"))?;
+        let tensor = Tensor::allocate_internal(device, channel, len, "neuron_memcpy staging")?;
         let ptr = tensor.va().ok_or(Error::Unsupported {
             op: "device staging buffer without a mapping",
             kind: crate::StorageKind::Dma,
@@ -462,18 +464,17 @@ fn cpu_copy(
         (Memory::Dma(b), None) => {
             // Not mappable: only the driver can reach the bytes.
             match dir {
-                Dir::FromTensor => {
-                    // SAFETY: `local` is `len` writable bytes (a checked
-                    // range of a LocalBuffer or an exclusive slice) that no
-                    // one else touches during the call.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(local.ptr, len) };
-                    b.device.copy_out(b.handle, abs as u64, dst)?;
-                }
-                Dir::ToTensor => {
-                    // SAFETY: `local` is `len` readable bytes.
-                    let src = unsafe { std::slice::from_raw_parts(local.ptr, len) };
-                    b.device.copy_in(b.handle, abs as u64, src)?;
-                }
+                // SAFETY: `local` is `len` writable bytes (a checked range of
+                // a LocalBuffer or an exclusive slice) that no one else
+                // touches during the call.
+                Dir::FromTensor => unsafe {
+                    b.device
+                        .copy_out_raw(b.handle, abs as u64, local.ptr, len)?
+                },
+                // SAFETY: `local` is `len` readable bytes, borrowed shared.
+                Dir::ToTensor => unsafe {
+                    b.device.copy_in_raw(b.handle, abs as u64, local.ptr, len)?
+                },
             }
             return Ok(());
         }
@@ -484,7 +485,7 @@ fn cpu_copy(
         Dir::FromTensor => [Span::read(abs, len)],
         Dir::ToTensor => [Span::write(abs, len)],
     };
-    let _held = st.sync.acquire(&span, true);
+    let _held = st.sync.acquire("neuron_memcpy", &span, true)?;
     if let Some(b) = st.dma() {
         b.fence(match dir {
             Dir::FromTensor => FenceKind::Writes,
@@ -547,7 +548,7 @@ fn dma_copy(
             },
         ),
     };
-    let _held = hold_both(ts, &tspan, ls, &lspan);
+    let _held = hold_both(ts, &tspan, ls, &lspan)?;
     // A job makes no promise of ordering against jobs queued before it, so
     // wait out the tensor's conflicting in-flight accesses first, as a host
     // copy would.
@@ -567,13 +568,14 @@ fn hold_both<'a>(
     sa: &'a [Span],
     b: &'a Storage,
     sb: &'a [Span],
-) -> (HostAccess<'a>, HostAccess<'a>) {
+) -> Result<(HostAccess<'a>, HostAccess<'a>)> {
+    const OP: &str = "neuron_memcpy";
     if ptr::from_ref(a) <= ptr::from_ref(b) {
-        let first = a.sync.acquire(sa, true);
-        (first, b.sync.acquire(sb, true))
+        let first = a.sync.acquire(OP, sa, true)?;
+        Ok((first, b.sync.acquire(OP, sb, true)?))
     } else {
-        let first = b.sync.acquire(sb, true);
-        (first, a.sync.acquire(sa, true))
+        let first = b.sync.acquire(OP, sb, true)?;
+        Ok((first, a.sync.acquire(OP, sa, true)?))
     }
 }
 

@@ -102,8 +102,10 @@ pub(crate) struct Storage {
 
 // SAFETY: the raw pointers in `Memory` are addresses of memory the storage
 // owns (Malloc, Dma mapping) or that the caller of the unsafe user
-// constructor promised stays valid; all byte accesses go through raw-pointer
-// copies synchronised by `sync` (see fence.rs), never through references.
+// constructor promised stays valid; every host access to the bytes is a
+// raw-pointer copy or an atomic byte access made while holding a span of
+// `sync` that excludes conflicting plain copies (see fence.rs), never a
+// reference, so sharing the storage across threads cannot race.
 unsafe impl Send for Storage {}
 // SAFETY: as above.
 unsafe impl Sync for Storage {}
@@ -115,6 +117,11 @@ impl Storage {
             mem,
             sync: HostSync::default(),
         })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn __new_for_tests(size: usize, mem: Memory) -> Arc<Storage> {
+        Self::new(size, mem)
     }
 
     /// Zeroed, aligned host memory.

@@ -6,12 +6,14 @@
 //! Nothing here knows about tensors: this is the layer the tensor code (and
 //! tests that poke the driver directly) are built on.
 
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tdrv_uapi as uapi;
 
@@ -30,38 +32,102 @@ pub const NODE_PREFIX: &str = "tdrv";
 /// errno values documented in `uapi/tdrv.h`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SysError {
+    /// EINVAL: the driver refused an argument.
     #[error("{op}: invalid argument (EINVAL)")]
-    InvalidArgument { op: &'static str },
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+    },
+    /// E2BIG: unknown trailing struct bytes are non-zero.
     #[error("{op}: unknown trailing struct bytes are non-zero (E2BIG)")]
-    UnknownFields { op: &'static str },
+    UnknownFields {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOENT: no such buffer handle.
     #[error("{op}: no such buffer handle (ENOENT)")]
-    NoSuchBuffer { op: &'static str },
+    NoSuchBuffer {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ERANGE: a range outside the buffer.
     #[error("{op}: range outside the buffer (ERANGE)")]
-    OutOfRange { op: &'static str },
+    OutOfRange {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EFAULT: a bad user address.
     #[error("{op}: bad user address (EFAULT)")]
-    BadAddress { op: &'static str },
+    BadAddress {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EXDEV: buffers on different HBM channels.
     #[error("{op}: buffers are on different HBM channels (EXDEV)")]
-    CrossChannel { op: &'static str },
+    CrossChannel {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOMEM: the kernel is out of memory.
     #[error("{op}: out of memory (ENOMEM)")]
-    NoMemory { op: &'static str },
+    NoMemory {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOSPC: the channel's byte limit is reached.
     #[error("{op}: channel byte limit reached (ENOSPC)")]
-    NoSpace { op: &'static str },
+    NoSpace {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ETIMEDOUT: a wait timed out.
     #[error("{op}: timed out (ETIMEDOUT)")]
-    TimedOut { op: &'static str },
+    TimedOut {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EINTR: a wait was interrupted by a signal.
     #[error("{op}: interrupted by a signal (EINTR)")]
-    Interrupted { op: &'static str },
+    Interrupted {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENODEV: the device was removed.
     #[error("{op}: device removed (ENODEV)")]
-    DeviceRemoved { op: &'static str },
+    DeviceRemoved {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ENOTTY: the node is not a tdrv device.
     #[error("{op}: not a tdrv device (ENOTTY)")]
-    NotTdrv { op: &'static str },
+    NotTdrv {
+        /// The operation.
+        op: &'static str,
+    },
+    /// Any other errno.
     #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
-    Os { op: &'static str, errno: i32 },
+    Os {
+        /// The operation.
+        op: &'static str,
+        /// The errno value.
+        errno: i32,
+    },
+    /// open(2) of the device node failed.
     #[error("open {}: {}", path.display(), std::io::Error::from_raw_os_error(*errno))]
-    Open { path: PathBuf, errno: i32 },
+    Open {
+        /// The device node.
+        path: PathBuf,
+        /// The errno value.
+        errno: i32,
+    },
+    /// The driver speaks an ABI major version this library does not.
     #[error("{}: driver ABI {major}.{minor} is not supported (need {}.x)", path.display(), uapi::TDRV_ABI_MAJOR)]
     AbiMismatch {
+        /// The device node.
         path: PathBuf,
+        /// Major ABI version the driver reports.
         major: u32,
+        /// Minor ABI version the driver reports.
         minor: u32,
     },
 }
@@ -182,11 +248,35 @@ pub enum JobStatus {
 
 /// An open tdrv device node. Share it with `Arc`: buffers and mappings keep
 /// their device alive.
+///
+/// ```
+/// use tdrv::Device;
+///
+/// // Runs anywhere: without the module loaded, opening fails cleanly.
+/// match Device::open("/dev/tdrv0") {
+///     Ok(dev) => {
+///         let a = dev.alloc(4096, 0)?;
+///         dev.copy_in(a.handle, 0, b"hello")?;
+///         let mut back = [0u8; 5];
+///         dev.copy_out(a.handle, 0, &mut back)?;
+///         assert_eq!(&back, b"hello");
+///         dev.free(a.handle)?;
+///     }
+///     Err(e) => eprintln!("no tdrv device here: {e}"),
+/// }
+/// # Ok::<(), tdrv::SysError>(())
+/// ```
 #[derive(Debug)]
 pub struct Device {
     fd: OwnedFd,
     path: PathBuf,
     version: tdrv_version,
+    /// Raw `COMPLETION_RESET`s per buffer handle (see
+    /// [`Device::completion_epoch`]).
+    resets: Mutex<HashMap<u64, u64>>,
+    /// Whether `resets` has ever had an entry: keeps the common path a
+    /// single atomic load.
+    any_reset: AtomicBool,
 }
 
 impl Device {
@@ -212,6 +302,8 @@ impl Device {
             fd,
             path,
             version: tdrv_version::default(),
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
         };
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
@@ -348,7 +440,11 @@ impl Device {
             handle,
             reserved: 0,
         };
-        self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)
+        self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)?;
+        if self.any_reset.load(Ordering::Acquire) {
+            self.lock_resets().remove(&handle);
+        }
+        Ok(())
     }
 
     /// `TDRV_IOC_BUF_INFO`: a buffer's description and fence state.
@@ -364,13 +460,29 @@ impl Device {
     /// `TDRV_IOC_COPY_IN`: copies `src` into the buffer at `offset`, after
     /// all pending device access to the buffer.
     pub fn copy_in(&self, handle: u64, offset: u64, src: &[u8]) -> Result<(), SysError> {
-        // `user_ptr` points into `src`, which stays borrowed (and so valid
-        // and unchanged) for the whole call; the kernel only reads it.
+        // SAFETY: `src` is borrowed, so valid and unchanged, for the call.
+        unsafe { self.copy_in_raw(handle, offset, src.as_ptr(), src.len()) }
+    }
+
+    /// [`Device::copy_in`] from a raw address: the kernel reads `len` bytes
+    /// at `src` with `copy_from_user`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes, and no thread may write
+    /// them during the call. (A bad address is EFAULT, not undefined
+    /// behaviour, but the bytes copied are then unspecified.)
+    pub unsafe fn copy_in_raw(
+        &self,
+        handle: u64,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SysError> {
         let mut x = uapi::tdrv_xfer {
             handle,
             offset,
-            size: src.len() as u64,
-            user_ptr: src.as_ptr() as u64,
+            size: len as u64,
+            user_ptr: src as u64,
             reserved: [0; 2],
         };
         self.ioctl("COPY_IN", uapi::TDRV_IOC_COPY_IN, &mut x, true)
@@ -379,13 +491,29 @@ impl Device {
     /// `TDRV_IOC_COPY_OUT`: copies the buffer at `offset` into `dst`, after
     /// pending device writes to the buffer.
     pub fn copy_out(&self, handle: u64, offset: u64, dst: &mut [u8]) -> Result<(), SysError> {
-        // `user_ptr` points into `dst`, exclusively borrowed for the whole
-        // call, so the kernel's writes race with nothing.
+        // SAFETY: `dst` is exclusively borrowed for the whole call, so the
+        // kernel's writes race with nothing.
+        unsafe { self.copy_out_raw(handle, offset, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// [`Device::copy_out`] to a raw address: the kernel writes `len` bytes
+    /// at `dst` with `copy_to_user`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `len` bytes, and no other thread
+    /// may access them during the call.
+    pub unsafe fn copy_out_raw(
+        &self,
+        handle: u64,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), SysError> {
         let mut x = uapi::tdrv_xfer {
             handle,
             offset,
-            size: dst.len() as u64,
-            user_ptr: dst.as_mut_ptr() as u64,
+            size: len as u64,
+            user_ptr: dst as u64,
             reserved: [0; 2],
         };
         self.ioctl("COPY_OUT", uapi::TDRV_IOC_COPY_OUT, &mut x, true)
@@ -486,17 +614,63 @@ impl Device {
     }
 
     /// `TDRV_IOC_COMPLETION_RESET`: sets the buffer's completion count to 0.
+    /// Every tensor view of the buffer then counts from 0 too (their
+    /// baselines follow: see [`Device::completion_epoch`]).
     pub fn completion_reset(&self, handle: u64) -> Result<(), SysError> {
         let mut r = uapi::tdrv_completion_reset {
             handle,
             reserved: 0,
         };
+        // Under the lock, so that an epoch read after the reset sees it.
+        let mut resets = self.lock_resets();
         self.ioctl(
             "COMPLETION_RESET",
             uapi::TDRV_IOC_COMPLETION_RESET,
             &mut r,
             true,
-        )
+        )?;
+        Self::note_reset(&mut resets, &self.any_reset, handle);
+        Ok(())
+    }
+
+    fn note_reset(resets: &mut HashMap<u64, u64>, any: &AtomicBool, handle: u64) {
+        *resets.entry(handle).or_insert(0) += 1;
+        any.store(true, Ordering::Release);
+    }
+
+    /// A device on `/dev/null` for unit tests of the layers above (every
+    /// ioctl fails with ENOTTY); `reset` records a raw reset of `handle`
+    /// as a successful `completion_reset` would.
+    #[cfg(test)]
+    pub(crate) fn fake_for_tests() -> Arc<Device> {
+        let fd: OwnedFd = std::fs::File::open("/dev/null").expect("/dev/null").into();
+        Arc::new(Device {
+            fd,
+            path: PathBuf::from("/dev/null"),
+            version: tdrv_version::default(),
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
+        })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn fake_reset(&self, handle: u64) {
+        Self::note_reset(&mut self.lock_resets(), &self.any_reset, handle);
+    }
+
+    /// How many times [`Device::completion_reset`] reset `handle`'s count
+    /// through this device. Tensor views record it with their completion
+    /// baseline: a newer epoch means the count restarted from 0 since.
+    pub fn completion_epoch(&self, handle: u64) -> u64 {
+        if !self.any_reset.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.lock_resets().get(&handle).copied().unwrap_or(0)
+    }
+
+    fn lock_resets(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u64>> {
+        // Nothing panics while holding it; a poisoned map is still whole.
+        self.resets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |
@@ -626,6 +800,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "ioctl(2) is not available under Miri")]
     fn open_errors_are_reported() {
         let err = Device::open("/nonexistent/tdrv0").unwrap_err();
         assert_eq!(err.errno(), libc::ENOENT);

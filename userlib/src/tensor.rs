@@ -1,19 +1,21 @@
 //! The tensor view: a name and a `(offset, size)` window over shared,
 //! refcounted storage.
 //!
-//! Two refcounts, as in the seed: a [`Tensor`] handle is an `Arc` of the
-//! view (cloning it is `get_reference`: the view refcount), and the view
-//! holds an `Arc` of the storage (the storage refcount, shared by slices).
-//! Atomic `Arc` counting gives the release/acquire ordering the seed's bare
-//! `lock add`/`lock sub` only had on x86.
+//! Two refcounts, as in the seed: a [`Tensor`] handle is a counted pointer
+//! to the view (cloning it is `get_reference`: the view refcount), and the
+//! view holds an `Arc` of the storage (the storage refcount, shared by
+//! slices). The view's count is our own small `Arc` (`ViewInner`): the
+//! standard one cannot report a failed allocation, and a view must be
+//! refused with [`Error::OutOfMemory`], not abort the process. Counting
+//! uses the release/acquire ordering the seed's bare `lock add`/`lock sub`
+//! only had on x86.
 //!
 //! Tensors are byte-untyped: there is no dtype or shape, only bytes.
 
-use std::ffi::c_void;
+use std::alloc::Layout;
 use std::fmt;
-use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
@@ -23,8 +25,6 @@ use crate::trace::{self, TraceOp};
 
 /// Name given to tensors created without one.
 pub const DEFAULT_NAME: &str = "_unknown_";
-
-const VIEW_MAGIC: u32 = 0x7456_6965; // "tVie"
 
 /// Where [`Tensor::allocate`] puts the bytes (nrt's placements).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,12 +48,8 @@ pub struct DeviceAllocationInfo {
     pub hbm_index: u32,
 }
 
-/// The view behind a [`Tensor`] handle. `repr(C)` keeps `magic` first, so
-/// that checking a foreign pointer reads only its first bytes.
-#[repr(C)]
+/// The view behind a [`Tensor`] handle.
 pub(crate) struct View {
-    /// Checked by the C ABI to reject pointers that are not tensors.
-    magic: u32,
     /// `None` stands for [`DEFAULT_NAME`] (no allocation).
     name: Option<Box<str>>,
     pub(crate) storage: Option<Arc<Storage>>,
@@ -63,28 +59,62 @@ pub(crate) struct View {
     /// Host storages: this view's output-completion count. Dma storage: the
     /// buffer's kernel completion count at which this view's count was 0.
     pub(crate) completion: AtomicU64,
+    /// Dma storage: the device's raw-reset epoch of the buffer when
+    /// `completion` was taken ([`Device::completion_epoch`]); a later epoch
+    /// means the kernel count restarted from 0 since.
+    pub(crate) completion_epoch: AtomicU64,
     /// Accessors open on this view (see `crate::coherency`): shared by the
     /// view's handles, fresh for each slice, like the seed's per-TensorBase
     /// enforcer.
     pub(crate) coherency: crate::coherency::CoherencyEnforcer,
 }
 
-impl Drop for View {
-    fn drop(&mut self) {
-        self.magic = 0;
-    }
+/// The heap block of a view: its handle count and the view.
+struct ViewInner {
+    refs: AtomicUsize,
+    view: View,
 }
+
+/// Set in a handle's pointer for internal handles, whose drop is not a user
+/// action and emits no trace event. `ViewInner` is 8-byte aligned, so the
+/// low bit of a real address is always clear.
+const QUIET: usize = 1;
 
 /// A tensor: a cheap, thread-safe handle to a view over shared storage.
 ///
 /// `Clone` is the seed's `tensor_get_reference`: both handles name the same
-/// view (same name, window and completion count).
+/// view (same name, window and completion count). [`Tensor::slice`] makes a
+/// new view of the same storage.
+///
+/// ```
+/// use tdrv::Tensor;
+///
+/// let t = Tensor::allocate_host(16, Some("input"))?;
+/// t.write(4, &[1, 2, 3, 4])?;
+/// let again = t.clone(); // the same view
+/// assert_eq!(again.to_vec()?[4..8], [1, 2, 3, 4]);
+/// assert!(t.write(15, &[0, 0]).is_err()); // past the end: an error
+/// # Ok::<(), tdrv::Error>(())
+/// ```
 pub struct Tensor {
-    view: ManuallyDrop<Arc<View>>,
+    /// A `ViewInner` with one count held by this handle; the low bit is
+    /// the `QUIET` tag.
+    ptr: NonNull<ViewInner>,
 }
 
-/// A raw tensor handle, as the C ABI passes it around.
-pub type RawTensor = *const c_void;
+// SAFETY: a `Tensor` is a counted shared pointer to a `View`, exactly like
+// `Arc<View>`: the count is atomic, the view is only reached through `&`
+// (or `&mut` when the count is 1, see `view_mut`), and `View` is Send +
+// Sync (checked below).
+unsafe impl Send for Tensor {}
+// SAFETY: as above.
+unsafe impl Sync for Tensor {}
+
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<View>();
+    assert!(std::mem::align_of::<ViewInner>() > QUIET);
+};
 
 fn check_range(op: &'static str, offset: usize, size: usize, len: usize) -> Result<usize> {
     let end = offset
@@ -101,28 +131,148 @@ fn check_range(op: &'static str, offset: usize, size: usize, len: usize) -> Resu
     Ok(end)
 }
 
-fn owned_name(name: Option<&str>) -> Option<Box<str>> {
-    name.filter(|n| *n != DEFAULT_NAME).map(Box::from)
+/// The view's copy of its name, allocated fallibly.
+fn owned_name(name: Option<&str>) -> Result<Option<Box<str>>> {
+    let Some(n) = name.filter(|n| *n != DEFAULT_NAME) else {
+        return Ok(None);
+    };
+    let mut s = String::new();
+    s.try_reserve_exact(n.len())
+        .map_err(|_| Error::OutOfMemory(n.len()))?;
+    s.push_str(n);
+    // Length equals capacity: no reallocation.
+    Ok(Some(s.into_boxed_str()))
+}
+
+/// The raw-reset epoch of a storage's buffer now (0 for host storage).
+fn epoch_of(storage: &Storage) -> u64 {
+    storage
+        .dma()
+        .map_or(0, |b| b.device.completion_epoch(b.handle))
 }
 
 impl Tensor {
-    fn from_view(view: View) -> Tensor {
+    /// Puts `view` on the heap with one handle, or fails cleanly.
+    fn from_view(view: View) -> Result<Tensor> {
+        let layout = Layout::new::<ViewInner>();
+        // SAFETY: `ViewInner` is not zero-sized.
+        let raw = unsafe { std::alloc::alloc(layout) }.cast::<ViewInner>();
+        let ptr = NonNull::new(raw).ok_or(Error::OutOfMemory(layout.size()))?;
+        // SAFETY: `ptr` is a fresh allocation of `ViewInner`'s layout.
+        unsafe {
+            ptr.as_ptr().write(ViewInner {
+                refs: AtomicUsize::new(1),
+                view,
+            })
+        };
+        Ok(Tensor { ptr })
+    }
+
+    fn new_view(
+        name: Option<&str>,
+        storage: Option<Arc<Storage>>,
+        offset: usize,
+        size: usize,
+        baseline: (u64, u64),
+    ) -> Result<Tensor> {
+        Self::from_view(View {
+            name: owned_name(name)?,
+            storage,
+            offset,
+            size,
+            completion: AtomicU64::new(baseline.0),
+            completion_epoch: AtomicU64::new(baseline.1),
+            coherency: Default::default(),
+        })
+    }
+
+    fn with_storage(name: Option<&str>, storage: Arc<Storage>) -> Result<Tensor> {
+        let size = storage.size;
+        let epoch = epoch_of(&storage);
+        Self::new_view(name, Some(storage), 0, size, (0, epoch))
+    }
+
+    #[cfg(test)]
+    pub(crate) fn __from_storage_for_tests(storage: Arc<Storage>) -> Tensor {
+        Self::with_storage(None, storage).expect("view")
+    }
+
+    fn inner(&self) -> &ViewInner {
+        // SAFETY: the untagged pointer is a live `ViewInner`: this handle
+        // holds one of its counts.
+        unsafe { &*self.ptr.as_ptr().map_addr(|a| a & !QUIET) }
+    }
+
+    fn view(&self) -> &View {
+        &self.inner().view
+    }
+
+    /// The view, writable when this is its only handle.
+    fn view_mut(&mut self) -> Option<&mut View> {
+        // Acquire: see every write other (now dropped) handles made before
+        // their Release decrement.
+        if self.inner().refs.load(Ordering::Acquire) != 1 {
+            return None;
+        }
+        // SAFETY: the count is 1 and we hold it through `&mut self`, so no
+        // other handle exists and none can be made meanwhile.
+        Some(unsafe { &mut (*self.ptr.as_ptr().map_addr(|a| a & !QUIET)).view })
+    }
+
+    fn is_quiet(&self) -> bool {
+        self.ptr.as_ptr().addr() & QUIET != 0
+    }
+
+    /// Another handle to this view, counted like a clone.
+    fn counted(&self, quiet: bool) -> Tensor {
+        let old = self.inner().refs.fetch_add(1, Ordering::Relaxed);
+        if old > isize::MAX as usize {
+            // As `Arc`: a count this high means leaked handles; wrapping
+            // would free a live view.
+            std::process::abort();
+        }
+        let ptr = self
+            .ptr
+            .as_ptr()
+            .map_addr(|a| (a & !QUIET) | if quiet { QUIET } else { 0 });
         Tensor {
-            view: ManuallyDrop::new(Arc::new(view)),
+            // SAFETY: derived from a non-null pointer with only the low tag
+            // bit changed; the untagged address is non-null.
+            ptr: unsafe { NonNull::new_unchecked(ptr) },
         }
     }
 
-    fn with_storage(name: Option<&str>, storage: Arc<Storage>) -> Tensor {
-        let size = storage.size;
-        Self::from_view(View {
-            magic: VIEW_MAGIC,
-            name: owned_name(name),
-            storage: Some(storage),
-            offset: 0,
-            size,
-            completion: AtomicU64::new(0),
-            coherency: Default::default(),
-        })
+    /// A handle for bookkeeping done on a user's behalf (jobs, the C
+    /// ABI's handle table and sets, staging buffers): like a clone, but its
+    /// drop is not a user action and emits no trace event. Its clones are
+    /// ordinary handles.
+    pub fn clone_quiet(&self) -> Tensor {
+        self.counted(true)
+    }
+
+    /// Turns this handle into a quiet one (see [`Tensor::clone_quiet`]).
+    pub(crate) fn into_quiet(self) -> Tensor {
+        let q = self.counted(true);
+        let mut this = std::mem::ManuallyDrop::new(self);
+        this.release();
+        q
+    }
+
+    /// Drops this handle's count, freeing the view at the last one.
+    fn release(&mut self) {
+        if self.inner().refs.fetch_sub(1, Ordering::Release) != 1 {
+            return;
+        }
+        // Pairs with the Release decrements of the other handles.
+        fence(Ordering::Acquire);
+        let raw = self.ptr.as_ptr().map_addr(|a| a & !QUIET);
+        // SAFETY: the count reached 0: this was the last handle, so nothing
+        // else can reach the block; it was allocated in `from_view` with
+        // this layout and is dropped and freed once, here.
+        unsafe {
+            std::ptr::drop_in_place(raw);
+            std::alloc::dealloc(raw.cast(), Layout::new::<ViewInner>());
+        }
     }
 
     /// Allocates a tensor of `size` bytes. `Device` placement allocates on
@@ -150,36 +300,35 @@ impl Tensor {
         name: Option<&str>,
     ) -> Result<Tensor> {
         let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), size);
-        Ok(Self::with_storage(
-            name,
-            Storage::new_dma(device, channel, size)?,
-        ))
+        Self::with_storage(name, Storage::new_dma(device, channel, size)?)
+    }
+
+    /// [`Tensor::allocate_on`] for the library's own use: no trace events.
+    pub(crate) fn allocate_internal(
+        device: &Arc<Device>,
+        channel: u32,
+        size: usize,
+        name: &str,
+    ) -> Result<Tensor> {
+        Ok(Self::with_storage(Some(name), Storage::new_dma(device, channel, size)?)?.into_quiet())
     }
 
     /// Allocates `size` zeroed bytes of aligned host memory (`Malloc`).
     pub fn allocate_host(size: usize, name: Option<&str>) -> Result<Tensor> {
         let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), size);
-        Ok(Self::with_storage(name, Storage::new_malloc(size)?))
+        Self::with_storage(name, Storage::new_malloc(size)?)
     }
 
     /// A size-only tensor (`Fake`): no bytes exist and I/O is a no-op.
-    pub fn allocate_fake(size: usize, name: Option<&str>) -> Tensor {
+    pub fn allocate_fake(size: usize, name: Option<&str>) -> Result<Tensor> {
         let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), size);
         Self::with_storage(name, Storage::new_fake(size))
     }
 
     /// A tensor with no storage and size 0, to be given a buffer with
     /// [`Tensor::attach_buffer`].
-    pub fn allocate_empty(name: Option<&str>) -> Tensor {
-        Self::from_view(View {
-            magic: VIEW_MAGIC,
-            name: owned_name(name),
-            storage: None,
-            offset: 0,
-            size: 0,
-            completion: AtomicU64::new(0),
-            coherency: Default::default(),
-        })
+    pub fn allocate_empty(name: Option<&str>) -> Result<Tensor> {
+        Self::new_view(name, None, 0, 0, (0, 0))
     }
 
     /// A tensor over a caller's buffer (`User` storage), never freed by the
@@ -192,7 +341,7 @@ impl Tensor {
         size: usize,
         name: Option<&str>,
     ) -> Result<Tensor> {
-        let mut t = Self::allocate_empty(name);
+        let mut t = Self::allocate_empty(name)?;
         // SAFETY: forwarded to our caller.
         unsafe { t.attach_buffer(ptr, size)? };
         Ok(t)
@@ -209,14 +358,19 @@ impl Tensor {
     /// be accessed by other means while a tensor operation on it runs. A
     /// null `ptr` is allowed only with `size == 0`.
     pub unsafe fn attach_buffer(&mut self, ptr: *mut u8, size: usize) -> Result<()> {
-        let name = self.name().to_owned();
-        let view = Arc::get_mut(&mut self.view).ok_or(Error::SharedView(name))?;
+        if self.view_mut().is_none() {
+            return Err(Error::SharedView(self.name().to_owned()));
+        }
         // SAFETY: forwarded to our caller.
         let storage = unsafe { Storage::new_user(ptr, size)? };
+        let view = self
+            .view_mut()
+            .ok_or_else(|| Error::SharedView(String::new()))?;
         view.storage = Some(storage);
         view.offset = 0;
         view.size = size;
         *view.completion.get_mut() = 0;
+        *view.completion_epoch.get_mut() = 0;
         Ok(())
     }
 
@@ -230,24 +384,38 @@ impl Tensor {
     ///
     /// For a `Dma` storage some job has written, learning the kernel's
     /// completion count for the new view's baseline costs one ioctl.
+    ///
+    /// ```
+    /// use tdrv::Tensor;
+    ///
+    /// let whole = Tensor::allocate_host(1024, Some("whole"))?;
+    /// let half = whole.slice(512, 512, Some("second half"))?;
+    /// let quarter = half.slice(256, 256, None)?; // offsets compose
+    /// assert_eq!(quarter.offset(), 768);
+    /// quarter.write(0, &[7; 4])?;
+    /// assert_eq!(whole.to_vec()?[768..772], [7; 4]);
+    /// assert!(half.slice(256, 512, None).is_err()); // past the parent view
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
     pub fn slice(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
         let storage = self.storage_for("slice")?;
-        check_range("slice", offset, size, self.view.size)?;
+        check_range("slice", offset, size, self.view().size)?;
         let baseline = match storage.dma() {
             Some(b) if b.counted.load(Ordering::Acquire) => {
-                b.device.buf_info(b.handle)?.completion_count
+                // Epoch first: a raw reset between the two reads then
+                // shows as a newer epoch, which zeroes the baseline.
+                let epoch = b.device.completion_epoch(b.handle);
+                (b.device.buf_info(b.handle)?.completion_count, epoch)
             }
-            _ => 0,
+            _ => (0, epoch_of(storage)),
         };
-        Ok(Self::from_view(View {
-            magic: VIEW_MAGIC,
-            name: owned_name(name),
-            storage: Some(storage.clone()),
-            offset: self.view.offset + offset,
+        Self::new_view(
+            name,
+            Some(storage.clone()),
+            self.view().offset + offset,
             size,
-            completion: AtomicU64::new(baseline),
-            coherency: Default::default(),
-        }))
+            baseline,
+        )
     }
 
     /// Another handle to the same view (the seed's `tensor_get_reference`).
@@ -257,32 +425,32 @@ impl Tensor {
 
     /// The tensor's name.
     pub fn name(&self) -> &str {
-        self.view.name.as_deref().unwrap_or(DEFAULT_NAME)
+        self.view().name.as_deref().unwrap_or(DEFAULT_NAME)
     }
 
     /// Size of the view in bytes.
     pub fn size(&self) -> usize {
-        self.view.size
+        self.view().size
     }
 
     /// Offset of the view in its storage.
     pub fn offset(&self) -> usize {
-        self.view.offset
+        self.view().offset
     }
 
     /// The kind of storage, `None` for an empty tensor.
     pub fn kind(&self) -> Option<StorageKind> {
-        self.view.storage.as_ref().map(|s| s.kind())
+        self.view().storage.as_ref().map(|s| s.kind())
     }
 
     /// Size of the whole storage, `None` for an empty tensor.
     pub fn storage_size(&self) -> Option<usize> {
-        self.view.storage.as_ref().map(|s| s.size)
+        self.view().storage.as_ref().map(|s| s.size)
     }
 
     /// Whether both tensors are views of the same storage.
     pub fn shares_storage_with(&self, other: &Tensor) -> bool {
-        match (&self.view.storage, &other.view.storage) {
+        match (&self.view().storage, &other.view().storage) {
             (Some(a), Some(b)) => Arc::ptr_eq(a, b),
             _ => false,
         }
@@ -290,17 +458,18 @@ impl Tensor {
 
     /// Whether both handles name the same view.
     pub fn same_view(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.view, &other.view)
+        std::ptr::eq(self.inner(), other.inner())
     }
 
-    /// Handles to this view (the view refcount).
+    /// Handles to this view (the view refcount), the library's own
+    /// included.
     pub fn view_ref_count(&self) -> usize {
-        Arc::strong_count(&self.view)
+        self.inner().refs.load(Ordering::Acquire)
     }
 
     /// Views of this storage (the storage refcount); 0 for an empty tensor.
     pub fn storage_ref_count(&self) -> usize {
-        self.view.storage.as_ref().map_or(0, Arc::strong_count)
+        self.view().storage.as_ref().map_or(0, Arc::strong_count)
     }
 
     /// Host address of the view's first byte: the host allocation (Malloc,
@@ -310,37 +479,43 @@ impl Tensor {
     /// Writing through it bypasses the fences: see
     /// [`Tensor::wait_device_idle`].
     pub fn va(&self) -> Option<NonNull<u8>> {
-        let base = self.view.storage.as_ref()?.host_base()?;
+        let base = self.view().storage.as_ref()?.host_base()?;
         // SAFETY: offset <= storage size (checked when the view was made),
         // so the result stays inside (or one past) the same allocation.
-        Some(unsafe { base.add(self.view.offset) })
+        Some(unsafe { base.add(self.view().offset) })
     }
 
     /// Device (bus) address of the view's first byte; `Dma` only.
+    /// [`Error::NoDmaAddress`] when the driver withholds bus addresses from
+    /// this process (it reports them only to openers with
+    /// `CAP_SYS_RAWIO`, and 0 to others).
     pub fn pa(&self) -> Result<u64> {
         let storage = self.storage_for("pa")?;
         let b = storage.dma().ok_or(Error::Unsupported {
             op: "pa",
             kind: storage.kind(),
         })?;
-        Ok(b.dma_addr + self.view.offset as u64)
+        if b.dma_addr == 0 {
+            return Err(Error::NoDmaAddress { op: "pa" });
+        }
+        Ok(b.dma_addr + self.view().offset as u64)
     }
 
     /// HBM channel of a `Dma` tensor.
     pub fn channel(&self) -> Option<u32> {
-        Some(self.view.storage.as_ref()?.dma()?.channel)
+        Some(self.view().storage.as_ref()?.dma()?.channel)
     }
 
     /// The device of a `Dma` tensor.
     pub fn device(&self) -> Option<&Arc<Device>> {
-        Some(&self.view.storage.as_ref()?.dma()?.device)
+        Some(&self.view().storage.as_ref()?.dma()?.device)
     }
 
     /// The tdrv buffer handle of a `Dma` tensor, for callers that use the
     /// [`Device`] ioctls directly. Completion baselines stay right even if
     /// they submit jobs with it.
     pub fn dma_handle(&self) -> Option<u64> {
-        let b = self.view.storage.as_ref()?.dma()?;
+        let b = self.view().storage.as_ref()?.dma()?;
         b.counted.store(true, Ordering::Release);
         Some(b.handle)
     }
@@ -350,16 +525,19 @@ impl Tensor {
         let physical_address = self.pa()?;
         Ok(DeviceAllocationInfo {
             physical_address,
-            size: self.view.size,
+            size: self.view().size,
             hbm_index: self.channel().unwrap_or(u32::MAX),
         })
     }
 
     pub(crate) fn storage_for(&self, op: &'static str) -> Result<&Arc<Storage>> {
-        self.view.storage.as_ref().ok_or_else(|| Error::NoStorage {
-            op,
-            name: self.name().to_owned(),
-        })
+        self.view()
+            .storage
+            .as_ref()
+            .ok_or_else(|| Error::NoStorage {
+                op,
+                name: self.name().to_owned(),
+            })
     }
 
     /// Checks `[offset, offset + size)` against the view; returns the
@@ -371,89 +549,47 @@ impl Tensor {
         size: usize,
     ) -> Result<(&Storage, usize)> {
         let storage = self.storage_for(op)?;
-        check_range(op, offset, size, self.view.size)?;
+        check_range(op, offset, size, self.view().size)?;
         // Cannot overflow: view.offset + view.size <= storage.size.
-        Ok((storage, self.view.offset + offset))
+        Ok((storage, self.view().offset + offset))
     }
 
     pub(crate) fn completion_cell(&self) -> &AtomicU64 {
-        &self.view.completion
+        &self.view().completion
+    }
+
+    pub(crate) fn completion_epoch_cell(&self) -> &AtomicU64 {
+        &self.view().completion_epoch
     }
 
     /// The accessor coherency enforcer of this view (`crate::accessor`).
     pub fn coherency_enforcer(&self) -> &crate::coherency::CoherencyEnforcer {
-        &self.view.coherency
-    }
-
-    /// Gives up the handle as a raw pointer (for the C ABI). Reclaim it with
-    /// [`Tensor::from_raw`].
-    pub fn into_raw(self) -> RawTensor {
-        let this = ManuallyDrop::new(self);
-        // SAFETY: `this` is never used or dropped again, so the Arc is moved
-        // out exactly once.
-        let view = unsafe { std::ptr::read(&*this.view) };
-        Arc::into_raw(view).cast()
-    }
-
-    /// The raw pointer of this handle's view (not counted).
-    pub fn as_raw(&self) -> RawTensor {
-        Arc::as_ptr(&self.view).cast()
-    }
-
-    /// Takes back a handle given up by [`Tensor::into_raw`].
-    ///
-    /// # Safety
-    /// `raw` must come from `into_raw` and not have been reclaimed yet.
-    pub unsafe fn from_raw(raw: RawTensor) -> Tensor {
-        Tensor {
-            // SAFETY: forwarded to our caller.
-            view: ManuallyDrop::new(unsafe { Arc::from_raw(raw.cast::<View>()) }),
-        }
-    }
-
-    /// Borrows the tensor behind a raw handle without taking ownership.
-    /// Returns `None` for null pointers and for pointers that do not point
-    /// at a live view (best effort: the check reads the memory).
-    ///
-    /// # Safety
-    /// A non-null `raw` must be readable as a view (a handle from
-    /// `into_raw`/`as_raw` of a live tensor), and must stay valid while the
-    /// result is used.
-    pub unsafe fn borrow_raw(raw: RawTensor) -> Option<ManuallyDrop<Tensor>> {
-        if raw.is_null() {
-            return None;
-        }
-        // SAFETY: per the contract the pointer is readable as a View.
-        if unsafe { (*raw.cast::<View>()).magic } != VIEW_MAGIC {
-            return None;
-        }
-        // SAFETY: the ManuallyDrop never decrements the count we did not
-        // increment.
-        Some(ManuallyDrop::new(unsafe { Self::from_raw(raw) }))
+        &self.view().coherency
     }
 }
 
 impl Clone for Tensor {
+    /// Another handle to the same view; a user's handle (its drop is
+    /// traced) even when cloned from one of the library's own.
     fn clone(&self) -> Self {
-        Tensor {
-            view: ManuallyDrop::new(Arc::clone(&self.view)),
-        }
+        self.counted(false)
     }
 }
 
 impl Drop for Tensor {
     fn drop(&mut self) {
         // The seed's tensor_free: event 28 around dropping one view
-        // reference (and, if it was the last, the storage reference).
-        if trace::enabled() {
+        // reference (and, if it was the last, the storage reference), with
+        // the seed's payload: the count before and the HBM index. Only for
+        // users' handles.
+        if !self.is_quiet() && trace::enabled() {
             let name = self.name().to_owned();
-            let _t = trace::scope(TraceOp::Free, &name, self.view.size);
-            // SAFETY: dropped exactly once, here; `self.view` is not used
-            // afterwards.
-            unsafe { ManuallyDrop::drop(&mut self.view) };
+            let refs = self.inner().refs.load(Ordering::Relaxed) as u64;
+            let hbm = self.channel().map_or(-1, i64::from);
+            let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
+            self.release();
         } else {
-            // SAFETY: as above.
-            unsafe { ManuallyDrop::drop(&mut self.view) };
+            self.release();
         }
     }
 }
@@ -469,8 +605,8 @@ impl fmt::Debug for Tensor {
     }
 }
 
-/// Bytes one view costs on the heap: the `Arc` counts plus the view.
-pub const VIEW_HEAP_SIZE: usize = 2 * std::mem::size_of::<usize>() + std::mem::size_of::<View>();
+/// Bytes one view costs on the heap: the handle count plus the view.
+pub const VIEW_HEAP_SIZE: usize = std::mem::size_of::<ViewInner>();
 
 #[cfg(test)]
 mod tests {

@@ -26,11 +26,17 @@ pub const TRACE_FILE_ENV: &str = "TDRV_TRACE_FILE";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 pub enum TraceOp {
+    /// `read` (seed id 9).
     Read = 9,
+    /// `write` (seed id 10).
     Write = 10,
+    /// `read_batch` (seed id 11).
     ReadBatch = 11,
+    /// `write_batch` (seed id 12).
     WriteBatch = 12,
+    /// Allocation (seed id 27).
     Alloc = 27,
+    /// Free of a handle (seed id 28).
     Free = 28,
     /// tdrv's own id (the seed does not trace memset).
     Memset = 100,
@@ -65,14 +71,18 @@ impl TraceOp {
 /// Begin or end of an operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// The operation starts.
     Begin,
+    /// The operation ended.
     End,
 }
 
 /// One trace event.
 #[derive(Debug, Clone, Copy)]
 pub struct TraceEvent<'a> {
+    /// The operation.
     pub op: TraceOp,
+    /// Begin or end.
     pub phase: Phase,
     /// Name of the tensor the operation is about.
     pub tensor: &'a str,
@@ -82,10 +92,18 @@ pub struct TraceEvent<'a> {
     pub timestamp: Duration,
     /// Kernel thread id of the caller.
     pub thread_id: u64,
+    /// Free events: handles to the view before this one went (the seed's
+    /// `ref_count` payload; 1 means the view itself is freed). 0 for other
+    /// operations.
+    pub ref_count: u64,
+    /// Free events: the HBM channel of a `Dma` storage, -1 for host
+    /// storage (the seed's `vtpb_idx` slot). -1 for other operations.
+    pub hbm_index: i64,
 }
 
 /// Receives trace events; called on the operation's thread.
 pub trait TraceSink: Send + Sync {
+    /// Receives one event.
     fn record(&self, event: &TraceEvent<'_>);
     /// Writes out anything buffered.
     fn flush(&self) {}
@@ -152,6 +170,18 @@ fn epoch() -> Instant {
     *EPOCH.get_or_init(Instant::now)
 }
 
+#[cfg(miri)]
+fn thread_id() -> u64 {
+    // Miri has no gettid syscall: a per-thread counter stands in.
+    use std::sync::atomic::AtomicU64;
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TID: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TID.with(|t| *t)
+}
+
+#[cfg(not(miri))]
 fn thread_id() -> u64 {
     thread_local! {
         // SAFETY: gettid has no memory-safety requirements.
@@ -160,14 +190,16 @@ fn thread_id() -> u64 {
     TID.with(|t| *t)
 }
 
-fn emit(sink: &dyn TraceSink, op: TraceOp, phase: Phase, tensor: &str, size: u64) {
+fn emit(sink: &dyn TraceSink, phase: Phase, scope: &Scope<'_>) {
     sink.record(&TraceEvent {
-        op,
+        op: scope.op,
         phase,
-        tensor,
-        size,
+        tensor: scope.tensor,
+        size: scope.size,
         timestamp: epoch().elapsed(),
         thread_id: thread_id(),
+        ref_count: scope.ref_count,
+        hbm_index: scope.hbm_index,
     });
 }
 
@@ -177,26 +209,40 @@ pub(crate) struct Scope<'a> {
     op: TraceOp,
     tensor: &'a str,
     size: u64,
+    ref_count: u64,
+    hbm_index: i64,
 }
 
 pub(crate) fn scope(op: TraceOp, tensor: &str, size: usize) -> Scope<'_> {
-    let sink = current();
-    let size = size as u64;
-    if let Some(s) = &sink {
-        emit(s.as_ref(), op, Phase::Begin, tensor, size);
-    }
-    Scope {
-        sink,
+    scope_with(op, tensor, size, 0, -1)
+}
+
+/// A scope with the free payload.
+pub(crate) fn scope_with(
+    op: TraceOp,
+    tensor: &str,
+    size: usize,
+    ref_count: u64,
+    hbm_index: i64,
+) -> Scope<'_> {
+    let s = Scope {
+        sink: current(),
         op,
         tensor,
-        size,
+        size: size as u64,
+        ref_count,
+        hbm_index,
+    };
+    if let Some(sink) = &s.sink {
+        emit(sink.as_ref(), Phase::Begin, &s);
     }
+    s
 }
 
 impl Drop for Scope<'_> {
     fn drop(&mut self) {
         if let Some(s) = &self.sink {
-            emit(s.as_ref(), self.op, Phase::End, self.tensor, self.size);
+            emit(s.as_ref(), Phase::End, self);
         }
     }
 }
@@ -257,7 +303,14 @@ impl ChromeTraceSink {
             e.op.id(),
         );
         json_escape_into(&mut s, e.tensor);
-        s.push_str(&format!("\",\"size\":{}}}}}", e.size));
+        if e.op == TraceOp::Free {
+            s.push_str(&format!(
+                "\",\"size\":{},\"ref_count\":{},\"hbm_index\":{}}}}}",
+                e.size, e.ref_count, e.hbm_index
+            ));
+        } else {
+            s.push_str(&format!("\",\"size\":{}}}}}", e.size));
+        }
         s
     }
 }

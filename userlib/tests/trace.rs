@@ -88,6 +88,8 @@ fn chrome_sink_writes_valid_json() {
         size: 5,
         timestamp: std::time::Duration::from_micros(1500),
         thread_id: 42,
+        ref_count: 0,
+        hbm_index: -1,
     });
     sink.record(&TraceEvent {
         op: trace::TraceOp::Read,
@@ -96,6 +98,8 @@ fn chrome_sink_writes_valid_json() {
         size: 5,
         timestamp: std::time::Duration::from_micros(1600),
         thread_id: 42,
+        ref_count: 0,
+        hbm_index: -1,
     });
     sink.finish().unwrap();
     drop(collect);
@@ -123,6 +127,7 @@ fn env_trace_child() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "re-runs the test binary; Miri cannot run processes")]
 fn trace_file_env_var() {
     let path = std::env::temp_dir().join(format!("tdrv-envtrace-{}.json", std::process::id()));
     let out = Command::new(std::env::current_exe().unwrap())

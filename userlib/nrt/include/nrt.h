@@ -13,6 +13,37 @@
  *  - nrt_tensor_attach_buffer fails (NRT_INVALID) on a tensor that is in a
  *    tensor set: attach before adding it.
  *  - A device-to-device copy across HBM channels returns NRT_INVALID.
+ *  - nrt_tensor_get_device_allocation_info returns NRT_FAILURE when the
+ *    driver withholds DMA addresses from this process (it gives them only
+ *    to openers with CAP_SYS_RAWIO).
+ *
+ * Handles. An nrt_tensor_t * or nrt_tensor_set_t * is an opaque token that
+ * the library looks up in a table of live handles before every use; it is
+ * never dereferenced, by the library or by you. Passing a pointer that is
+ * not a live handle of this library (one already freed, one of another
+ * library, a set where a tensor is expected) returns NRT_INVALID_HANDLE and
+ * touches nothing; nrt_tensor_free and nrt_destroy_tensor_set log it and
+ * leave the pointer alone, so a double free is harmless. Handles are never
+ * reused. A handle may be used from several threads at once; freeing it
+ * while another thread uses it is safe (that call either completes on the
+ * tensor or gets NRT_INVALID_HANDLE).
+ *
+ * Caller memory. The buffers of nrt_tensor_read/write and of the batch
+ * calls are copied with memmove semantics through raw pointers:
+ *  - they may overlap each other (in a read batch, later ops win) and may
+ *    lie inside a tensor's own memory (nrt_tensor_get_va), even the
+ *    tensor being read or written, and even the batch descriptors;
+ *  - each must be valid for its size for the whole call, and no other
+ *    thread may write a buffer the call reads, or access a buffer the call
+ *    writes, until the call returns.
+ * The batch and op arrays are read once, before any byte moves.
+ *
+ * Batches. nrt_tensor_read_batch and nrt_tensor_write_batch check every
+ * handle, pointer and range of every batch before moving a byte: an error
+ * found then (NRT_INVALID, NRT_INVALID_HANDLE) leaves every tensor and
+ * buffer unchanged. After the checks, only a failing device call (a
+ * COPY_IN/COPY_OUT on a device buffer the library cannot map, a fence
+ * wait) can stop a batch; the batches before it are then applied.
  */
 #ifndef NRT_H
 #define NRT_H

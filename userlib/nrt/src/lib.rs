@@ -2,26 +2,35 @@
 //! tensor layer. The declarations are in `include/nrt.h`.
 //!
 //! Conventions of every entry point:
-//! - NULL or otherwise invalid arguments return an error status (a tensor
-//!   pointer that is not a live tensor is `NRT_INVALID_HANDLE`, as far as
-//!   that can be told); nothing asserts;
+//! - NULL or otherwise invalid arguments return an error status; a tensor
+//!   or set pointer that is not a live handle of this library (freed
+//!   already, foreign, garbage) is `NRT_INVALID_HANDLE`; nothing asserts;
 //! - a Rust panic never crosses the boundary: it becomes `NRT_FAILURE`;
 //! - errors are logged to stderr as `nrt: <function>: <message>` unless
 //!   `NEURON_RT_LOG_LEVEL` is `OFF`, `NONE` or `FATAL`.
 //!
-//! Handles: an `nrt_tensor_t *` is one reference to a tensor view
-//! ([`tdrv::Tensor::into_raw`]). A tensor set holds references of its own,
-//! so a tensor stays valid while it is in a set, and
-//! `nrt_get_tensor_from_tensor_set` returns the same pointer that was added.
+//! Handles: an `nrt_tensor_t *` or `nrt_tensor_set_t *` is an opaque token
+//! of a [`tdrv::handles::HandleTable`], never dereferenced: every entry
+//! point looks it up first, so a stale or foreign pointer is
+//! `NRT_INVALID_HANDLE` and a double `nrt_tensor_free` is a logged error,
+//! not a double free. A tensor set holds references of its own, so a tensor
+//! stays valid while it is in a set, and `nrt_get_tensor_from_tensor_set`
+//! returns the same pointer that was added.
+//!
+//! Caller memory (the buffers of read, write and the batches) is only ever
+//! reached through raw pointers and copied with memmove semantics: buffers
+//! may overlap each other and the tensors' own memory (see `nrt.h`).
 
 #![allow(non_camel_case_types)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
-use tdrv::{Error, Fencing, Placement, ReadOp, SysError, Tensor, TensorSet, WriteOp};
+use tdrv::handles::{HandleTable, HandlesMut};
+use tdrv::{Error, Fencing, Placement, RawReadOp, RawWriteOp, SysError, Tensor};
 
 /// Status codes (`NRT_STATUS`).
 pub type NRT_STATUS = c_int;
@@ -87,6 +96,9 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
         | Error::CrossChannel { .. }
         | Error::InvalidArgument(_)
         | Error::SharedView(_) => NRT_INVALID,
+        // Only reachable with Rust accessors open in the same process.
+        Error::Busy { .. } => NRT_FAILURE,
+        Error::NoDmaAddress { .. } => NRT_FAILURE,
         Error::Sys(s) => match s {
             SysError::TimedOut { .. } => NRT_TIMEOUT,
             SysError::NoMemory { .. } | SysError::NoSpace { .. } => NRT_RESOURCE,
@@ -148,19 +160,94 @@ fn guard(func: &str, f: impl FnOnce() -> NRT_STATUS) -> NRT_STATUS {
     }
 }
 
-/// Borrows the tensor behind a handle: NULL is `NRT_INVALID`, a pointer
-/// that is not a live tensor `NRT_INVALID_HANDLE`.
-///
-/// # Safety
-/// A non-null `t` must be readable memory (any pointer the caller got from
-/// this library and has not freed).
-unsafe fn borrow(func: &str, t: *const nrt_tensor_t) -> Result<ManuallyDrop<Tensor>, NRT_STATUS> {
+/// What a live handle stands for.
+enum Handle {
+    Tensor(HeldTensor),
+    /// A set: names to tensor handles (each holding a set reference).
+    Set(HashMap<String, usize>),
+}
+
+/// A tensor handle: the caller's reference (until `nrt_tensor_free`) and
+/// the references of the sets it is in.
+struct HeldTensor {
+    user: Option<Tensor>,
+    /// A quiet handle, held while `set_refs > 0`.
+    in_sets: Option<Tensor>,
+    set_refs: u32,
+}
+
+impl HeldTensor {
+    fn tensor(&self) -> Option<&Tensor> {
+        self.user.as_ref().or(self.in_sets.as_ref())
+    }
+}
+
+fn handles() -> &'static HandleTable<Handle> {
+    static HANDLES: OnceLock<HandleTable<Handle>> = OnceLock::new();
+    HANDLES.get_or_init(HandleTable::new)
+}
+
+fn token<T>(p: *const T) -> usize {
+    p.addr()
+}
+
+fn as_handle<T>(token: usize) -> *mut T {
+    std::ptr::without_provenance_mut(token)
+}
+
+/// Registers a new tensor handle for the caller.
+fn register(func: &str, t: Tensor) -> Result<*mut nrt_tensor_t, NRT_STATUS> {
+    handles()
+        .insert(Handle::Tensor(HeldTensor {
+            user: Some(t),
+            in_sets: None,
+            set_refs: 0,
+        }))
+        .map(as_handle)
+        .map_err(|e| {
+            log_error(func, &e);
+            status_of(&e)
+        })
+}
+
+/// The tensor behind a handle, as a quiet handle of our own (so a
+/// concurrent `nrt_tensor_free` cannot free it under us): NULL is
+/// `NRT_INVALID`, anything but a live tensor handle `NRT_INVALID_HANDLE`.
+/// Never dereferences `t`.
+fn borrow(func: &str, t: *const nrt_tensor_t) -> Result<Tensor, NRT_STATUS> {
     if t.is_null() {
         return Err(fail(func, NRT_INVALID, "tensor is NULL"));
     }
-    // SAFETY: forwarded to our caller.
-    unsafe { Tensor::borrow_raw(t.cast()) }
-        .ok_or_else(|| fail(func, NRT_INVALID_HANDLE, "not a tensor handle"))
+    handles()
+        .get(token(t), |h| match h {
+            Handle::Tensor(held) => held.tensor().map(Tensor::clone_quiet),
+            Handle::Set(_) => None,
+        })
+        .flatten()
+        .ok_or_else(|| {
+            fail(
+                func,
+                NRT_INVALID_HANDLE,
+                "not a live tensor handle (freed already, or not from this library)",
+            )
+        })
+}
+
+/// The tensor behind a C handle, for Rust code sharing the process with C
+/// callers (tests, embedders); `None` unless `t` is a live tensor handle.
+/// The pointer is never dereferenced.
+pub fn tensor_from_handle(t: *const nrt_tensor_t) -> Option<Tensor> {
+    handles()
+        .get(token(t), |h| match h {
+            Handle::Tensor(held) => held.tensor().cloned(),
+            Handle::Set(_) => None,
+        })
+        .flatten()
+}
+
+/// Number of live tensor and set handles (for leak checks in tests).
+pub fn live_handles() -> usize {
+    handles().len()
 }
 
 /// # Safety
@@ -220,21 +307,23 @@ pub unsafe extern "C" fn nrt_tensor_allocate(
         // SAFETY: per the contract.
         let name = unsafe { name_arg(name) };
         let channel = u32::try_from(vnc).unwrap_or(0);
-        match Tensor::allocate(placement, channel, size, name.as_deref()) {
-            Ok(t) => {
-                // SAFETY: as above.
-                unsafe { *tensor = t.into_raw().cast_mut().cast() };
-                NRT_SUCCESS
-            }
-            Err(e) => status(F, Err(e)),
-        }
+        let t = match Tensor::allocate(placement, channel, size, name.as_deref()) {
+            Ok(t) => t,
+            Err(e) => return status(F, Err(e)),
+        };
+        let h = tri!(register(F, t));
+        // SAFETY: as above.
+        unsafe { *tensor = h };
+        NRT_SUCCESS
     })
 }
 
-/// Drops the caller's reference and sets `*tensor` to NULL.
+/// Drops the caller's reference and sets `*tensor` to NULL. A pointer that
+/// is not a live tensor handle (a second free included) is logged and left
+/// alone.
 ///
 /// # Safety
-/// `tensor` is NULL or points at NULL or at a handle of this library.
+/// `tensor` is NULL or a writable `nrt_tensor_t *` variable.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_free(tensor: *mut *mut nrt_tensor_t) {
     const F: &str = "nrt_tensor_free";
@@ -242,25 +331,45 @@ pub unsafe extern "C" fn nrt_tensor_free(tensor: *mut *mut nrt_tensor_t) {
         if tensor.is_null() {
             return NRT_SUCCESS;
         }
-        // SAFETY: non-null per the contract.
+        // SAFETY: non-null and readable per the contract.
         let t = unsafe { *tensor };
         if t.is_null() {
             return NRT_SUCCESS;
         }
-        // SAFETY: per the contract.
-        if let Err(s) = unsafe { borrow(F, t) } {
-            return s;
+        let tok = token(t);
+        let freed = {
+            let mut h = handles().lock();
+            match h.get_mut(tok) {
+                Some(Handle::Tensor(held)) => match held.user.take() {
+                    Some(user) => {
+                        if held.set_refs == 0 {
+                            h.remove(tok);
+                        }
+                        Ok(user)
+                    }
+                    None => Err("the tensor was freed already (a set still holds it)"),
+                },
+                Some(Handle::Set(_)) => Err("a tensor set, not a tensor"),
+                None => Err("not a live tensor handle (freed already?)"),
+            }
+        };
+        match freed {
+            Ok(user) => {
+                // Dropped outside the table's lock: this may free storage.
+                drop(user);
+                // SAFETY: as above.
+                unsafe { *tensor = std::ptr::null_mut() };
+                NRT_SUCCESS
+            }
+            Err(msg) => fail(F, NRT_INVALID_HANDLE, msg),
         }
-        // SAFETY: a live handle: this gives back the caller's reference.
-        drop(unsafe { Tensor::from_raw(t.cast_const().cast()) });
-        // SAFETY: as above.
-        unsafe { *tensor = std::ptr::null_mut() };
-        NRT_SUCCESS
     });
 }
 
 /// # Safety
-/// `buf` is valid for writes of `size` bytes (may be NULL when 0).
+/// `buf` is valid for writes of `size` bytes (may be NULL when 0), and no
+/// other thread accesses them during the call; it may overlap any tensor's
+/// memory.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_read(
     tensor: *const nrt_tensor_t,
@@ -270,22 +379,20 @@ pub unsafe extern "C" fn nrt_tensor_read(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_read";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
-        if size == 0 {
-            return status(F, t.read(offset, &mut []));
-        }
-        if buf.is_null() {
+        let t = tri!(borrow(F, tensor));
+        if buf.is_null() && size > 0 {
             return fail(F, NRT_INVALID, "buffer is NULL");
         }
-        // SAFETY: valid for `size` bytes per the contract.
-        let dst = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), size) };
-        status(F, t.read(offset, dst))
+        // SAFETY: valid for `size` bytes per the contract; only a raw
+        // pointer is made, never a reference to the caller's memory.
+        status(F, unsafe { t.read_raw(offset, buf.cast(), size) })
     })
 }
 
 /// # Safety
-/// `buf` is valid for reads of `size` bytes (may be NULL when 0).
+/// `buf` is valid for reads of `size` bytes (may be NULL when 0), and no
+/// other thread writes them during the call; it may overlap any tensor's
+/// memory.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_write(
     tensor: *mut nrt_tensor_t,
@@ -295,26 +402,18 @@ pub unsafe extern "C" fn nrt_tensor_write(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_write";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
-        if size == 0 {
-            return status(F, t.write(offset, &[]));
-        }
-        if buf.is_null() {
+        let t = tri!(borrow(F, tensor));
+        if buf.is_null() && size > 0 {
             return fail(F, NRT_INVALID, "buffer is NULL");
         }
-        // SAFETY: valid for `size` bytes per the contract.
-        let src = unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), size) };
-        status(F, t.write(offset, src))
+        // SAFETY: valid for `size` bytes per the contract; raw pointer only.
+        status(F, unsafe { t.write_raw(offset, buf.cast(), size) })
     })
 }
 
 /// Copies between tensors. Device tensors on different HBMs: NRT_INVALID.
-///
-/// # Safety
-/// Tensor pointers are NULL or handles of this library.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_copy(
+pub extern "C" fn nrt_tensor_copy(
     src: *const nrt_tensor_t,
     src_offset: usize,
     dst: *mut nrt_tensor_t,
@@ -323,37 +422,37 @@ pub unsafe extern "C" fn nrt_tensor_copy(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_copy";
     guard(F, || {
-        // SAFETY: per the contract.
-        let s = tri!(unsafe { borrow(F, src) });
-        // SAFETY: per the contract.
-        let d = tri!(unsafe { borrow(F, dst) });
+        let s = tri!(borrow(F, src));
+        let d = tri!(borrow(F, dst));
         status(F, Tensor::copy(&s, src_offset, &d, dst_offset, size))
     })
 }
 
-/// Size of the tensor in bytes; 0 for NULL.
-///
-/// # Safety
-/// `tensor` is NULL or a handle of this library.
+/// Size of the tensor in bytes; 0 for NULL or an invalid handle.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_get_size(tensor: *const nrt_tensor_t) -> usize {
+pub extern "C" fn nrt_tensor_get_size(tensor: *const nrt_tensor_t) -> usize {
     const F: &str = "nrt_tensor_get_size";
     let mut size = 0;
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
-        size = t.size();
-        NRT_SUCCESS
+        // A lookup without a clone: the cheapest entry point.
+        let got = handles().get(token(tensor), |h| match h {
+            Handle::Tensor(held) => held.tensor().map(Tensor::size),
+            Handle::Set(_) => None,
+        });
+        match got.flatten() {
+            Some(s) => {
+                size = s;
+                NRT_SUCCESS
+            }
+            None => tri!(borrow(F, tensor).map(|_| NRT_SUCCESS)),
+        }
     });
     size
 }
 
 /// Fills `size` bytes at `offset` with `(unsigned char)value`.
-///
-/// # Safety
-/// `tensor` is NULL or a handle of this library.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_memset(
+pub extern "C" fn nrt_tensor_memset(
     tensor: *mut nrt_tensor_t,
     offset: u64,
     value: c_int,
@@ -361,8 +460,7 @@ pub unsafe extern "C" fn nrt_tensor_memset(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_memset";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
+        let t = tri!(borrow(F, tensor));
         let offset = tri!(to_usize(F, offset));
         // memset(3) semantics: the value converted to unsigned char.
         status(F, t.memset(offset, value as u8, size))
@@ -383,23 +481,30 @@ pub unsafe extern "C" fn nrt_tensor_allocate_empty(
         if tensor.is_null() {
             return fail(F, NRT_INVALID, "tensor is NULL");
         }
+        // SAFETY: non-null and writable per the contract.
+        unsafe { *tensor = std::ptr::null_mut() };
         // SAFETY: per the contract.
         let name = unsafe { name_arg(name) };
-        let t = Tensor::allocate_empty(name.as_deref());
-        // SAFETY: non-null and writable per the contract.
-        unsafe { *tensor = t.into_raw().cast_mut().cast() };
+        let t = match Tensor::allocate_empty(name.as_deref()) {
+            Ok(t) => t,
+            Err(e) => return status(F, Err(e)),
+        };
+        let h = tri!(register(F, t));
+        // SAFETY: as above.
+        unsafe { *tensor = h };
         NRT_SUCCESS
     })
 }
 
 /// Makes the tensor cover the caller's buffer, which the library never
 /// frees; the storage it had is released (slices made earlier keep it).
-/// Fails (NRT_INVALID) while the tensor is in a tensor set: attach first.
+/// Fails (NRT_INVALID) while the tensor is in a tensor set or another call
+/// uses it: attach first.
 ///
 /// # Safety
 /// `buffer` is valid for reads and writes of `size` bytes for as long as
-/// the tensor or any slice of it lives; no other call may use this tensor
-/// concurrently.
+/// the tensor or any slice of it lives, and not accessed by other means
+/// while a call of this library copies to or from it.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_attach_buffer(
     tensor: *mut nrt_tensor_t,
@@ -408,19 +513,31 @@ pub unsafe extern "C" fn nrt_tensor_attach_buffer(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_attach_buffer";
     guard(F, || {
-        // SAFETY: per the contract.
-        tri!(unsafe { borrow(F, tensor) });
+        if tensor.is_null() {
+            return fail(F, NRT_INVALID, "tensor is NULL");
+        }
         if buffer.is_null() && size > 0 {
             return fail(F, NRT_INVALID, "buffer is NULL");
         }
-        // SAFETY: a live handle; the reference is given back below with
-        // `into_raw`, which returns the same pointer (the view is changed
-        // in place).
-        let mut t = ManuallyDrop::new(unsafe { Tensor::from_raw(tensor.cast_const().cast()) });
-        // SAFETY: buffer validity per the contract.
-        let r = unsafe { t.attach_buffer(buffer.cast(), size) };
-        let back = ManuallyDrop::into_inner(t).into_raw();
-        debug_assert_eq!(back, tensor.cast_const().cast());
+        let mut h = handles().lock();
+        let r = match h.get_mut(token(tensor)) {
+            Some(Handle::Tensor(HeldTensor {
+                user: Some(t),
+                in_sets: None,
+                ..
+            })) => {
+                // SAFETY: buffer validity per the contract.
+                unsafe { t.attach_buffer(buffer.cast(), size) }
+            }
+            Some(Handle::Tensor(HeldTensor { user: Some(t), .. })) => {
+                Err(Error::SharedView(t.name().to_owned()))
+            }
+            _ => {
+                drop(h);
+                return fail(F, NRT_INVALID_HANDLE, "not a live tensor handle");
+            }
+        };
+        drop(h);
         status(F, r)
     })
 }
@@ -428,8 +545,7 @@ pub unsafe extern "C" fn nrt_tensor_attach_buffer(
 /// A slice sharing `source`'s storage.
 ///
 /// # Safety
-/// `source` is NULL or a handle; `name` NULL or a C string; `slice` NULL or
-/// writable.
+/// `name` is NULL or a C string; `slice` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_allocate_slice(
     source: *const nrt_tensor_t,
@@ -445,52 +561,54 @@ pub unsafe extern "C" fn nrt_tensor_allocate_slice(
         }
         // SAFETY: non-null and writable per the contract.
         unsafe { *slice = std::ptr::null_mut() };
-        // SAFETY: per the contract.
-        let src = tri!(unsafe { borrow(F, source) });
+        let src = tri!(borrow(F, source));
         // SAFETY: per the contract.
         let name = unsafe { name_arg(name) };
-        match src.slice(offset, size, name.as_deref()) {
-            Ok(s) => {
-                // SAFETY: as above.
-                unsafe { *slice = s.into_raw().cast_mut().cast() };
-                NRT_SUCCESS
-            }
-            Err(e) => status(F, Err(e)),
-        }
+        let s = match src.slice(offset, size, name.as_deref()) {
+            Ok(s) => s,
+            Err(e) => return status(F, Err(e)),
+        };
+        let h = tri!(register(F, s));
+        // SAFETY: as above.
+        unsafe { *slice = h };
+        NRT_SUCCESS
     })
 }
 
-/// Host address of the tensor's first byte; NULL for fake, empty or NULL
-/// tensors.
-///
-/// # Safety
-/// `tensor` is NULL or a handle of this library.
+/// Host address of the tensor's first byte; NULL for fake, empty, NULL or
+/// invalid tensors.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_get_va(tensor: *const nrt_tensor_t) -> *mut c_void {
+pub extern "C" fn nrt_tensor_get_va(tensor: *const nrt_tensor_t) -> *mut c_void {
     const F: &str = "nrt_tensor_get_va";
     let mut va = std::ptr::null_mut();
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
+        let t = tri!(borrow(F, tensor));
         va = t.va().map_or(std::ptr::null_mut(), |p| p.as_ptr().cast());
         NRT_SUCCESS
     });
     va
 }
 
-/// A batch whose handle, pointers and ranges were checked.
-type CheckedBatch<'a> = (ManuallyDrop<Tensor>, &'a [nrt_tensor_batch_op_t]);
+/// A batch whose handle, pointers and ranges were checked, with its ops
+/// copied out of the caller's memory.
+struct CheckedBatch {
+    tensor: Tensor,
+    ops: Vec<(usize, *mut u8, usize)>,
+}
 
-/// Checks every batch (handles, pointers, ranges) before any byte moves.
+/// Checks every batch (handles, pointers, ranges) before any byte moves,
+/// and copies the descriptors, so that no reference to caller memory is
+/// held while the caller's buffers (which may overlap the descriptors) are
+/// written.
 ///
 /// # Safety
-/// `batches` is NULL or valid for `num_batches` entries, each with `ops`
-/// valid for `num_ops` entries.
-unsafe fn check_batches<'a>(
+/// `batches` is NULL or valid for reads of `num_batches` entries, each
+/// with `ops` valid for reads of `num_ops` entries.
+unsafe fn check_batches(
     func: &str,
     batches: *const nrt_tensor_batch_t,
     num_batches: u64,
-) -> Result<Vec<CheckedBatch<'a>>, NRT_STATUS> {
+) -> Result<Vec<CheckedBatch>, NRT_STATUS> {
     if num_batches == 0 {
         return Ok(Vec::new());
     }
@@ -498,19 +616,23 @@ unsafe fn check_batches<'a>(
         return Err(fail(func, NRT_INVALID, "batches is NULL"));
     }
     let n = to_usize(func, num_batches)?;
-    // SAFETY: valid for `n` entries per the contract.
-    let batches = unsafe { std::slice::from_raw_parts(batches, n) };
-    let mut out = Vec::with_capacity(n);
-    for b in batches {
-        // SAFETY: per the contract.
-        let t = unsafe { borrow(func, b.tensor) }?;
-        let ops: &[nrt_tensor_batch_op_t] = match (b.ops.is_null(), b.num_ops) {
-            (_, 0) => &[],
-            (true, _) => return Err(fail(func, NRT_INVALID, "batch ops is NULL")),
-            // SAFETY: valid for `num_ops` entries per the contract.
-            (false, n) => unsafe { std::slice::from_raw_parts(b.ops, n as usize) },
-        };
-        for op in ops {
+    let oom = |_| fail(func, NRT_RESOURCE, "out of memory");
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(oom)?;
+    for i in 0..n {
+        // SAFETY: entry `i < num_batches` is readable per the contract; it
+        // is copied, no reference is kept.
+        let b = unsafe { batches.add(i).read() };
+        let t = borrow(func, b.tensor)?;
+        let count = b.num_ops as usize;
+        if b.ops.is_null() && count > 0 {
+            return Err(fail(func, NRT_INVALID, "batch ops is NULL"));
+        }
+        let mut ops = Vec::new();
+        ops.try_reserve_exact(count).map_err(oom)?;
+        for k in 0..count {
+            // SAFETY: entry `k < num_ops` is readable per the contract.
+            let op = unsafe { b.ops.add(k).read() };
             let (offset, size) = (to_usize(func, op.offset)?, to_usize(func, op.size)?);
             if op.buffer.is_null() && size > 0 {
                 return Err(fail(func, NRT_INVALID, "batch op buffer is NULL"));
@@ -529,18 +651,27 @@ unsafe fn check_batches<'a>(
                     ))
                 }
             }
+            ops.push((offset, op.buffer.cast::<u8>(), size));
         }
-        out.push((t, ops));
+        if t.kind().is_none() && !ops.is_empty() {
+            return Err(fail(
+                func,
+                NRT_INVALID,
+                &format!("tensor {:?} has no storage", t.name()),
+            ));
+        }
+        out.push(CheckedBatch { tensor: t, ops });
     }
     Ok(out)
 }
 
 /// Reads several ranges of several tensors; each tensor is fenced once
-/// (not at all with `unsafe_`). The destination buffers of one batch must
-/// not overlap.
+/// (not at all with `unsafe_`). Every batch is checked before any byte
+/// moves. Destinations may overlap (later ops win).
 ///
 /// # Safety
-/// See `check_batches`; each op buffer is valid for writes of its size.
+/// See `check_batches`; each op buffer is valid for writes of its size and
+/// not accessed by other threads during the call.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_read_batch(
     batches: *const nrt_tensor_batch_t,
@@ -556,23 +687,15 @@ pub unsafe extern "C" fn nrt_tensor_read_batch(
         } else {
             Fencing::Wait
         };
-        for (t, ops) in checked {
-            let mut rops: Vec<ReadOp<'_>> = ops
+        for b in checked {
+            let ops: Vec<RawReadOp> = b
+                .ops
                 .iter()
-                .map(|op| ReadOp {
-                    offset: op.offset as usize,
-                    buf: if op.size == 0 {
-                        &mut []
-                    } else {
-                        // SAFETY: non-null (checked) and valid for `size`
-                        // bytes per the contract.
-                        unsafe {
-                            std::slice::from_raw_parts_mut(op.buffer.cast(), op.size as usize)
-                        }
-                    },
-                })
+                .map(|&(offset, dst, len)| RawReadOp { offset, dst, len })
                 .collect();
-            let s = status(F, t.read_batch(&mut rops, fencing));
+            // SAFETY: every destination is valid for its size per the
+            // contract; only raw pointers are used (overlaps allowed).
+            let s = status(F, unsafe { b.tensor.read_batch_raw(&ops, fencing) });
             if s != NRT_SUCCESS {
                 return s;
             }
@@ -582,10 +705,12 @@ pub unsafe extern "C" fn nrt_tensor_read_batch(
 }
 
 /// Writes several ranges of several tensors; each tensor is fenced once
-/// (not at all with `unsafe_`).
+/// (not at all with `unsafe_`). Every batch is checked before any byte
+/// moves.
 ///
 /// # Safety
-/// See `check_batches`; each op buffer is valid for reads of its size.
+/// See `check_batches`; each op buffer is valid for reads of its size and
+/// not written by other threads during the call.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_write_batch(
     batches: *const nrt_tensor_batch_t,
@@ -601,21 +726,18 @@ pub unsafe extern "C" fn nrt_tensor_write_batch(
         } else {
             Fencing::Wait
         };
-        for (t, ops) in checked {
-            let wops: Vec<WriteOp<'_>> = ops
+        for b in checked {
+            let ops: Vec<RawWriteOp> = b
+                .ops
                 .iter()
-                .map(|op| WriteOp {
-                    offset: op.offset as usize,
-                    buf: if op.size == 0 {
-                        &[]
-                    } else {
-                        // SAFETY: non-null (checked) and valid for `size`
-                        // bytes per the contract.
-                        unsafe { std::slice::from_raw_parts(op.buffer.cast(), op.size as usize) }
-                    },
+                .map(|&(offset, src, len)| RawWriteOp {
+                    offset,
+                    src: src.cast_const(),
+                    len,
                 })
                 .collect();
-            let s = status(F, t.write_batch(&wops, fencing));
+            // SAFETY: every source is valid for its size per the contract.
+            let s = status(F, unsafe { b.tensor.write_batch_raw(&ops, fencing) });
             if s != NRT_SUCCESS {
                 return s;
             }
@@ -625,10 +747,11 @@ pub unsafe extern "C" fn nrt_tensor_write_batch(
 }
 
 /// Physical address, size and HBM of a device tensor; NRT_INVALID for
-/// other tensors.
+/// other tensors, NRT_FAILURE when the driver withholds DMA addresses from
+/// this process (no CAP_SYS_RAWIO).
 ///
 /// # Safety
-/// `tensor` is NULL or a handle; `info` NULL or writable.
+/// `info` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_tensor_get_device_allocation_info(
     tensor: *const nrt_tensor_t,
@@ -636,8 +759,7 @@ pub unsafe extern "C" fn nrt_tensor_get_device_allocation_info(
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_get_device_allocation_info";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
+        let t = tri!(borrow(F, tensor));
         if info.is_null() {
             return fail(F, NRT_INVALID, "info is NULL");
         }
@@ -645,11 +767,11 @@ pub unsafe extern "C" fn nrt_tensor_get_device_allocation_info(
             Ok(i) => {
                 // SAFETY: non-null and writable per the contract.
                 unsafe {
-                    *info = nrt_tensor_device_allocation_info_t {
+                    info.write(nrt_tensor_device_allocation_info_t {
                         physical_address: i.physical_address,
                         size: i.size,
                         hbm_index: c_int::try_from(i.hbm_index).unwrap_or(-1),
-                    }
+                    })
                 };
                 NRT_SUCCESS
             }
@@ -661,19 +783,15 @@ pub unsafe extern "C" fn nrt_tensor_get_device_allocation_info(
 /// Waits until the output tensor's completion count reaches `expected`:
 /// NRT_SUCCESS, NRT_TIMEOUT, or NRT_INVALID for a NULL tensor. Negative
 /// timeouts wait forever (with a warning every 30 s), 0 polls.
-///
-/// # Safety
-/// `output` is NULL or a handle of this library.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_check_output_completion(
+pub extern "C" fn nrt_tensor_check_output_completion(
     output: *const nrt_tensor_t,
     timeout_us: i64,
     expected_completion_count: u64,
 ) -> NRT_STATUS {
     const F: &str = "nrt_tensor_check_output_completion";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, output) });
+        let t = tri!(borrow(F, output));
         match t.check_output_completion(timeout_us, expected_completion_count) {
             Ok(()) => NRT_SUCCESS,
             // A time-out is an answer, not an error worth a log line.
@@ -684,49 +802,29 @@ pub unsafe extern "C" fn nrt_tensor_check_output_completion(
 }
 
 /// Sets the output tensor's completion count to 0.
-///
-/// # Safety
-/// `output` is NULL or a handle of this library.
 #[no_mangle]
-pub unsafe extern "C" fn nrt_tensor_reset_output_completion(
-    output: *mut nrt_tensor_t,
-) -> NRT_STATUS {
+pub extern "C" fn nrt_tensor_reset_output_completion(output: *mut nrt_tensor_t) -> NRT_STATUS {
     const F: &str = "nrt_tensor_reset_output_completion";
     guard(F, || {
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, output) });
+        let t = tri!(borrow(F, output));
         status(F, t.reset_output_completion())
     })
 }
 
-const SET_MAGIC: u64 = 0x7464_7276_5f73_6574; // "tdrv_set"
-
-struct CTensorSet {
-    magic: u64,
-    set: Mutex<TensorSet>,
-}
-
-impl Drop for CTensorSet {
-    fn drop(&mut self) {
-        self.magic = 0;
+/// Drops one set reference of tensor handle `tok`; the tensors to drop
+/// once the table is unlocked go to `dropped`.
+fn release_set_ref(h: &mut HandlesMut<'_, Handle>, tok: usize, dropped: &mut Vec<Tensor>) {
+    let Some(Handle::Tensor(held)) = h.get_mut(tok) else {
+        return;
+    };
+    held.set_refs = held.set_refs.saturating_sub(1);
+    if held.set_refs > 0 {
+        return;
     }
-}
-
-/// # Safety
-/// A non-null `set` must be readable (a pointer from this library).
-unsafe fn borrow_set<'a>(
-    func: &str,
-    set: *mut nrt_tensor_set_t,
-) -> Result<&'a CTensorSet, NRT_STATUS> {
-    if set.is_null() {
-        return Err(fail(func, NRT_INVALID, "tensor set is NULL"));
+    dropped.extend(held.in_sets.take());
+    if held.user.is_none() {
+        h.remove(tok);
     }
-    // SAFETY: readable per the contract.
-    let s = unsafe { &*set.cast::<CTensorSet>() };
-    if s.magic != SET_MAGIC {
-        return Err(fail(func, NRT_INVALID_HANDLE, "not a tensor set"));
-    }
-    Ok(s)
 }
 
 /// # Safety
@@ -738,21 +836,23 @@ pub unsafe extern "C" fn nrt_allocate_tensor_set(result: *mut *mut nrt_tensor_se
         if result.is_null() {
             return fail(F, NRT_INVALID, "result is NULL");
         }
-        let set = Box::new(CTensorSet {
-            magic: SET_MAGIC,
-            set: Mutex::new(TensorSet::new()),
-        });
-        // SAFETY: non-null and writable per the contract.
-        unsafe { *result = Box::into_raw(set).cast() };
-        NRT_SUCCESS
+        match handles().insert(Handle::Set(HashMap::new())) {
+            Ok(tok) => {
+                // SAFETY: non-null and writable per the contract.
+                unsafe { *result = as_handle(tok) };
+                NRT_SUCCESS
+            }
+            Err(e) => status(F, Err(e)),
+        }
     })
 }
 
 /// Destroys the set (dropping its references, not the caller's) and sets
-/// `*tensor_set` to NULL.
+/// `*tensor_set` to NULL. A pointer that is not a live set is logged and
+/// left alone.
 ///
 /// # Safety
-/// `tensor_set` is NULL or points at NULL or at a set of this library.
+/// `tensor_set` is NULL or a writable `nrt_tensor_set_t *` variable.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_destroy_tensor_set(tensor_set: *mut *mut nrt_tensor_set_t) {
     const F: &str = "nrt_destroy_tensor_set";
@@ -760,15 +860,28 @@ pub unsafe extern "C" fn nrt_destroy_tensor_set(tensor_set: *mut *mut nrt_tensor
         if tensor_set.is_null() {
             return NRT_SUCCESS;
         }
-        // SAFETY: non-null per the contract.
+        // SAFETY: non-null and readable per the contract.
         let set = unsafe { *tensor_set };
         if set.is_null() {
             return NRT_SUCCESS;
         }
-        // SAFETY: per the contract.
-        tri!(unsafe { borrow_set(F, set) });
-        // SAFETY: a live set made by Box::into_raw, freed once here.
-        drop(unsafe { Box::from_raw(set.cast::<CTensorSet>()) });
+        let mut dropped = Vec::new();
+        {
+            let mut h = handles().lock();
+            match h.get(token(set)) {
+                Some(Handle::Set(_)) => {}
+                _ => {
+                    drop(h);
+                    return fail(F, NRT_INVALID_HANDLE, "not a live tensor set");
+                }
+            }
+            if let Some(Handle::Set(members)) = h.remove(token(set)) {
+                for tok in members.into_values() {
+                    release_set_ref(&mut h, tok, &mut dropped);
+                }
+            }
+        }
+        drop(dropped);
         // SAFETY: as above.
         unsafe { *tensor_set = std::ptr::null_mut() };
         NRT_SUCCESS
@@ -779,7 +892,7 @@ pub unsafe extern "C" fn nrt_destroy_tensor_set(tensor_set: *mut *mut nrt_tensor
 /// takes a reference of its own.
 ///
 /// # Safety
-/// Pointers are NULL or objects of this library; `name` a C string.
+/// `name` is NULL or a C string.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_add_tensor_to_tensor_set(
     set: *mut nrt_tensor_set_t,
@@ -788,21 +901,49 @@ pub unsafe extern "C" fn nrt_add_tensor_to_tensor_set(
 ) -> NRT_STATUS {
     const F: &str = "nrt_add_tensor_to_tensor_set";
     guard(F, || {
-        // SAFETY: per the contract.
-        let s = tri!(unsafe { borrow_set(F, set) });
+        if set.is_null() {
+            return fail(F, NRT_INVALID, "tensor set is NULL");
+        }
         // SAFETY: per the contract.
         let Some(name) = (unsafe { name_arg(name) }) else {
             return fail(F, NRT_INVALID, "name is NULL");
         };
-        // SAFETY: per the contract.
-        let t = tri!(unsafe { borrow(F, tensor) });
-        let old = s
-            .set
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .add(&name, Tensor::clone(&t));
-        drop(old);
-        NRT_SUCCESS
+        if tensor.is_null() {
+            return fail(F, NRT_INVALID, "tensor is NULL");
+        }
+        let (set, tok) = (token(set), token(tensor));
+        let mut dropped = Vec::new();
+        let r = {
+            let mut h = handles().lock();
+            let room = match h.get_mut(set) {
+                Some(Handle::Set(m)) => m.try_reserve(1).map_err(|_| NRT_RESOURCE),
+                _ => Err(NRT_INVALID_HANDLE),
+            };
+            match (room, h.get_mut(tok)) {
+                (Err(s), _) => Err(s),
+                (Ok(()), Some(Handle::Tensor(held))) if held.tensor().is_some() => {
+                    if held.in_sets.is_none() {
+                        held.in_sets = held.tensor().map(Tensor::clone_quiet);
+                    }
+                    held.set_refs = held.set_refs.saturating_add(1);
+                    let old = match h.get_mut(set) {
+                        Some(Handle::Set(m)) => m.insert(name, tok),
+                        _ => None,
+                    };
+                    if let Some(old) = old {
+                        release_set_ref(&mut h, old, &mut dropped);
+                    }
+                    Ok(())
+                }
+                (Ok(()), _) => Err(NRT_INVALID_HANDLE),
+            }
+        };
+        drop(dropped);
+        match r {
+            Ok(()) => NRT_SUCCESS,
+            Err(NRT_RESOURCE) => fail(F, NRT_RESOURCE, "out of memory"),
+            Err(s) => fail(F, s, "not a live tensor set and tensor"),
+        }
     })
 }
 
@@ -810,8 +951,7 @@ pub unsafe extern "C" fn nrt_add_tensor_to_tensor_set(
 /// when no tensor has that name.
 ///
 /// # Safety
-/// Pointers are NULL or objects of this library; `name` a C string;
-/// `tensor` writable.
+/// `name` is NULL or a C string; `tensor` NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn nrt_get_tensor_from_tensor_set(
     set: *mut nrt_tensor_set_t,
@@ -825,24 +965,29 @@ pub unsafe extern "C" fn nrt_get_tensor_from_tensor_set(
         }
         // SAFETY: non-null and writable per the contract.
         unsafe { *tensor = std::ptr::null_mut() };
-        // SAFETY: per the contract.
-        let s = tri!(unsafe { borrow_set(F, set) });
+        if set.is_null() {
+            return fail(F, NRT_INVALID, "tensor set is NULL");
+        }
         // SAFETY: per the contract.
         let Some(name) = (unsafe { name_arg(name) }) else {
             return fail(F, NRT_INVALID, "name is NULL");
         };
-        let set = s.set.lock().unwrap_or_else(|e| e.into_inner());
-        match set.get(&name) {
-            Some(t) => {
-                // SAFETY: as above. The set keeps this view alive.
-                unsafe { *tensor = t.as_raw().cast_mut().cast() };
+        let found = handles().get(token(set), |h| match h {
+            Handle::Set(m) => Ok(m.get(&name).copied()),
+            Handle::Tensor(_) => Err(()),
+        });
+        match found {
+            Some(Ok(Some(tok))) => {
+                // SAFETY: as above.
+                unsafe { *tensor = as_handle(tok) };
                 NRT_SUCCESS
             }
-            None => fail(
+            Some(Ok(None)) => fail(
                 F,
                 NRT_FAILURE,
                 &format!("no tensor named {name:?} in the set"),
             ),
+            _ => fail(F, NRT_INVALID_HANDLE, "not a live tensor set"),
         }
     })
 }

@@ -163,7 +163,7 @@ fn host_completion_through_the_c_abi() {
     unsafe {
         assert_eq!(nrt_tensor_check_output_completion(t, 0, 0), NRT_SUCCESS);
         assert_eq!(nrt_tensor_check_output_completion(t, 1000, 1), NRT_TIMEOUT);
-        let tensor = tdrv::Tensor::borrow_raw(t.cast_const().cast()).unwrap();
+        let tensor = tensor_from_handle(t).unwrap();
         tensor.record_output_completion().unwrap();
         assert_eq!(nrt_tensor_check_output_completion(t, -1, 1), NRT_SUCCESS);
         assert_eq!(nrt_tensor_reset_output_completion(t), NRT_SUCCESS);

@@ -43,6 +43,7 @@ fn libnrt() -> PathBuf {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "runs gcc and a C program; Miri cannot run processes")]
 fn library_has_the_soname_and_only_the_nrt_exports() {
     let lib = libnrt();
     let out = run(Command::new("readelf").arg("-dW").arg(&lib));
@@ -83,6 +84,7 @@ fn library_has_the_soname_and_only_the_nrt_exports() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "runs gcc and a C program; Miri cannot run processes")]
 fn c_program_dlopens_libnrt_virtual_placement() {
     let lib = libnrt();
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));

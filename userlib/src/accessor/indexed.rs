@@ -3,26 +3,85 @@
 //! `TensorAccessorBase`/`operator[]` indexer).
 
 use std::marker::PhantomData;
-use std::mem::size_of;
+use std::mem::{size_of, MaybeUninit};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::{direct_base, AccessorError, Element, Mode, ReadOnly, ReadWrite, Result};
 use crate::coherency::{AccessorKind, Admission, CoherenceSlot};
 use crate::completion::Access;
+use crate::fence::{HeldSpan, Span};
 use crate::tensor::Tensor;
+
+/// Loads a `T` with one relaxed atomic load per byte.
+///
+/// # Safety
+/// `p` must be valid for reads of `size_of::<T>()` bytes, and every access
+/// to those bytes that may run at the same time must be atomic and
+/// byte-sized: the accessor's direct span guarantees that (plain copies of
+/// the library conflicting with it fail with `Busy`; other accessors use
+/// this function and [`store`]).
+unsafe fn load<T: Element>(p: *const T) -> T {
+    let mut out = MaybeUninit::<T>::uninit();
+    let dst = out.as_mut_ptr().cast::<u8>();
+    let src = p.cast::<u8>().cast_mut();
+    for i in 0..size_of::<T>() {
+        // SAFETY: byte `i` of the element is valid and only accessed
+        // atomically meanwhile (our contract); `AtomicU8` has alignment 1.
+        let a = unsafe { AtomicU8::from_ptr(src.add(i)) };
+        // SAFETY: byte `i` of `out`, a local of `size_of::<T>()` bytes.
+        unsafe { dst.add(i).write(a.load(Ordering::Relaxed)) };
+    }
+    // SAFETY: every byte was written above, and any bytes are a valid
+    // `T: Element` (no padding, no invalid bit patterns).
+    unsafe { out.assume_init() }
+}
+
+/// Stores a `T` with one relaxed atomic store per byte.
+///
+/// # Safety
+/// As for [`load`], with `p` valid for writes.
+unsafe fn store<T: Element>(p: *mut T, value: T) {
+    let src = (&raw const value).cast::<u8>();
+    let dst = p.cast::<u8>();
+    for i in 0..size_of::<T>() {
+        // SAFETY: as in `load`.
+        let a = unsafe { AtomicU8::from_ptr(dst.add(i)) };
+        // SAFETY: byte `i` of `value`, which has no padding (`Element`).
+        a.store(unsafe { src.add(i).read() }, Ordering::Relaxed);
+    }
+}
 
 /// An unbuffered accessor of rank `N` over a tensor: element `index` lives
 /// at element offset `sum(index[d] * strides[d])` from the view's first
 /// byte. Holds one unbuffered slot of the tensor's enforcer for its whole
 /// life; [`select`](Self::select) descends a rank without acquiring again.
 ///
-/// Loads and stores are volatile: the bytes may be device memory that other
-/// accessors (allowed by an `INCOHERENT_*` policy) or the device change
-/// behind the compiler's back. Made with the tensor's fences waited out
-/// (device writes for a read-only accessor, any device access for a
-/// read-write one); it does not hold host I/O of the tensor off meanwhile.
+/// Loads and stores are relaxed atomic byte accesses, so accessors open at
+/// once on one storage (clones, slices, `INCOHERENT_*` policies) never race
+/// each other. Made with the tensor's fences waited out (device writes for
+/// a read-only accessor, any device access for a read-write one). For its
+/// whole life it holds the bytes it can reach against the library's plain
+/// copies on every view of the storage: while a read-write accessor is
+/// open, `read`/`write`/`memset`/`copy` and the stream and TCM accessors
+/// overlapping it fail with [`crate::Error::Busy`] (writes only, for a
+/// read-only accessor).
+///
+/// ```
+/// use tdrv::Tensor;
+///
+/// let mut t = Tensor::allocate_host(6 * 4, Some("m"))?;
+/// let mut a = t.accessor_mut::<f32, 2>([2, 3])?;
+/// a.set([1, 0], 2.5)?;
+/// assert_eq!(a.get([1, 0])?, 2.5);
+/// assert_eq!(a.select(1)?.get(&[0])?, 2.5);
+/// drop(a);
+/// assert_eq!(t.to_vec()?[12..16], 2.5f32.to_ne_bytes());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct TensorAccessor<'a, T: Element, const N: usize, M: Mode = ReadOnly> {
     slot: CoherenceSlot<'a>,
+    _span: HeldSpan<'a>,
     base: NonNull<T>,
     sizes: [usize; N],
     strides: [usize; N],
@@ -30,11 +89,11 @@ pub struct TensorAccessor<'a, T: Element, const N: usize, M: Mode = ReadOnly> {
 }
 
 // SAFETY: the accessor points into storage kept alive by the borrowed
-// tensor (which is Send + Sync); loads are volatile reads of `T: Element`
-// and stores need `&mut self`, so sharing or moving it across threads is no
-// different from sharing the tensor.
+// tensor (which is Send + Sync); every load and store is an atomic byte
+// access inside the direct span it holds, which no plain copy overlaps, so
+// using it from any thread cannot race.
 unsafe impl<T: Element, const N: usize, M: Mode> Send for TensorAccessor<'_, T, N, M> {}
-// SAFETY: as above: `&self` methods only load.
+// SAFETY: as above: `&self` methods only load, atomically.
 unsafe impl<T: Element, const N: usize, M: Mode> Sync for TensorAccessor<'_, T, N, M> {}
 
 /// Row-major strides of `sizes`, in elements.
@@ -121,9 +180,9 @@ impl<'a, T: Element, const N: usize> TensorAccessor<'a, T, N, ReadWrite> {
     pub fn set(&mut self, index: [usize; N], value: T) -> Result<()> {
         let off = element_offset(&index, &self.sizes, &self.strides)?;
         // SAFETY: `off` addresses an element inside the tensor (shape checked
-        // at construction, index just now); the base is aligned for T and
+        // at construction, index just now) and inside the held direct span;
         // the storage lives as long as the borrowed tensor.
-        unsafe { self.base.as_ptr().add(off).write_volatile(value) };
+        unsafe { store(self.base.as_ptr().add(off), value) };
         Ok(())
     }
 
@@ -158,10 +217,18 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
             }
         }
         let slot = tensor.coherency_enforcer().slot(AccessorKind::Unbuffered)?;
-        // The slot is released by its guard if the wait fails.
+        // Every element lies in the first `needed` bytes of the view.
+        let needed = bytes_needed::<T>(&sizes, &strides).unwrap_or(0) as usize;
+        let (storage, abs) = tensor.locate("accessor", 0, needed)?;
+        let span = storage.sync.hold(
+            "accessor",
+            Span::direct(abs, needed, access == Access::Write),
+        )?;
+        // The slot and span are released by their guards if the wait fails.
         tensor.wait_device_idle(access, -1)?;
         Ok(TensorAccessor {
             slot,
+            _span: span,
             base,
             sizes,
             strides,
@@ -173,7 +240,7 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
     pub fn get(&self, index: [usize; N]) -> Result<T> {
         let off = element_offset(&index, &self.sizes, &self.strides)?;
         // SAFETY: as in `set`; a load only.
-        Ok(unsafe { self.base.as_ptr().add(off).read_volatile() })
+        Ok(unsafe { load(self.base.as_ptr().add(off)) })
     }
 
     /// Descends one rank, at `i` of the first dimension (read-only).
@@ -231,7 +298,7 @@ pub struct TensorSubAccessor<'b, T: Element, M: Mode> {
     _marker: PhantomData<(&'b mut (), M)>,
 }
 
-// SAFETY: as for TensorAccessor: a borrow of it.
+// SAFETY: as for TensorAccessor: a borrow of it, atomic accesses only.
 unsafe impl<T: Element, M: Mode> Send for TensorSubAccessor<'_, T, M> {}
 // SAFETY: as for TensorAccessor.
 unsafe impl<T: Element, M: Mode> Sync for TensorSubAccessor<'_, T, M> {}
@@ -260,9 +327,9 @@ impl<'b, T: Element, M: Mode> TensorSubAccessor<'b, T, M> {
     pub fn get(&self, index: &[usize]) -> Result<T> {
         let off = element_offset(index, self.sizes, self.strides)?;
         // SAFETY: the base is an in-bounds element of the parent and every
-        // in-range index below it stays inside the tensor (the parent's
-        // shape check covers all of them).
-        Ok(unsafe { self.base.as_ptr().add(off).read_volatile() })
+        // in-range index below it stays inside the tensor and the parent's
+        // direct span (the parent's shape check covers all of them).
+        Ok(unsafe { load(self.base.as_ptr().add(off)) })
     }
 
     /// The element of a rank-0 sub-accessor.
@@ -297,8 +364,8 @@ impl<T: Element> TensorSubAccessor<'_, T, ReadWrite> {
     pub fn set(&mut self, index: &[usize], value: T) -> Result<()> {
         let off = element_offset(index, self.sizes, self.strides)?;
         // SAFETY: as in `get`; the parent was made from an exclusive tensor
-        // and is mutably borrowed by this sub-accessor.
-        unsafe { self.base.as_ptr().add(off).write_volatile(value) };
+        // and holds a read-write direct span.
+        unsafe { store(self.base.as_ptr().add(off), value) };
         Ok(())
     }
 

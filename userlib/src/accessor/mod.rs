@@ -123,45 +123,69 @@ pub enum AccessorError {
     /// The tensor has no host-addressable bytes for direct access.
     #[error("{op}: {kind:?} tensor {name:?} has no host-addressable memory")]
     NotAddressable {
+        /// The operation.
         op: &'static str,
+        /// Name of the tensor.
         name: String,
+        /// Kind of storage.
         kind: Option<StorageKind>,
     },
     /// The element type cannot be staged or addressed.
     #[error("{op}: unsupported element type of {size} bytes")]
-    BadElement { op: &'static str, size: usize },
+    BadElement {
+        /// The operation.
+        op: &'static str,
+        /// Size in bytes.
+        size: usize,
+    },
     /// The tensor's memory is not aligned for the element type.
     #[error("{op}: tensor address {addr:#x} is not aligned to {align} bytes")]
     Misaligned {
+        /// The operation.
         op: &'static str,
+        /// The address.
         addr: usize,
+        /// The alignment `T` needs.
         align: usize,
     },
     /// Sizes and strides reach past the end of the tensor (or overflow).
     #[error("shape {sizes:?} with strides {strides:?} needs {needed} bytes, the tensor has {len}")]
     ShapeOutOfBounds {
+        /// Sizes of the dimensions.
         sizes: Vec<usize>,
+        /// Strides, in elements.
         strides: Vec<usize>,
+        /// Bytes the shape needs.
         needed: u128,
+        /// Length available.
         len: usize,
     },
     /// An index is outside the accessor's sizes.
     #[error("index {index:?} is outside sizes {sizes:?}")]
     IndexOutOfBounds {
+        /// The index.
         index: Vec<usize>,
+        /// Sizes of the dimensions.
         sizes: Vec<usize>,
     },
     /// An element range is outside the tensor or the scratch buffer.
     #[error("{op}: elements [{offset}, {offset}+{count}) are outside the {len} available")]
     RangeOutOfBounds {
+        /// The operation.
         op: &'static str,
+        /// Start of the range.
         offset: usize,
+        /// Elements asked for.
         count: usize,
+        /// Length available.
         len: usize,
     },
     /// A write stream already wrote every element of its tensor.
     #[error("write stream is full: the tensor holds {len} elements")]
-    StreamFull { len: usize },
+    StreamFull {
+        /// Length available.
+        len: usize,
+    },
     /// The stream was closed.
     #[error("the stream is closed")]
     Closed,

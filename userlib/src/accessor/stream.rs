@@ -29,6 +29,17 @@ const fn capacity<T>() -> usize {
 /// to) 4 KiB through `neuron_memcpy`. Bytes the tensor gets after a refill
 /// are not seen until the next one: that is why readers are incoherent with
 /// writers and with unbuffered accessors.
+///
+/// ```
+/// use tdrv::Tensor;
+///
+/// let t = Tensor::allocate_host(12, None)?;
+/// t.write(0, &[1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0])?;
+/// let r = t.read_stream_accessor::<u16>()?;
+/// let v: Vec<u16> = r.collect::<Result<_, _>>()?;
+/// assert_eq!(v, [1, 2, 3, 4, 5, 6].map(u16::from_le));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct TensorReadStreamAccessor<'a, T: Element> {
     slot: Option<CoherenceSlot<'a>>,
     tensor: &'a Tensor,
@@ -285,6 +296,33 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
         Ok(())
     }
 
+    /// Flushes what is buffered, then releases the writer slot, and tells
+    /// whether the data reached the tensor: the way to end a write stream.
+    /// On failure the buffered elements are lost and the slot released (use
+    /// [`close`](Self::close) to keep the stream and retry instead).
+    /// Dropping a stream without `finish` flushes too, but can only log a
+    /// failure.
+    ///
+    /// ```
+    /// use tdrv::Tensor;
+    ///
+    /// let mut t = Tensor::allocate_host(8, None)?;
+    /// let mut w = t.write_stream_accessor::<u16>()?;
+    /// w.write_all(&[1, 2, 3, 4])?;
+    /// w.finish()?;
+    /// assert_eq!(t.to_vec()?, [1u16, 2, 3, 4].map(u16::to_ne_bytes).concat());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn finish(mut self) -> Result<()> {
+        let r = self.close();
+        if r.is_err() {
+            // Nothing more to flush or log: the caller has the error.
+            self.buffered = 0;
+            drop(self.slot.take());
+        }
+        r
+    }
+
     /// Flushes, then releases the writer slot (the seed's `close()`, in
     /// that order). If the flush fails the writer stays open and the error
     /// is returned. Closing again does nothing.
@@ -340,6 +378,8 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
 }
 
 impl<T: Element> Drop for TensorWriteStreamAccessor<'_, T> {
+    /// Flushes and releases, like [`finish`](TensorWriteStreamAccessor::finish),
+    /// but a failure can only be logged: call `finish` to see it.
     fn drop(&mut self) {
         if let Err(e) = self.close() {
             // The data could not be flushed; the slot is released anyway

@@ -38,6 +38,20 @@ use crate::tensor::Tensor;
 /// refused next to any stream.
 ///
 /// Offsets and counts are in elements of `T`, from the view's first byte.
+///
+/// ```
+/// use tdrv::Tensor;
+///
+/// let mut t = Tensor::allocate_host(64, None)?;
+/// let mut tcm = t.tcm_accessor_mut()?;
+/// let mut scratch = tcm.alloc_tcm::<u32>(4)?;
+/// scratch.copy_from_slice(&[1, 2, 3, 4]);
+/// tcm.tcm_to_tensor(&scratch, 8, 4)?; // elements 8..12 of the tensor
+/// let mut back = [0u32; 2];
+/// tcm.tensor_to_slice(&mut back, 9)?;
+/// assert_eq!(back, [2, 3]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct TensorTcmAccessor<'a, M: Mode = ReadOnly> {
     slot: CoherenceSlot<'a>,
     tensor: &'a Tensor,

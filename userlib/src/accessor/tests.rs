@@ -125,14 +125,14 @@ fn indexed_checks_shape_index_alignment_and_kind() {
         Err(AccessorError::Misaligned { align: 4, .. })
     ));
     assert!(odd.accessor::<u8, 1>([8]).is_ok());
-    let fake = Tensor::allocate_fake(64, None);
+    let fake = Tensor::allocate_fake(64, None).unwrap();
     assert!(matches!(
         fake.accessor::<u8, 1>([1]),
         Err(AccessorError::NotAddressable { .. })
     ));
     assert!(fake.read_stream_accessor::<u8>().is_err());
     assert!(fake.tcm_accessor().is_err());
-    let none = Tensor::allocate_empty(None);
+    let none = Tensor::allocate_empty(None).unwrap();
     assert!(none.accessor::<u8, 0>([]).is_err());
     assert!(none.read_stream_accessor::<u8>().is_err());
     // Nothing leaked a slot.
@@ -154,7 +154,12 @@ fn rank_zero_accessor_is_the_first_element() {
 /// four fills, the last one partial.
 #[test]
 fn read_stream_crosses_4k_boundaries_with_a_partial_last_buffer() {
-    for n in [0, 1, 1023, 1024, 1025, 2048, 3 * 1024 + 5] {
+    let sizes: &[usize] = if cfg!(miri) {
+        &[0, 1, 1025] // the interpreter is slow: one boundary crossing
+    } else {
+        &[0, 1, 1023, 1024, 1025, 2048, 3 * 1024 + 5]
+    };
+    for &n in sizes {
         let t = u32_tensor(n);
         let mut s = t.read_stream_accessor::<u32>().unwrap();
         assert_eq!(s.len(), n);
@@ -211,6 +216,10 @@ fn read_stream_close_releases_and_stops() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "a minute under Miri; its unsafe paths run in a_reader_opened_after_the_writer_sees_all_its_data"
+)]
 fn write_stream_flushes_at_4k_and_on_close() {
     let n = 2 * 1024 + 300;
     let mut t = Tensor::allocate_host(n * 4, None).unwrap();
@@ -303,8 +312,9 @@ fn write_stream_flushes_before_releasing_its_slot() {
 /// every written element in the tensor.
 #[test]
 fn a_reader_opened_after_the_writer_sees_all_its_data() {
-    const N: usize = 3000;
-    for round in 0..20u32 {
+    // Under Miri: two buffers' worth, two rounds (the interpreter is slow).
+    const N: usize = if cfg!(miri) { 1100 } else { 3000 };
+    for round in 0..if cfg!(miri) { 2 } else { 20u32 } {
         let mut t = Tensor::allocate_host(N * 4, None).unwrap();
         let shared = t.clone();
         let ready = Arc::new(Barrier::new(2));
@@ -339,23 +349,31 @@ fn a_reader_opened_after_the_writer_sees_all_its_data() {
 
 #[test]
 fn tcm_stages_both_ways() {
-    let mut t = u32_tensor(3000);
+    // N elements, M of them staged from element A (smaller under Miri).
+    const N: usize = if cfg!(miri) { 300 } else { 3000 };
+    const M: usize = N * 2 / 3;
+    const A: usize = N - M - 1;
+    let mut t = u32_tensor(N);
     {
         let tcm = t.tcm_accessor().unwrap();
-        let mut scratch = tcm.alloc_tcm::<u32>(2000).unwrap();
+        let mut scratch = tcm.alloc_tcm::<u32>(M).unwrap();
         assert!(!scratch.is_device());
-        assert_eq!(scratch.len(), 2000);
-        tcm.tensor_to_tcm(&mut scratch, 999, 2000).unwrap();
-        assert!((0..2000).all(|i| scratch[i] == (999 + i as u32) * 3 + 1));
+        assert_eq!(scratch.len(), M);
+        tcm.tensor_to_tcm(&mut scratch, A, M).unwrap();
+        assert!((0..M).all(|i| scratch[i] == (A + i) as u32 * 3 + 1));
         let mut plain = [0u32; 3];
-        tcm.tensor_to_slice(&mut plain, 2997).unwrap();
-        assert_eq!(plain, [2997 * 3 + 1, 2998 * 3 + 1, 2999 * 3 + 1]);
+        tcm.tensor_to_slice(&mut plain, N - 3).unwrap();
+        let last = (N - 3) as u32;
+        assert_eq!(
+            plain,
+            [last * 3 + 1, (last + 1) * 3 + 1, (last + 2) * 3 + 1]
+        );
         assert!(matches!(
-            tcm.tensor_to_tcm(&mut scratch, 1001, 2000),
+            tcm.tensor_to_tcm(&mut scratch, A + 2, M),
             Err(AccessorError::RangeOutOfBounds { .. })
         ));
         assert!(matches!(
-            tcm.tensor_to_tcm(&mut scratch, 0, 2001),
+            tcm.tensor_to_tcm(&mut scratch, 0, M + 1),
             Err(AccessorError::RangeOutOfBounds { .. })
         ));
         assert!(tcm.tensor_to_slice(&mut plain, usize::MAX).is_err());
@@ -368,14 +386,14 @@ fn tcm_stages_both_ways() {
             .enumerate()
             .for_each(|(i, v)| *v = 9000 + i as u32);
         tcm.tcm_to_tensor(&scratch, 5, 10).unwrap();
-        tcm.slice_to_tensor(&[1u32, 2], 2998).unwrap();
-        assert!(tcm.slice_to_tensor(&[1u32, 2], 2999).is_err());
+        tcm.slice_to_tensor(&[1u32, 2], N - 2).unwrap();
+        assert!(tcm.slice_to_tensor(&[1u32, 2], N - 1).is_err());
     }
     let v = u32s(&t);
     assert_eq!(v[4], 4 * 3 + 1);
     assert!((0..10).all(|i| v[5 + i] == 9000 + i as u32));
     assert_eq!(v[15], 15 * 3 + 1);
-    assert_eq!(&v[2998..], [1, 2]);
+    assert_eq!(&v[N - 2..], [1, 2]);
     assert_eq!(counts(&t), OpenCounts::default());
 }
 
@@ -478,6 +496,23 @@ fn accessor_matrix_under_every_policy() {
                 let ok = kind(second).compatible_with(kind(first));
                 let warned = WARNINGS.with(|w| std::mem::take(&mut *w.borrow_mut()));
                 let what = format!("{policy:?} {first:?} then {second:?}");
+                // Below the policy, the byte-range exclusion: a reader's
+                // priming copy cannot read what an open read-write indexed
+                // accessor holds, whatever the policy allowed.
+                if (first, second) == (Indexed, Reader) && policy != Policy::Coherent {
+                    let e = b.err().expect(&what);
+                    assert!(
+                        matches!(e, AccessorError::Tensor(Error::Busy { .. })),
+                        "{what}: {e}"
+                    );
+                    assert_eq!(
+                        warned.len(),
+                        usize::from(policy == Policy::IncoherentVerbose)
+                    );
+                    drop(a);
+                    assert_eq!(counts(&t), OpenCounts::default(), "{what}");
+                    continue;
+                }
                 match (ok, policy) {
                     (true, _) => {
                         assert_eq!(b.unwrap().admission(), Admission::Coherent, "{what}");
@@ -535,8 +570,8 @@ fn enforcer_is_per_view_shared_by_handles() {
 /// and all slots are free at the end.
 #[test]
 fn concurrent_accessors_stay_coherent() {
-    const THREADS: usize = 8;
-    const ROUNDS: usize = 400;
+    const THREADS: usize = if cfg!(miri) { 4 } else { 8 };
+    const ROUNDS: usize = if cfg!(miri) { 12 } else { 400 };
     let t = u32_tensor(1100);
     let held: Arc<[AtomicI32; 3]> = Arc::new([const { AtomicI32::new(0) }; 3]);
     let bad = Arc::new(AtomicBool::new(false));
@@ -570,7 +605,12 @@ fn concurrent_accessors_stay_coherent() {
                         }
                         Open::Writer(w) => w.write_all(&[7; 10]).unwrap(),
                         Open::Indexed(a) => a.set([1], 5).unwrap(),
-                        Open::Tcm(c) => c.tensor_to_slice(&mut [0u32; 2], 0).unwrap(),
+                        // An indexed accessor (compatible under COHERENT)
+                        // may hold the bytes: then the copy is refused.
+                        Open::Tcm(c) => match c.tensor_to_slice(&mut [0u32; 2], 0) {
+                            Ok(()) | Err(AccessorError::Tensor(Error::Busy { .. })) => {}
+                            Err(e) => panic!("{e}"),
+                        },
                     }
                     held[slot(k)].fetch_sub(1, Ordering::SeqCst);
                     drop(acc);
@@ -594,4 +634,139 @@ fn errors_are_reported_not_panicked() {
     assert!(e.to_string().contains("invalid argument"));
     let e: AccessorError = CoherenceError::Underflow(AccessorKind::Unbuffered).into();
     assert!(e.to_string().contains("unbalanced release"));
+}
+
+// ------------------------------------------- soundness (issue 11, hole 1)
+
+/// Two threads each open `accessor_mut` on a clone of one host tensor and
+/// store to the same bytes: the enforcer finds two unbuffered accessors
+/// compatible, so both open. With volatile (non-atomic) stores this was a
+/// data race Miri reports; the stores are atomic byte accesses now.
+#[test]
+fn two_accessor_mut_on_clones_do_not_race() {
+    let t = u32_tensor(4);
+    let start = Arc::new(Barrier::new(2));
+    let workers: Vec<_> = (0..2u32)
+        .map(|i| {
+            let (mut h, start) = (t.clone(), start.clone());
+            std::thread::spawn(move || {
+                let mut a = h.accessor_mut::<u32, 1>([4]).unwrap();
+                start.wait();
+                for round in 0..20 {
+                    a.set([1], i * 100 + round).unwrap();
+                    let _ = a.get([1]).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!([19, 119].contains(&u32s(&t)[1]));
+}
+
+/// A write, memset or copy through another handle (or a slice, which has
+/// its own enforcer) of the storage while an accessor holds the bytes used
+/// to race its loads and stores; it is refused now, with nothing written,
+/// and works again once the accessor is gone.
+#[test]
+fn copies_overlapping_an_open_accessor_are_refused() {
+    let mut t = u32_tensor(8);
+    let other = t.clone();
+    let slice = t.slice(8, 8, None).unwrap();
+    let far = t.slice(24, 8, None).unwrap();
+    {
+        let mut a = t.accessor_mut::<u32, 1>([4]).unwrap(); // bytes 0..16
+        a.set([3], 77).unwrap();
+        let busy = |r: crate::Result<()>| matches!(r, Err(Error::Busy { .. }));
+        assert!(busy(other.write(0, &[1; 4])));
+        assert!(busy(other.memset(12, 0, 4)));
+        assert!(busy(slice.write(0, &[1; 4])));
+        assert!(busy(other.read(0, &mut [0; 4])));
+        assert!(busy(Tensor::copy(&far, 0, &slice, 0, 4)));
+        assert!(busy(Tensor::copy(&slice, 0, &far, 0, 4)));
+        // Outside the accessor's bytes everything works.
+        far.write(0, &[9; 8]).unwrap();
+        assert_eq!(a.get([3]).unwrap(), 77);
+    }
+    assert_eq!(u32s(&other)[3], 77);
+    slice.write(0, &[1; 4]).unwrap();
+    // A read-only accessor only keeps writers out.
+    let r = t.accessor::<u32, 1>([8]).unwrap();
+    assert_eq!(other.to_vec().unwrap()[8..12], [1; 4]);
+    assert!(matches!(other.write(0, &[0]), Err(Error::Busy { .. })));
+    drop(r);
+    other.write(0, &[0]).unwrap();
+}
+
+/// The same from another thread: a writer on a slice against an accessor
+/// of the parent. Either the write is refused or it ran before the
+/// accessor opened; never at the same time (Miri checks).
+#[test]
+fn accessor_against_a_concurrent_writer_on_a_slice() {
+    let mut t = u32_tensor(4);
+    let slice = t.slice(0, 8, None).unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut refused = 0;
+        for _ in 0..20 {
+            refused += usize::from(slice.write(0, &[0xab; 8]).is_err());
+        }
+        refused
+    });
+    for _ in 0..5 {
+        let mut a = t.accessor_mut::<u32, 1>([4]).unwrap();
+        a.set([0], 5).unwrap();
+        let _ = a.get([1]).unwrap();
+    }
+    writer.join().unwrap();
+}
+
+/// A batch whose second op overlaps an open accessor moves no byte (the
+/// whole batch is held before copying).
+#[test]
+fn a_batch_refused_by_an_open_accessor_moves_no_byte() {
+    let t = u32_tensor(8);
+    let before = t.to_vec().unwrap();
+    let mut s = t.slice(16, 16, None).unwrap();
+    let a = s.accessor_mut::<u32, 1>([4]).unwrap(); // bytes 16..32 of t
+    let ops = [
+        crate::WriteOp {
+            offset: 0,
+            buf: &[0xee; 4],
+        },
+        crate::WriteOp {
+            offset: 16,
+            buf: &[0xee; 4],
+        },
+    ];
+    assert!(matches!(
+        t.write_batch(&ops, crate::Fencing::Wait),
+        Err(Error::Busy { .. })
+    ));
+    drop(a);
+    assert_eq!(t.to_vec().unwrap(), before);
+}
+
+/// A write stream whose last flush fails reports it from `finish` (drop
+/// could only log it).
+#[test]
+fn finish_reports_a_failed_flush() {
+    let mut t = u32_tensor(4);
+    let mut view = t.slice(0, 16, None).unwrap();
+    let mut w = t.write_stream_accessor::<u32>().unwrap();
+    w.write_all(&[1, 2]).unwrap();
+    // An indexed accessor on another view holds the bytes: the flush
+    // cannot write them.
+    let a = view.accessor_mut::<u32, 1>([4]).unwrap();
+    let e = w.finish().unwrap_err();
+    assert!(
+        matches!(e, AccessorError::Tensor(Error::Busy { .. })),
+        "{e}"
+    );
+    drop(a);
+    assert_eq!(counts(&t), OpenCounts::default());
+    let mut w = t.write_stream_accessor::<u32>().unwrap();
+    w.write_all(&[1, 2]).unwrap();
+    w.finish().unwrap();
+    assert_eq!(u32s(&t)[..2], [1, 2]);
 }

@@ -259,8 +259,8 @@ fn policy_through_a_shared_reference() {
 /// thread sees the other's tally. The counters end at zero.
 #[test]
 fn stress_concurrent_acquires_never_mix() {
-    const THREADS: usize = 8;
-    const ROUNDS: usize = 20_000;
+    const THREADS: usize = if cfg!(miri) { 3 } else { 8 };
+    const ROUNDS: usize = if cfg!(miri) { 100 } else { 20_000 };
     let e = Arc::new(CoherencyEnforcer::new());
     // Shadow tallies of slots actually held, per kind.
     let held: Arc<[AtomicI32; 3]> = Arc::new([const { AtomicI32::new(0) }; 3]);
@@ -338,8 +338,8 @@ fn stress_concurrent_acquires_never_mix() {
 /// after millions of racing increments and decrements.
 #[test]
 fn stress_counts_stay_exact() {
-    const THREADS: usize = 8;
-    const ROUNDS: usize = 20_000;
+    const THREADS: usize = if cfg!(miri) { 3 } else { 8 };
+    const ROUNDS: usize = if cfg!(miri) { 100 } else { 20_000 };
     let e = Arc::new(CoherencyEnforcer::with_policy(Policy::IncoherentQuiet));
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
@@ -380,6 +380,7 @@ fn stress_counts_stay_exact() {
 /// `coherency.rs` are evaluated (a failed assert fails the build). The
 /// target is installed by `scripts/setup`.
 #[test]
+#[cfg_attr(miri, ignore = "spawns cargo; Miri cannot run processes")]
 fn layout_builds_for_a_32_bit_target() {
     use std::path::{Path, PathBuf};
     use std::process::Command;

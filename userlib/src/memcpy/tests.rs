@@ -124,14 +124,14 @@ fn ranges_are_checked_on_both_sides() {
         ));
     }
     assert!(matches!(
-        neuron_memcpy_read(&mut [0; 4], &Tensor::allocate_empty(None), 0),
+        neuron_memcpy_read(&mut [0; 4], &Tensor::allocate_empty(None).unwrap(), 0),
         Err(Error::NoStorage { .. })
     ));
 }
 
 #[test]
 fn fake_tensors_move_nothing() {
-    let t = Tensor::allocate_fake(64, None);
+    let t = Tensor::allocate_fake(64, None).unwrap();
     let mut out = [7u8; 8];
     for m in NeuronMemcpyMethod::ALL {
         neuron_memcpy_read_with(m, &mut out, &t, 8).unwrap();

@@ -333,9 +333,16 @@ fn unbind_during_stalled_copy() -> R {
     let (uffd, region) = unsafe {
         let uffd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) as i32;
         if uffd < 0 {
-            return Err(format!("userfaultfd: errno {}", tdrv_guest_tests::raw::errno()));
+            return Err(format!(
+                "userfaultfd: errno {}",
+                tdrv_guest_tests::raw::errno()
+            ));
         }
-        let mut api = UffdApi { api: UFFD_API, features: 0, ioctls: 0 };
+        let mut api = UffdApi {
+            api: UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
         if libc::ioctl(uffd, UFFDIO_API as _, &mut api) != 0 {
             return Err("UFFDIO_API".into());
         }

@@ -34,7 +34,9 @@ fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv
 /// The module's reference count, as sysfs shows it.
 fn module_refcnt() -> Result<u64, String> {
     let text = fs::read_to_string("/sys/module/tdrv/refcnt").map_err(|e| e.to_string())?;
-    text.trim().parse().map_err(|e| format!("refcnt {text:?}: {e}"))
+    text.trim()
+        .parse()
+        .map_err(|e| format!("refcnt {text:?}: {e}"))
 }
 
 /// `delete_module("tdrv", O_NONBLOCK)`: what `rmmod` does.
@@ -83,7 +85,12 @@ fn queue_jobs(dev: &Dev, size: u64, jobs: usize) -> Result<Vec<u64>, String> {
     let a = ok("alloc", dev.alloc(size, 0))?;
     let b = ok("alloc", dev.alloc(size, 0))?;
     (0..jobs)
-        .map(|_| ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, size)])))
+        .map(|_| {
+            ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, size)]),
+            )
+        })
         .collect()
 }
 
@@ -94,7 +101,9 @@ fn busy_file(path: &str, passes: usize) -> Result<Dev, String> {
     let size = 8 << 20;
     let a = ok("alloc", dev.alloc(size, 0))?;
     let b = ok("alloc", dev.alloc(size, 0))?;
-    let descs: Vec<_> = (0..passes).map(|_| desc(a.handle, 0, b.handle, 0, size)).collect();
+    let descs: Vec<_> = (0..passes)
+        .map(|_| desc(a.handle, 0, b.handle, 0, size))
+        .collect();
     ok("submit busy job", dev.submit(&descs))?;
     Ok(dev)
 }
@@ -129,235 +138,287 @@ fn main() {
     let page = page_size() as u64;
     let mut t = Tap::new(13);
 
-    t.run("an open file or a mapping pins the module (rmmod fails)", || -> R {
-        let base = module_refcnt()?;
-        let extra = ok("open", Dev::open(&path))?;
-        expect_eq("refcnt with one more file", module_refcnt()?, base + 1)?;
-        expect_err("unload with a file open", try_unload(), libc::EWOULDBLOCK)?;
-        let a = ok("alloc", extra.alloc(page, 0))?;
-        let mut map = ok("mmap", extra.map(&a))?;
-        drop(extra);
-        // The mapping keeps its file (and so the module).
-        expect_eq("refcnt with a mapping only", module_refcnt()?, base + 1)?;
-        expect_err("unload with a mapping", try_unload(), libc::EWOULDBLOCK)?;
-        map.as_mut_slice()[0] = 7;
-        expect_eq("mapping still works", map.as_slice()[0], 7)?;
-        drop(map);
-        expect_eq("refcnt after munmap", module_refcnt()?, base)
-    });
+    t.run(
+        "an open file or a mapping pins the module (rmmod fails)",
+        || -> R {
+            let base = module_refcnt()?;
+            let extra = ok("open", Dev::open(&path))?;
+            expect_eq("refcnt with one more file", module_refcnt()?, base + 1)?;
+            expect_err("unload with a file open", try_unload(), libc::EWOULDBLOCK)?;
+            let a = ok("alloc", extra.alloc(page, 0))?;
+            let mut map = ok("mmap", extra.map(&a))?;
+            drop(extra);
+            // The mapping keeps its file (and so the module).
+            expect_eq("refcnt with a mapping only", module_refcnt()?, base + 1)?;
+            expect_err("unload with a mapping", try_unload(), libc::EWOULDBLOCK)?;
+            map.as_mut_slice()[0] = 7;
+            expect_eq("mapping still works", map.as_slice()[0], 7)?;
+            drop(map);
+            expect_eq("refcnt after munmap", module_refcnt()?, base)
+        },
+    );
 
-    t.run("closing a file cancels its queued jobs and frees its memory at once", || -> R {
-        let base = ok("channel_info", dev.channel_info(0))?;
-        let cancelled = stat(&path, "jobs_cancelled")?;
-        let victim = ok("open", Dev::open(&path))?;
-        // Soft: 32 x 4 MiB; edu: 4 x 64 KiB (a chunk is ~200 ms there).
-        let (size, jobs) = if edu { (64 << 10, 4) } else { (4 << 20, 32) };
-        let ids = queue_jobs(&victim, size, jobs)?;
-        drop(victim);
-        let took = wait_usage(&dev, &base, Duration::from_millis(if edu { 1500 } else { 1000 }))?;
-        let now = stat(&path, "jobs_cancelled")?;
-        if now < cancelled + (ids.len() as u64 / 2) {
-            return Err(format!("only {} jobs cancelled", now - cancelled));
-        }
-        println!("# memory back {took:?} after close, {} jobs cancelled", now - cancelled);
-        Ok(())
-    });
+    t.run(
+        "closing a file cancels its queued jobs and frees its memory at once",
+        || -> R {
+            let base = ok("channel_info", dev.channel_info(0))?;
+            let cancelled = stat(&path, "jobs_cancelled")?;
+            let victim = ok("open", Dev::open(&path))?;
+            // Soft: 32 x 4 MiB; edu: 4 x 64 KiB (a chunk is ~200 ms there).
+            let (size, jobs) = if edu { (64 << 10, 4) } else { (4 << 20, 32) };
+            let ids = queue_jobs(&victim, size, jobs)?;
+            drop(victim);
+            let took = wait_usage(
+                &dev,
+                &base,
+                Duration::from_millis(if edu { 1500 } else { 1000 }),
+            )?;
+            let now = stat(&path, "jobs_cancelled")?;
+            if now < cancelled + (ids.len() as u64 / 2) {
+                return Err(format!("only {} jobs cancelled", now - cancelled));
+            }
+            println!(
+                "# memory back {took:?} after close, {} jobs cancelled",
+                now - cancelled
+            );
+            Ok(())
+        },
+    );
 
-    t.run("a SIGKILLed process's jobs are cancelled and its memory freed", || -> R {
-        let base = ok("channel_info", dev.channel_info(0))?;
-        let mut fds = [0; 2];
-        // SAFETY: `fds` has room for two descriptors.
-        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
-            return Err("pipe".into());
-        }
-        // SAFETY: the child only makes syscalls and exits without unwinding.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            let run = || -> Result<(), String> {
-                let d = ok("open", Dev::open(&path))?;
-                let (size, jobs) = if edu { (64 << 10, 8) } else { (2 << 20, 64) };
-                queue_jobs(&d, size, jobs)?;
-                // SAFETY: writes one byte from a live buffer.
-                unsafe { libc::write(fds[1], [1u8].as_ptr().cast(), 1) };
-                loop {
-                    thread::sleep(Duration::from_secs(10));
+    t.run(
+        "a SIGKILLed process's jobs are cancelled and its memory freed",
+        || -> R {
+            let base = ok("channel_info", dev.channel_info(0))?;
+            let mut fds = [0; 2];
+            // SAFETY: `fds` has room for two descriptors.
+            if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+                return Err("pipe".into());
+            }
+            // SAFETY: the child only makes syscalls and exits without unwinding.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let run = || -> Result<(), String> {
+                    let d = ok("open", Dev::open(&path))?;
+                    let (size, jobs) = if edu { (64 << 10, 8) } else { (2 << 20, 64) };
+                    queue_jobs(&d, size, jobs)?;
+                    // SAFETY: writes one byte from a live buffer.
+                    unsafe { libc::write(fds[1], [1u8].as_ptr().cast(), 1) };
+                    loop {
+                        thread::sleep(Duration::from_secs(10));
+                    }
+                };
+                let _ = run();
+                // SAFETY: leaves the child without running the parent's cleanup.
+                unsafe { libc::_exit(1) };
+            }
+            let mut byte = [0u8];
+            // SAFETY: reads one byte into a live buffer.
+            let n = unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) };
+            // SAFETY: `pid` is our child; the fds are ours.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            if n != 1 {
+                return Err("child failed to queue its jobs".into());
+            }
+            let took = wait_usage(
+                &dev,
+                &base,
+                Duration::from_millis(if edu { 1500 } else { 1000 }),
+            )?;
+            println!("# memory back {took:?} after SIGKILL");
+            Ok(())
+        },
+    );
+
+    t.run(
+        "buffers are charged page-rounded; tiny buffers cannot bypass the limit",
+        || -> R {
+            let d = ok("open", Dev::open(&path))?;
+            let base = ok("channel_info", d.channel_info(0))?;
+            let a = ok("alloc 1 byte", d.alloc(1, 0))?;
+            let c = ok("channel_info", d.channel_info(0))?;
+            expect_eq("charge of 1 byte", c.used_bytes - base.used_bytes, page)?;
+            ok("free", d.free(a.handle))?;
+            let room = (base.limit_bytes - base.used_bytes) / page;
+            let mut n = 0u64;
+            let err = loop {
+                match d.alloc(1, 0) {
+                    Ok(_) => n += 1,
+                    Err(e) => break e,
+                }
+                if n > 40_000 {
+                    return Err("40,000 one-byte buffers fitted in the channel".into());
                 }
             };
-            let _ = run();
-            // SAFETY: leaves the child without running the parent's cleanup.
-            unsafe { libc::_exit(1) };
-        }
-        let mut byte = [0u8];
-        // SAFETY: reads one byte into a live buffer.
-        let n = unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) };
-        // SAFETY: `pid` is our child; the fds are ours.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-            libc::waitpid(pid, std::ptr::null_mut(), 0);
-            libc::close(fds[0]);
-            libc::close(fds[1]);
-        }
-        if n != 1 {
-            return Err("child failed to queue its jobs".into());
-        }
-        let took = wait_usage(&dev, &base, Duration::from_millis(if edu { 1500 } else { 1000 }))?;
-        println!("# memory back {took:?} after SIGKILL");
-        Ok(())
-    });
+            expect_eq("errno at the limit", err, libc::ENOSPC)?;
+            if n > room {
+                return Err(format!(
+                    "{n} one-byte buffers fitted, room for {room} pages"
+                ));
+            }
+            let full = ok("channel_info", d.channel_info(0))?;
+            if full.used_bytes > full.limit_bytes {
+                return Err(format!(
+                    "used {} over limit {}",
+                    full.used_bytes, full.limit_bytes
+                ));
+            }
+            drop(d);
+            wait_usage(&dev, &base, Duration::from_secs(2)).map(drop)
+        },
+    );
 
-    t.run("buffers are charged page-rounded; tiny buffers cannot bypass the limit", || -> R {
-        let d = ok("open", Dev::open(&path))?;
-        let base = ok("channel_info", d.channel_info(0))?;
-        let a = ok("alloc 1 byte", d.alloc(1, 0))?;
-        let c = ok("channel_info", d.channel_info(0))?;
-        expect_eq("charge of 1 byte", c.used_bytes - base.used_bytes, page)?;
-        ok("free", d.free(a.handle))?;
-        let room = (base.limit_bytes - base.used_bytes) / page;
-        let mut n = 0u64;
-        let err = loop {
-            match d.alloc(1, 0) {
-                Ok(_) => n += 1,
-                Err(e) => break e,
-            }
-            if n > 40_000 {
-                return Err("40,000 one-byte buffers fitted in the channel".into());
-            }
-        };
-        expect_eq("errno at the limit", err, libc::ENOSPC)?;
-        if n > room {
-            return Err(format!("{n} one-byte buffers fitted, room for {room} pages"));
-        }
-        let full = ok("channel_info", d.channel_info(0))?;
-        if full.used_bytes > full.limit_bytes {
-            return Err(format!("used {} over limit {}", full.used_bytes, full.limit_bytes));
-        }
-        drop(d);
-        wait_usage(&dev, &base, Duration::from_secs(2)).map(drop)
-    });
-
-    t.run("the per-file job cap answers EAGAIN and nothing is lost", || -> R {
-        let d = busy_file(&path, if edu { 1 } else { 48 })?;
-        let a = ok("alloc", d.alloc(page, 0))?;
-        let b = ok("alloc", d.alloc(page, 0))?;
-        let mut queued = 1; // the busy job
-        let err = loop {
-            match d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]) {
-                Ok(_) => queued += 1,
-                Err(e) => break e,
-            }
-            if queued > 5000 {
-                return Err("5000 jobs queued without EAGAIN".into());
-            }
-        };
-        expect_eq("errno at the cap", err, libc::EAGAIN)?;
-        expect_eq("jobs queued at the cap (file_max_jobs)", queued, 1024)?;
-        drop(d);
-        // A job that would take a busy file past the in-flight byte cap
-        // (file_max_inflight_mib, 1 GiB) waits; alone, it would run.
-        let d = busy_file(&path, if edu { 1 } else { 48 })?;
-        let big = ok("alloc", d.alloc(8 << 20, 0))?;
-        let big2 = ok("alloc", d.alloc(8 << 20, 0))?;
-        let many: Vec<_> = (0..200).map(|_| desc(big.handle, 0, big2.handle, 0, 8 << 20)).collect();
-        expect_err("job over the byte cap", d.submit(&many), libc::EAGAIN)?;
-        let lone = ok("open", Dev::open(&path))?;
-        let c = ok("alloc", lone.alloc(8 << 20, 0))?;
-        let e = ok("alloc", lone.alloc(8 << 20, 0))?;
-        let many: Vec<_> = (0..200).map(|_| desc(c.handle, 0, e.handle, 0, 8 << 20)).collect();
-        ok("the same job alone", lone.submit(&many)).map(drop)
-    });
-
-    t.run("JOB_WAIT on an id older than TDRV_JOB_WINDOW is ESTALE", || -> R {
-        if edu {
-            println!("# (the window is engine-independent: covered on the software device)");
-            return Ok(());
-        }
-        let d = ok("open", Dev::open(&path))?;
-        let a = ok("alloc", d.alloc(page, 0))?;
-        let b = ok("alloc", d.alloc(page, 0))?;
-        let first = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
-        let mut last = first;
-        for i in 0..TDRV_JOB_WINDOW as u64 {
-            last = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
-            if i % 512 == 0 {
-                ok("wait", d.job_wait(last, -1))?;
-            }
-        }
-        ok("wait", d.job_wait(last, -1))?;
-        expect_eq("ids", last - first, TDRV_JOB_WINDOW as u64)?;
-        expect_err("oldest id", d.job_wait(first, 0), libc::ESTALE)?;
-        expect_eq("next oldest", ok("wait", d.job_wait(first + 1, 0))?, (TDRV_JOB_DONE, 0))?;
-        expect_err("never issued", d.job_wait(last + 1, 0), libc::EINVAL)
-    });
-
-    t.run("untimed waits restart after SA_RESTART handlers; timed ones get EINTR", || -> R {
-        let d = ok("open", Dev::open(&path))?;
-        let a = ok("alloc", d.alloc(page, 0))?;
-        let b = ok("alloc", d.alloc(page, 0))?;
-        let waiter_tid = AtomicUsize::new(0);
-        let done = AtomicBool::new(false);
-        sig::install(true);
-        let r = thread::scope(|s| {
-            let w = s.spawn(|| {
-                // SAFETY: gettid has no preconditions.
-                waiter_tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
-                let r = d.completion_wait(b.handle, 1, -1).map_err(|(e, _)| e);
-                done.store(true, Ordering::SeqCst);
-                r
-            });
-            while waiter_tid.load(Ordering::SeqCst) == 0 {
-                thread::yield_now();
-            }
-            thread::sleep(Duration::from_millis(50));
-            let before = sig::HITS.load(Ordering::SeqCst);
-            // SAFETY: signals a thread of this process.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    libc::getpid(),
-                    waiter_tid.load(Ordering::SeqCst) as libc::pid_t,
-                    libc::SIGUSR1,
-                )
+    t.run(
+        "the per-file job cap answers EAGAIN and nothing is lost",
+        || -> R {
+            let d = busy_file(&path, if edu { 1 } else { 48 })?;
+            let a = ok("alloc", d.alloc(page, 0))?;
+            let b = ok("alloc", d.alloc(page, 0))?;
+            let mut queued = 1; // the busy job
+            let err = loop {
+                match d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]) {
+                    Ok(_) => queued += 1,
+                    Err(e) => break e,
+                }
+                if queued > 5000 {
+                    return Err("5000 jobs queued without EAGAIN".into());
+                }
             };
-            let t0 = Instant::now();
-            while sig::HITS.load(Ordering::SeqCst) == before && t0.elapsed() < Duration::from_secs(5) {
-                thread::sleep(Duration::from_millis(1));
+            expect_eq("errno at the cap", err, libc::EAGAIN)?;
+            expect_eq("jobs queued at the cap (file_max_jobs)", queued, 1024)?;
+            drop(d);
+            // A job that would take a busy file past the in-flight byte cap
+            // (file_max_inflight_mib, 1 GiB) waits; alone, it would run.
+            let d = busy_file(&path, if edu { 1 } else { 48 })?;
+            let big = ok("alloc", d.alloc(8 << 20, 0))?;
+            let big2 = ok("alloc", d.alloc(8 << 20, 0))?;
+            let many: Vec<_> = (0..200)
+                .map(|_| desc(big.handle, 0, big2.handle, 0, 8 << 20))
+                .collect();
+            expect_err("job over the byte cap", d.submit(&many), libc::EAGAIN)?;
+            let lone = ok("open", Dev::open(&path))?;
+            let c = ok("alloc", lone.alloc(8 << 20, 0))?;
+            let e = ok("alloc", lone.alloc(8 << 20, 0))?;
+            let many: Vec<_> = (0..200)
+                .map(|_| desc(c.handle, 0, e.handle, 0, 8 << 20))
+                .collect();
+            ok("the same job alone", lone.submit(&many)).map(drop)
+        },
+    );
+
+    t.run(
+        "JOB_WAIT on an id older than TDRV_JOB_WINDOW is ESTALE",
+        || -> R {
+            if edu {
+                println!("# (the window is engine-independent: covered on the software device)");
+                return Ok(());
             }
-            thread::sleep(Duration::from_millis(50));
-            let still_waiting = !done.load(Ordering::SeqCst);
-            let id = d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]);
-            (still_waiting, id, w.join())
-        });
-        let (still_waiting, id, waited) = r;
-        ok("submit", id)?;
-        let waited = waited.map_err(|_| "waiter panicked")?;
-        expect_eq("wait survived the handler", still_waiting, true)?;
-        ok("restarted wait", waited)?;
-        // A timed wait is not restarted.
-        sig::install(false);
-        let tid = AtomicUsize::new(0);
-        let timed = thread::scope(|s| {
-            let w = s.spawn(|| {
-                // SAFETY: gettid has no preconditions.
-                tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
-                d.completion_wait(b.handle, 100, 5_000_000).map_err(|(e, _)| e)
+            let d = ok("open", Dev::open(&path))?;
+            let a = ok("alloc", d.alloc(page, 0))?;
+            let b = ok("alloc", d.alloc(page, 0))?;
+            let first = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
+            let mut last = first;
+            for i in 0..TDRV_JOB_WINDOW as u64 {
+                last = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]))?;
+                if i % 512 == 0 {
+                    ok("wait", d.job_wait(last, -1))?;
+                }
+            }
+            ok("wait", d.job_wait(last, -1))?;
+            expect_eq("ids", last - first, TDRV_JOB_WINDOW as u64)?;
+            expect_err("oldest id", d.job_wait(first, 0), libc::ESTALE)?;
+            expect_eq(
+                "next oldest",
+                ok("wait", d.job_wait(first + 1, 0))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            expect_err("never issued", d.job_wait(last + 1, 0), libc::EINVAL)
+        },
+    );
+
+    t.run(
+        "untimed waits restart after SA_RESTART handlers; timed ones get EINTR",
+        || -> R {
+            let d = ok("open", Dev::open(&path))?;
+            let a = ok("alloc", d.alloc(page, 0))?;
+            let b = ok("alloc", d.alloc(page, 0))?;
+            let waiter_tid = AtomicUsize::new(0);
+            let done = AtomicBool::new(false);
+            sig::install(true);
+            let r = thread::scope(|s| {
+                let w = s.spawn(|| {
+                    // SAFETY: gettid has no preconditions.
+                    waiter_tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
+                    let r = d.completion_wait(b.handle, 1, -1).map_err(|(e, _)| e);
+                    done.store(true, Ordering::SeqCst);
+                    r
+                });
+                while waiter_tid.load(Ordering::SeqCst) == 0 {
+                    thread::yield_now();
+                }
+                thread::sleep(Duration::from_millis(50));
+                let before = sig::HITS.load(Ordering::SeqCst);
+                // SAFETY: signals a thread of this process.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_tgkill,
+                        libc::getpid(),
+                        waiter_tid.load(Ordering::SeqCst) as libc::pid_t,
+                        libc::SIGUSR1,
+                    )
+                };
+                let t0 = Instant::now();
+                while sig::HITS.load(Ordering::SeqCst) == before
+                    && t0.elapsed() < Duration::from_secs(5)
+                {
+                    thread::sleep(Duration::from_millis(1));
+                }
+                thread::sleep(Duration::from_millis(50));
+                let still_waiting = !done.load(Ordering::SeqCst);
+                let id = d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]);
+                (still_waiting, id, w.join())
             });
-            while tid.load(Ordering::SeqCst) == 0 {
-                thread::yield_now();
-            }
-            thread::sleep(Duration::from_millis(50));
-            // SAFETY: signals a thread of this process.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_tgkill,
-                    libc::getpid(),
-                    tid.load(Ordering::SeqCst) as libc::pid_t,
-                    libc::SIGUSR1,
-                )
-            };
-            w.join()
-        });
-        expect_err("timed wait", timed.map_err(|_| "waiter panicked")?, libc::EINTR)
-    });
+            let (still_waiting, id, waited) = r;
+            ok("submit", id)?;
+            let waited = waited.map_err(|_| "waiter panicked")?;
+            expect_eq("wait survived the handler", still_waiting, true)?;
+            ok("restarted wait", waited)?;
+            // A timed wait is not restarted.
+            sig::install(false);
+            let tid = AtomicUsize::new(0);
+            let timed = thread::scope(|s| {
+                let w = s.spawn(|| {
+                    // SAFETY: gettid has no preconditions.
+                    tid.store(unsafe { libc::gettid() } as usize, Ordering::SeqCst);
+                    d.completion_wait(b.handle, 100, 5_000_000)
+                        .map_err(|(e, _)| e)
+                });
+                while tid.load(Ordering::SeqCst) == 0 {
+                    thread::yield_now();
+                }
+                thread::sleep(Duration::from_millis(50));
+                // SAFETY: signals a thread of this process.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_tgkill,
+                        libc::getpid(),
+                        tid.load(Ordering::SeqCst) as libc::pid_t,
+                        libc::SIGUSR1,
+                    )
+                };
+                w.join()
+            });
+            expect_err(
+                "timed wait",
+                timed.map_err(|_| "waiter panicked")?,
+                libc::EINTR,
+            )
+        },
+    );
 
     t.run("mappings are never executable", || -> R {
         let a = ok("alloc", dev.alloc(page, 0))?;
@@ -380,7 +441,11 @@ fn main() {
         let map = ok("mmap rw", dev.map(&a))?;
         // SAFETY: changes the protection of our own mapping.
         let r = unsafe {
-            libc::mprotect(map.as_slice().as_ptr() as *mut _, page as usize, libc::PROT_READ | libc::PROT_EXEC)
+            libc::mprotect(
+                map.as_slice().as_ptr() as *mut _,
+                page as usize,
+                libc::PROT_READ | libc::PROT_EXEC,
+            )
         };
         let e = tdrv_guest_tests::raw::errno();
         drop(map);
@@ -412,7 +477,10 @@ fn main() {
                 permitted: u32,
                 inheritable: u32,
             }
-            let mut h = Header { version: 0x2008_0522, pid: 0 };
+            let mut h = Header {
+                version: 0x2008_0522,
+                pid: 0,
+            };
             let mut d = [Data::default(); 2];
             // SAFETY: valid header and two data words (capability v3).
             let code = unsafe {
@@ -442,138 +510,180 @@ fn main() {
         }
     });
 
-    t.run("a synchronous COPY_IN and a job on its buffer never interleave", || -> R {
-        let d = ok("open", Dev::open(&path))?;
-        let size: u64 = if edu { 8064 } else { 4 << 20 };
-        let x = ok("alloc", d.alloc(size, 0))?;
-        let y = ok("alloc", d.alloc(size, 0))?;
-        let rounds = if edu { 2 } else { 40 };
-        let stop = AtomicBool::new(false);
-        thread::scope(|s| {
-            let writer = s.spawn(|| -> R {
-                let mut v = 1u8;
-                while !stop.load(Ordering::SeqCst) {
-                    ok("copy_in", d.copy_in(x.handle, 0, &vec![v; size as usize]))?;
-                    v = v.wrapping_add(1).max(1);
-                    if edu {
-                        // Idle time lets the icount clock run the DMA timer.
-                        thread::sleep(Duration::from_millis(1));
+    t.run(
+        "a synchronous COPY_IN and a job on its buffer never interleave",
+        || -> R {
+            let d = ok("open", Dev::open(&path))?;
+            let size: u64 = if edu { 8064 } else { 4 << 20 };
+            let x = ok("alloc", d.alloc(size, 0))?;
+            let y = ok("alloc", d.alloc(size, 0))?;
+            let rounds = if edu { 2 } else { 40 };
+            let stop = AtomicBool::new(false);
+            thread::scope(|s| {
+                let writer = s.spawn(|| -> R {
+                    let mut v = 1u8;
+                    while !stop.load(Ordering::SeqCst) {
+                        ok("copy_in", d.copy_in(x.handle, 0, &vec![v; size as usize]))?;
+                        v = v.wrapping_add(1).max(1);
+                        if edu {
+                            // Idle time lets the icount clock run the DMA timer.
+                            thread::sleep(Duration::from_millis(1));
+                        }
                     }
-                }
-                Ok(())
-            });
-            let checker = s.spawn(|| -> R {
-                let mut out = vec![0u8; size as usize];
-                for _ in 0..rounds {
-                    let id = ok("submit", d.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
-                    expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
-                    ok("copy_out", d.copy_out(y.handle, 0, &mut out))?;
-                    let first = out[0];
-                    if let Some(i) = out.iter().position(|b| *b != first) {
-                        return Err(format!("job saw a half-written buffer: byte 0 = {first}, byte {i} = {}", out[i]));
+                    Ok(())
+                });
+                let checker = s.spawn(|| -> R {
+                    let mut out = vec![0u8; size as usize];
+                    for _ in 0..rounds {
+                        let id = ok("submit", d.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
+                        expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+                        ok("copy_out", d.copy_out(y.handle, 0, &mut out))?;
+                        let first = out[0];
+                        if let Some(i) = out.iter().position(|b| *b != first) {
+                            return Err(format!(
+                                "job saw a half-written buffer: byte 0 = {first}, byte {i} = {}",
+                                out[i]
+                            ));
+                        }
                     }
-                }
-                Ok(())
-            });
-            let r = checker.join().map_err(|_| "checker panicked".to_string());
-            stop.store(true, Ordering::SeqCst);
-            let w = writer.join().map_err(|_| "writer panicked".to_string());
-            r.and_then(|r| r).and(w.and_then(|w| w))
-        })
-    });
+                    Ok(())
+                });
+                let r = checker.join().map_err(|_| "checker panicked".to_string());
+                stop.store(true, Ordering::SeqCst);
+                let w = writer.join().map_err(|_| "writer panicked".to_string());
+                r.and_then(|r| r).and(w.and_then(|w| w))
+            })
+        },
+    );
 
-    t.run("ABI growth: older-or-equal sizes accepted, output-only VERSION ignores its input", || -> R {
-        // VERSION with a larger struct whose tail is garbage: output only.
-        let mut big = [0xFFu8; 128];
-        let req = request_with_size(TDRV_IOC_VERSION, 128);
-        ok("version, 128-byte garbage struct", dev.ioctl(req, &mut big))?;
-        let v: tdrv_version = unsafe_read(&big);
-        expect_eq("abi major", v.abi_major, TDRV_ABI_MAJOR)?;
-        expect_eq("untouched tail", big[100], 0xFF)?;
-        // Smaller than the first published size: EINVAL.
-        let mut small = [0u8; 8];
-        expect_err("version, 8 bytes", dev.ioctl(request_with_size(TDRV_IOC_VERSION, 8), &mut small), libc::EINVAL)?;
-        // An input struct larger than ours with a zero tail works.
-        let a = ok("alloc", dev.alloc(page, 0))?;
-        let mut free = [0u64; 4];
-        free[0] = a.handle;
-        ok("free, 32-byte struct", dev.ioctl(request_with_size(TDRV_IOC_FREE, 32), &mut free))?;
-        expect_err("freed", dev.buf_info(a.handle), libc::ENOENT)
-    });
+    t.run(
+        "ABI growth: older-or-equal sizes accepted, output-only VERSION ignores its input",
+        || -> R {
+            // VERSION with a larger struct whose tail is garbage: output only.
+            let mut big = [0xFFu8; 128];
+            let req = request_with_size(TDRV_IOC_VERSION, 128);
+            ok("version, 128-byte garbage struct", dev.ioctl(req, &mut big))?;
+            let v: tdrv_version = unsafe_read(&big);
+            expect_eq("abi major", v.abi_major, TDRV_ABI_MAJOR)?;
+            expect_eq("untouched tail", big[100], 0xFF)?;
+            // Smaller than the first published size: EINVAL.
+            let mut small = [0u8; 8];
+            expect_err(
+                "version, 8 bytes",
+                dev.ioctl(request_with_size(TDRV_IOC_VERSION, 8), &mut small),
+                libc::EINVAL,
+            )?;
+            // An input struct larger than ours with a zero tail works.
+            let a = ok("alloc", dev.alloc(page, 0))?;
+            let mut free = [0u64; 4];
+            free[0] = a.handle;
+            ok(
+                "free, 32-byte struct",
+                dev.ioctl(request_with_size(TDRV_IOC_FREE, 32), &mut free),
+            )?;
+            expect_err("freed", dev.buf_info(a.handle), libc::ENOENT)
+        },
+    );
 
-    t.run("fdinfo, debugfs clients and sysfs busy_ns describe usage", || -> R {
-        let d = ok("open", Dev::open(&path))?;
-        let other = ok("open", Dev::open(&path))?;
-        let a = ok("alloc", d.alloc(5000, 0))?;
-        let b = ok("alloc", d.alloc(5000, 0))?;
-        let two = version.num_channels > 1;
-        if two {
-            ok("alloc ch1", d.alloc(3 * page, 1))?;
-        }
-        let id = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 5000)]))?;
-        expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
-        let fdinfo = |fd: i32| -> Result<Vec<(String, String)>, String> {
-            let text = fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
-                .map_err(|e| format!("fdinfo: {e}"))?;
-            Ok(text
-                .lines()
-                .filter_map(|l| l.split_once(':'))
-                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-                .collect())
-        };
-        let get = |kv: &[(String, String)], k: &str| -> Result<String, String> {
-            kv.iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, v)| v.clone())
-                .ok_or_else(|| format!("fdinfo has no {k}"))
-        };
-        let info = fdinfo(d.fd())?;
-        expect_eq("drm-driver", get(&info, "drm-driver")?, "tdrv".to_string())?;
-        expect_eq("drm-total-hbm0", get(&info, "drm-total-hbm0")?, (2 * 8192).to_string())?;
-        expect_eq("drm-resident-hbm0", get(&info, "drm-resident-hbm0")?, (2 * 8192).to_string())?;
-        if two {
-            expect_eq("drm-total-hbm1", get(&info, "drm-total-hbm1")?, (3 * page).to_string())?;
-        }
-        expect_eq("tdrv-buffers", get(&info, "tdrv-buffers")?, if two { "3" } else { "2" }.to_string())?;
-        expect_eq("tdrv-jobs-queued", get(&info, "tdrv-jobs-queued")?, "0".to_string())?;
-        let busy: u64 = get(&info, "drm-engine-copy")?
-            .strip_suffix(" ns")
-            .and_then(|v| v.parse().ok())
-            .ok_or("drm-engine-copy is not '<n> ns'")?;
-        if busy == 0 {
-            return Err("drm-engine-copy is 0 after a job".into());
-        }
-        let id_d = get(&info, "drm-client-id")?;
-        let id_o = get(&fdinfo(other.fd())?, "drm-client-id")?;
-        if id_d == id_o {
-            return Err(format!("two files share drm-client-id {id_d}"));
-        }
-        let name = path.trim_start_matches("/dev/");
-        let clients = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/clients"))
-            .map_err(|e| format!("clients: {e}"))?;
-        // SAFETY: getpid has no preconditions.
-        let me = format!("client {id_d} pid {} buffers", unsafe { libc::getpid() });
-        if !clients.lines().any(|l| l.starts_with(&me)) {
-            return Err(format!("debugfs clients lacks {me:?}: {clients}"));
-        }
-        let sys: u64 = fs::read_to_string(format!("/sys/class/misc/{name}/busy_ns"))
-            .map_err(|e| format!("busy_ns: {e}"))?
-            .trim()
-            .parse()
-            .map_err(|e| format!("busy_ns: {e}"))?;
-        if sys < busy {
-            return Err(format!("device busy_ns {sys} < this file's {busy}"));
-        }
-        expect_eq("debugfs busy_ns", stat(&path, "busy_ns")? >= busy, true)
-    });
+    t.run(
+        "fdinfo, debugfs clients and sysfs busy_ns describe usage",
+        || -> R {
+            let d = ok("open", Dev::open(&path))?;
+            let other = ok("open", Dev::open(&path))?;
+            let a = ok("alloc", d.alloc(5000, 0))?;
+            let b = ok("alloc", d.alloc(5000, 0))?;
+            let two = version.num_channels > 1;
+            if two {
+                ok("alloc ch1", d.alloc(3 * page, 1))?;
+            }
+            let id = ok("submit", d.submit(&[desc(a.handle, 0, b.handle, 0, 5000)]))?;
+            expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+            let fdinfo = |fd: i32| -> Result<Vec<(String, String)>, String> {
+                let text = fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+                    .map_err(|e| format!("fdinfo: {e}"))?;
+                Ok(text
+                    .lines()
+                    .filter_map(|l| l.split_once(':'))
+                    .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                    .collect())
+            };
+            let get = |kv: &[(String, String)], k: &str| -> Result<String, String> {
+                kv.iter()
+                    .find(|(key, _)| key == k)
+                    .map(|(_, v)| v.clone())
+                    .ok_or_else(|| format!("fdinfo has no {k}"))
+            };
+            let info = fdinfo(d.fd())?;
+            expect_eq("drm-driver", get(&info, "drm-driver")?, "tdrv".to_string())?;
+            expect_eq(
+                "drm-total-hbm0",
+                get(&info, "drm-total-hbm0")?,
+                (2 * 8192).to_string(),
+            )?;
+            expect_eq(
+                "drm-resident-hbm0",
+                get(&info, "drm-resident-hbm0")?,
+                (2 * 8192).to_string(),
+            )?;
+            if two {
+                expect_eq(
+                    "drm-total-hbm1",
+                    get(&info, "drm-total-hbm1")?,
+                    (3 * page).to_string(),
+                )?;
+            }
+            expect_eq(
+                "tdrv-buffers",
+                get(&info, "tdrv-buffers")?,
+                if two { "3" } else { "2" }.to_string(),
+            )?;
+            expect_eq(
+                "tdrv-jobs-queued",
+                get(&info, "tdrv-jobs-queued")?,
+                "0".to_string(),
+            )?;
+            let busy: u64 = get(&info, "drm-engine-copy")?
+                .strip_suffix(" ns")
+                .and_then(|v| v.parse().ok())
+                .ok_or("drm-engine-copy is not '<n> ns'")?;
+            if busy == 0 {
+                return Err("drm-engine-copy is 0 after a job".into());
+            }
+            let id_d = get(&info, "drm-client-id")?;
+            let id_o = get(&fdinfo(other.fd())?, "drm-client-id")?;
+            if id_d == id_o {
+                return Err(format!("two files share drm-client-id {id_d}"));
+            }
+            let name = path.trim_start_matches("/dev/");
+            let clients = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/clients"))
+                .map_err(|e| format!("clients: {e}"))?;
+            // SAFETY: getpid has no preconditions.
+            let me = format!("client {id_d} pid {} buffers", unsafe { libc::getpid() });
+            if !clients.lines().any(|l| l.starts_with(&me)) {
+                return Err(format!("debugfs clients lacks {me:?}: {clients}"));
+            }
+            let sys: u64 = fs::read_to_string(format!("/sys/class/misc/{name}/busy_ns"))
+                .map_err(|e| format!("busy_ns: {e}"))?
+                .trim()
+                .parse()
+                .map_err(|e| format!("busy_ns: {e}"))?;
+            if sys < busy {
+                return Err(format!("device busy_ns {sys} < this file's {busy}"));
+            }
+            expect_eq("debugfs busy_ns", stat(&path, "busy_ns")? >= busy, true)
+        },
+    );
 
-    t.run("the channel is back to its start after every test", || -> R {
-        // This file's own buffers from the tests above were freed; usage
-        // must equal what other files hold (none in this run).
-        let c = ok("channel_info", dev.channel_info(0))?;
-        expect_eq("buffers on channel 0", c.buffers, 0)?;
-        expect_eq("bytes on channel 0", c.used_bytes, 0)
-    });
+    t.run(
+        "the channel is back to its start after every test",
+        || -> R {
+            // This file's own buffers from the tests above were freed; usage
+            // must equal what other files hold (none in this run).
+            let c = ok("channel_info", dev.channel_info(0))?;
+            expect_eq("buffers on channel 0", c.buffers, 0)?;
+            expect_eq("bytes on channel 0", c.used_bytes, 0)
+        },
+    );
 
     t.finish();
 }

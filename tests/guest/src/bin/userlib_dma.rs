@@ -269,7 +269,7 @@ fn copy_host_round_trip(c: &Ctx) -> R {
     let v = read_all(&h)?;
     same("host after device->host", &v[1000..1100], &[0x99; 100])?;
     // Fake on either side is a no-op.
-    let f = Tensor::allocate_fake(4096, None);
+    let f = e("fake", Tensor::allocate_fake(4096, None))?;
     e("fake -> device", Tensor::copy(&f, 0, &d, 0, 4096))?;
     expect_eq("device byte after fake copy", read_all(&d)?[0], 0x99)
 }

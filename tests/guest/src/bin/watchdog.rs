@@ -43,59 +43,86 @@ fn main() {
     let b = dev.alloc(8192, 0).expect("alloc");
     dev.copy_in(a.handle, 0, &[0xAB; 8192]).expect("copy_in");
 
-    t.run("a lost completion interrupt is recovered: the job succeeds", || -> R {
-        let spurious = stat("spurious_irqs")?;
-        let timeouts = stat("watchdog_timeouts")?;
-        inject("lose_irq").map_err(|e| format!("inject: {e}"))?;
-        let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
-        expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
-        let mut out = [0u8; 100];
-        ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
-        expect_eq("data", out.iter().all(|x| *x == 0xAB), true)?;
-        expect_eq("no timeout counted", stat("watchdog_timeouts")?, timeouts)?;
-        if stat("spurious_irqs")? <= spurious {
-            return Err("the lost interrupt was not noticed".into());
-        }
-        Ok(())
-    });
+    t.run(
+        "a lost completion interrupt is recovered: the job succeeds",
+        || -> R {
+            let spurious = stat("spurious_irqs")?;
+            let timeouts = stat("watchdog_timeouts")?;
+            inject("lose_irq").map_err(|e| format!("inject: {e}"))?;
+            let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
+            expect_eq("job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+            let mut out = [0u8; 100];
+            ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+            expect_eq("data", out.iter().all(|x| *x == 0xAB), true)?;
+            expect_eq("no timeout counted", stat("watchdog_timeouts")?, timeouts)?;
+            if stat("spurious_irqs")? <= spurious {
+                return Err("the lost interrupt was not noticed".into());
+            }
+            Ok(())
+        },
+    );
 
-    t.run("a stuck chunk fails its job with ETIMEDOUT and the queued ones with EIO", || -> R {
-        let timeouts = stat("watchdog_timeouts")?;
-        let resets = stat("resets")?;
-        let completions = ok("buf_info", dev.buf_info(b.handle))?.completion_count;
-        inject("stall").map_err(|e| format!("inject: {e}"))?;
-        let stuck = ok("submit", dev.submit(&[desc(a.handle, b.handle, 8192)]))?;
-        let queued: Vec<u64> = (0..3)
-            .map(|_| ok("submit", dev.submit(&[desc(a.handle, b.handle, 64)])))
-            .collect::<Result<_, _>>()?;
-        expect_eq(
-            "stuck job",
-            ok("wait", dev.job_wait(stuck, -1))?,
-            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
-        )?;
-        for id in queued {
-            expect_eq("queued job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, -libc::EIO))?;
-        }
-        expect_eq("watchdog_timeouts", stat("watchdog_timeouts")?, timeouts + 1)?;
-        expect_eq("resets", stat("resets")?, resets + 1)?;
-        let i = ok("buf_info", dev.buf_info(b.handle))?;
-        expect_eq("pending", (i.pending_reads, i.pending_writes), (0, 0))?;
-        expect_eq("completions", i.completion_count, completions)?;
-        // The failures are latched on the destination: readers and waiters
-        // learn it (EIO) instead of stale bytes or an endless wait.
-        expect_eq("error latch", i.error, -libc::EIO)?;
-        let mut out = [0u8; 16];
-        expect_err("copy_out of the failed output", dev.copy_out(b.handle, 0, &mut out), libc::EIO)?;
-        expect_err("fence wait", dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1), libc::EIO)?;
-        expect_err(
-            "completion wait for the failed job",
-            dev.completion_wait(b.handle, completions + 1, -1).map_err(|(e, _)| e),
-            libc::EIO,
-        )?;
-        // COMPLETION_RESET clears the latch (and the count).
-        ok("completion_reset", dev.completion_reset(b.handle))?;
-        expect_eq("latch after reset", ok("buf_info", dev.buf_info(b.handle))?.error, 0)
-    });
+    t.run(
+        "a stuck chunk fails its job with ETIMEDOUT and the queued ones with EIO",
+        || -> R {
+            let timeouts = stat("watchdog_timeouts")?;
+            let resets = stat("resets")?;
+            let completions = ok("buf_info", dev.buf_info(b.handle))?.completion_count;
+            inject("stall").map_err(|e| format!("inject: {e}"))?;
+            let stuck = ok("submit", dev.submit(&[desc(a.handle, b.handle, 8192)]))?;
+            let queued: Vec<u64> = (0..3)
+                .map(|_| ok("submit", dev.submit(&[desc(a.handle, b.handle, 64)])))
+                .collect::<Result<_, _>>()?;
+            expect_eq(
+                "stuck job",
+                ok("wait", dev.job_wait(stuck, -1))?,
+                (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+            )?;
+            for id in queued {
+                expect_eq(
+                    "queued job",
+                    ok("wait", dev.job_wait(id, -1))?,
+                    (TDRV_JOB_DONE, -libc::EIO),
+                )?;
+            }
+            expect_eq(
+                "watchdog_timeouts",
+                stat("watchdog_timeouts")?,
+                timeouts + 1,
+            )?;
+            expect_eq("resets", stat("resets")?, resets + 1)?;
+            let i = ok("buf_info", dev.buf_info(b.handle))?;
+            expect_eq("pending", (i.pending_reads, i.pending_writes), (0, 0))?;
+            expect_eq("completions", i.completion_count, completions)?;
+            // The failures are latched on the destination: readers and waiters
+            // learn it (EIO) instead of stale bytes or an endless wait.
+            expect_eq("error latch", i.error, -libc::EIO)?;
+            let mut out = [0u8; 16];
+            expect_err(
+                "copy_out of the failed output",
+                dev.copy_out(b.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            expect_err(
+                "fence wait",
+                dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1),
+                libc::EIO,
+            )?;
+            expect_err(
+                "completion wait for the failed job",
+                dev.completion_wait(b.handle, completions + 1, -1)
+                    .map_err(|(e, _)| e),
+                libc::EIO,
+            )?;
+            // COMPLETION_RESET clears the latch (and the count).
+            ok("completion_reset", dev.completion_reset(b.handle))?;
+            expect_eq(
+                "latch after reset",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                0,
+            )
+        },
+    );
 
     t.run("after recovery the engine serves jobs again", || -> R {
         let mut tries = 0;
@@ -116,14 +143,17 @@ fn main() {
         expect_eq("data", out.iter().all(|x| *x == 0xAB), true)
     });
 
-    t.run("synchronous work and other files are unaffected", || -> R {
-        let other = ok("open", Dev::open(&path))?;
-        let c = ok("alloc", other.alloc(100, 0))?;
-        ok("copy_in", other.copy_in(c.handle, 0, &[1, 2, 3]))?;
-        let mut out = [0u8; 3];
-        ok("copy_out", other.copy_out(c.handle, 0, &mut out))?;
-        expect_eq("data", out, [1, 2, 3])
-    });
+    t.run(
+        "synchronous work and other files are unaffected",
+        || -> R {
+            let other = ok("open", Dev::open(&path))?;
+            let c = ok("alloc", other.alloc(100, 0))?;
+            ok("copy_in", other.copy_in(c.handle, 0, &[1, 2, 3]))?;
+            let mut out = [0u8; 3];
+            ok("copy_out", other.copy_out(c.handle, 0, &mut out))?;
+            expect_eq("data", out, [1, 2, 3])
+        },
+    );
 
     t.run("unknown injection commands are refused", || -> R {
         match inject("melt") {
