@@ -283,22 +283,34 @@ pub fn probe(
             d.busy_ns = s.busy_ns;
         }
         Err(e) => {
-            let why = if !paths.debugfs.exists() {
-                format!(
-                    "{} does not exist (is debugfs mounted? mount -t debugfs none /sys/kernel/debug)",
+            // Whether debugfs as a whole is missing or closed is one fact
+            // for every device, said without a device name (so said once).
+            let dir = fs::metadata(&paths.debugfs);
+            if dir
+                .as_ref()
+                .is_err_and(|d| d.kind() == io::ErrorKind::NotFound)
+            {
+                warnings.push(format!(
+                    "no debugfs statistics: {} does not exist (is debugfs mounted? \
+                     mount -t debugfs none /sys/kernel/debug); job counters and open files are unknown",
                     paths.debugfs.display()
-                )
-            } else if kind_of(&e) == ProblemKind::Permission {
-                format!(
-                    "{}: permission denied (debugfs is root-only)",
-                    stats_path.display()
-                )
+                ));
+            } else if dir
+                .as_ref()
+                .is_err_and(|d| kind_of(d) == ProblemKind::Permission)
+                || kind_of(&e) == ProblemKind::Permission
+            {
+                warnings.push(format!(
+                    "no debugfs statistics: {}: permission denied (debugfs is root-only); \
+                     job counters and open files are unknown",
+                    paths.debugfs.display()
+                ));
             } else {
-                format!("{}: {e}", stats_path.display())
-            };
-            warnings.push(format!(
-                "{name}: no debugfs statistics: {why}; job counters and open files are unknown"
-            ));
+                warnings.push(format!(
+                    "{name}: no debugfs statistics: {}: {e}; job counters and open files are unknown",
+                    stats_path.display()
+                ));
+            }
         }
     }
     drop(ioctls);
@@ -390,20 +402,15 @@ pub fn collect_into(
     sampler: &mut BusySampler,
     list: &mut DeviceList,
 ) {
-    let mut debugfs_missing_said = false;
     for (name, node) in found {
         let (d, problems, warnings) = probe(paths, name, node, sampler);
         list.devices.push(d);
         list.errors.extend(problems);
         for w in warnings {
-            // A missing debugfs is one fact, not one per device.
-            if w.contains("does not exist") {
-                if debugfs_missing_said {
-                    continue;
-                }
-                debugfs_missing_said = true;
+            // System-wide facts (debugfs missing) come once per device.
+            if !list.warnings.contains(&w) {
+                list.warnings.push(w);
             }
-            list.warnings.push(w);
         }
     }
 }
