@@ -7,6 +7,9 @@
 #                   make run FILES="a b" CMD="./a" runs your own command
 #   make test       host tests + guest tests + KUnit, one verdict
 #   make bench      benchmarks (see README)
+#   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
+#                   the kselftest-style runner run_tests in one directory
+#                   (default build/tdrv-tests), for a machine of your own
 #
 # `run`, `test` and `bench` install what they need (scripts/setup) and
 # build the test kernel once (scripts/kernel, cached outside the repo).
@@ -16,11 +19,12 @@ DISTRO ?=
 FILES ?=
 CMD ?=
 PARAMS ?=
+DESTDIR ?=
 TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module distro-module setup kernel userspace run test bench uapi clean
+.PHONY: all module distro-module setup kernel userspace install-tests run test bench uapi clean
 
 all: module
 
@@ -46,6 +50,10 @@ kernel: setup
 
 userspace: setup
 	@scripts/build-userspace
+
+# No setup: this is for your own machine, which needs cargo and gcc only.
+install-tests:
+	@scripts/install-tests "$(DESTDIR)"
 
 run: setup
 	@scripts/run-guest -c '$(subst ','\'',$(CMD))' -p '$(PARAMS)' -T $(TIMEOUT) $(FILES)
