@@ -108,30 +108,28 @@ pub fn devices(devs: &[Device]) -> String {
         ],
         &rows,
     );
-    for d in devs {
-        if d.channels.is_empty() {
-            continue;
-        }
-        let rows: Vec<Vec<String>> = d
-            .channels
-            .iter()
-            .map(|c| {
-                let pct = if c.limit_bytes > 0 {
-                    format!("{:.0}%", c.used_bytes as f64 * 100.0 / c.limit_bytes as f64)
-                } else {
-                    "-".into()
-                };
-                vec![
-                    format!("{} hbm{}", d.name, c.channel),
-                    size(c.used_bytes),
-                    size(c.limit_bytes),
-                    pct,
-                    size(c.peak_bytes),
-                    c.buffers.to_string(),
-                    c.failed_allocs.to_string(),
-                ]
-            })
-            .collect();
+    // One channel table for all devices, so the columns line up.
+    let rows: Vec<Vec<String>> = devs
+        .iter()
+        .flat_map(|d| d.channels.iter().map(move |c| (d, c)))
+        .map(|(d, c)| {
+            let pct = if c.limit_bytes > 0 {
+                format!("{:.0}%", c.used_bytes as f64 * 100.0 / c.limit_bytes as f64)
+            } else {
+                "-".into()
+            };
+            vec![
+                format!("{} hbm{}", d.name, c.channel),
+                size(c.used_bytes),
+                size(c.limit_bytes),
+                pct,
+                size(c.peak_bytes),
+                c.buffers.to_string(),
+                c.failed_allocs.to_string(),
+            ]
+        })
+        .collect();
+    if !rows.is_empty() {
         out.push('\n');
         out.push_str(&table(
             &[
