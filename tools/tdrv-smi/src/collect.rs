@@ -566,8 +566,17 @@ mod tests {
     use std::os::unix::fs::symlink;
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    /// A fresh empty directory for one test's fake system.
-    fn scratch() -> PathBuf {
+    /// A fresh empty directory for one test's fake system, removed when
+    /// the test ends (also when it fails).
+    struct Scratch(PathBuf);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn scratch() -> Scratch {
         static N: AtomicU32 = AtomicU32::new(0);
         let d = std::env::temp_dir().join(format!(
             "tdrv-smi-test-{}-{}",
@@ -576,7 +585,7 @@ mod tests {
         ));
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).unwrap();
-        d
+        Scratch(d)
     }
 
     fn write(path: &Path, text: &str) {
@@ -606,8 +615,9 @@ mod tests {
 
     #[test]
     fn no_module() {
-        let root = scratch();
-        let p = Paths::under(&root);
+        let scratch = scratch();
+        let root = &scratch.0;
+        let p = Paths::under(root);
         let l = devices(&p, &[], Duration::ZERO);
         assert!(l.devices.is_empty());
         assert_eq!(l.errors.len(), 1);
@@ -629,8 +639,9 @@ mod tests {
     /// fail with ENOTTY) is described from debugfs and sysfs.
     #[test]
     fn fallback_to_debugfs_and_sysfs() {
-        let root = scratch();
-        let p = Paths::under(&root);
+        let scratch = scratch();
+        let root = &scratch.0;
+        let p = Paths::under(root);
         write(&root.join("dev/tdrv1"), "");
         write(&root.join("dev/tdrvx"), "");
         write(&root.join("sys/class/misc/tdrv1/busy_ns"), "1000\n");
@@ -665,8 +676,9 @@ mod tests {
 
     #[test]
     fn no_source_at_all_is_an_error() {
-        let root = scratch();
-        let p = Paths::under(&root);
+        let scratch = scratch();
+        let root = &scratch.0;
+        let p = Paths::under(root);
         fs::create_dir_all(root.join("sys/class/misc/tdrv0")).unwrap();
         let l = devices(&p, &[], Duration::ZERO);
         assert_eq!(l.devices.len(), 1);
@@ -697,11 +709,12 @@ mod tests {
 
     #[test]
     fn processes_grouped_by_client() {
-        let root = scratch();
-        let p = Paths::under(&root);
+        let scratch = scratch();
+        let root = &scratch.0;
+        let p = Paths::under(root);
         // pid 10: two fds of client 5 (dup), one of client 6 on tdrv1, a pipe.
         process(
-            &root,
+            root,
             10,
             "trainer",
             &[
@@ -713,13 +726,13 @@ mod tests {
         );
         // pid 11 inherited client 5 (fork).
         process(
-            &root,
+            root,
             11,
             "worker",
             &[(3, "/dev/tdrv0", fdinfo(5, "tdrv0", 8192, 0))],
         );
         // A file named like a node whose fdinfo is not tdrv's.
-        process(&root, 12, "odd", &[(3, "/tmp/tdrv0", "pos:\t0\n".into())]);
+        process(root, 12, "odd", &[(3, "/tmp/tdrv0", "pos:\t0\n".into())]);
         // Not a process directory.
         write(&root.join("proc/self-test"), "");
 
