@@ -40,7 +40,8 @@
 //!
 //! Fault injection for tests (debugfs `inject`): `lose_irq` drops the next
 //! completion as if its interrupt were lost; `stall` makes the next chunk
-//! look stuck to the driver until the watchdog fires.
+//! look stuck to the driver until the watchdog fires; `foreign_irq` makes
+//! the device raise an interrupt that is not a DMA completion.
 
 use kernel::{
     device::{
@@ -112,6 +113,9 @@ use crate::{
     stats::DeviceDebugfs,
     uapi::DEVICE_EDU, //
 };
+
+/// The interrupt source `foreign_irq` raises (not `IRQ_DMA`).
+const FOREIGN_IRQ: u32 = 0x2;
 
 /// Shortest accepted `edu_timeout_ms`: a chunk takes about 100 ms of
 /// (virtual) time, so anything shorter would fail healthy jobs.
@@ -499,6 +503,12 @@ impl EduEngine {
         match cmd {
             b"lose_irq" => self.inject_lose_irq.add(1, Relaxed),
             b"stall" => self.inject_stall.add(1, Relaxed),
+            // An interrupt that is not a DMA completion (IRQ_RAISE with a
+            // source bit tdrv never uses), as another agent could raise.
+            b"foreign_irq" => self
+                .bar
+                .try_access_with(|bar| bar.write_reg(IRQ_RAISE::zeroed().with_value(FOREIGN_IRQ)))
+                .ok_or(ENODEV)?,
             _ => return Err(EINVAL),
         }
         Ok(())
