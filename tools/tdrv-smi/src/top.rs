@@ -270,7 +270,7 @@ fn draw(f: &mut Frame, s: &Snapshot, delay: Duration) {
         Table::new(
             rows,
             [
-                Constraint::Length(11),
+                Constraint::Length(12),
                 Constraint::Length(5),
                 Constraint::Length(4),
                 Constraint::Length(17),
