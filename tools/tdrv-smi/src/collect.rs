@@ -422,6 +422,7 @@ pub fn processes(paths: &Paths, wanted: &[String]) -> ProcessList {
         schema: SCHEMA,
         processes: Vec::new(),
         unreadable_processes: 0,
+        errors: Vec::new(),
         warnings: Vec::new(),
     };
     let Ok(entries) = fs::read_dir(&paths.proc) else {

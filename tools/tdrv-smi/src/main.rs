@@ -139,6 +139,7 @@ fn main() -> ExitCode {
                         schema: tdrv_smi::model::SCHEMA,
                         processes: Vec::new(),
                         unreadable_processes: 0,
+                        errors: vec![p.clone()],
                         warnings: Vec::new(),
                     });
                 }

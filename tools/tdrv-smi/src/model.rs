@@ -126,6 +126,8 @@ pub struct ProcessList {
     pub processes: Vec<ProcessClient>,
     /// Processes whose file descriptors could not be read (not root).
     pub unreadable_processes: u64,
+    /// Why there is nothing to list (no tdrv device); see `Problem`.
+    pub errors: Vec<Problem>,
     pub warnings: Vec<String>,
 }
 

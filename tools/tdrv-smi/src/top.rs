@@ -430,6 +430,7 @@ mod tests {
                 schema: SCHEMA,
                 processes: vec![client],
                 unreadable_processes: 0,
+                errors: vec![],
                 warnings: vec![],
             },
             taken: std::time::UNIX_EPOCH,

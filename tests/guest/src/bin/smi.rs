@@ -619,6 +619,11 @@ fn main() {
                 "processes for a missing device",
                 other["processes"].as_array().map(Vec::len),
                 Some(0),
+            )?;
+            expect_eq(
+                "error kind",
+                other["errors"][0]["kind"].as_str(),
+                Some("no-device"),
             )
         },
     );
