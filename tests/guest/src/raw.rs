@@ -36,6 +36,11 @@ impl Dev {
         })
     }
 
+    /// Wraps a file of a tdrv device opened by other means.
+    pub fn from_fd(fd: OwnedFd) -> Dev {
+        Dev { fd }
+    }
+
     pub fn fd(&self) -> i32 {
         self.fd.as_raw_fd()
     }
