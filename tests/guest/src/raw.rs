@@ -41,6 +41,11 @@ impl Dev {
         Dev { fd }
     }
 
+    /// Gives up the descriptor (e.g. to close it by hand).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     pub fn fd(&self) -> i32 {
         self.fd.as_raw_fd()
     }

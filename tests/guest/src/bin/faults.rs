@@ -274,7 +274,7 @@ fn configure() -> Result<Vec<(String, String)>, String> {
 fn main() {
     let (dev_owned, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let dev = &dev_owned;
-    let mut t = Tap::new(20);
+    let mut t = Tap::new(22);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
@@ -501,7 +501,9 @@ fn main() {
             let data = pattern(JOB as usize, n as u8);
             ok("copy_in", dev.copy_in(a, 0, &data))?;
             ok("memset", dev.memset(b, 0, JOB, 0))?;
-            let descs = [desc(a, 0, b, 0, JOB)];
+            // Two descriptors: per-descriptor work is injected too.
+            let half = JOB / 2;
+            let descs = [desc(a, 0, b, 0, half), desc(a, half, b, half, half)];
             let (r, inj) = inject(fail, n, || dev.submit(&descs))?;
             match r {
                 Ok(id) => {
@@ -677,6 +679,79 @@ fn main() {
             ok("free", dev.free(x.handle))?;
             expect_eq("usage after FREE", usage0(dev)?, before)?;
             Ok((Ok(()), inj))
+        }),
+    );
+
+    report(
+        &mut t,
+        "munmap splitting a mapping",
+        sweep(|n| {
+            let before = usage0(dev)?;
+            let x = ok("alloc", dev.alloc(3 * page as u64, 0))?;
+            let p = ok("mmap", mmap_raw(dev.fd(), x.mmap_offset, 3 * page))?;
+            ok("free", dev.free(x.handle))?;
+            // Unmapping the middle page splits the VMA: the kernel allocates
+            // for the split and the driver's VMA callbacks run for the pieces.
+            let (r, inj) = inject(fail, n, || {
+                // SAFETY: unmaps the middle page of our own mapping.
+                if unsafe { libc::munmap(p.add(page).cast(), page) } < 0 {
+                    Err(errno())
+                } else {
+                    Ok(())
+                }
+            })?;
+            // Whatever happened, the outer pages still map the buffer.
+            // SAFETY: pages 0 and 2 of the mapping are mapped either way.
+            unsafe {
+                p.write_volatile(1);
+                p.add(2 * page).write_volatile(2);
+            }
+            let (used, bufs) = usage0(dev)?;
+            if bufs != before.1 + 1 || used <= before.0 {
+                return Err(format!(
+                    "usage {:?} while mapped, from {before:?}",
+                    (used, bufs)
+                ));
+            }
+            // SAFETY: unmaps what is left of the range (holes are fine).
+            unsafe { libc::munmap(p.cast(), 3 * page) };
+            expect_eq(
+                "usage after the last piece is unmapped",
+                usage0(dev)?,
+                before,
+            )?;
+            Ok((r, inj))
+        }),
+    );
+
+    report(
+        &mut t,
+        "close with buffers, a mapping and a queued job",
+        sweep(|n| {
+            let before = usage0(dev)?;
+            let other = ok("open", Dev::open(&path))?;
+            let s = ok("alloc", other.alloc(4096, 0))?;
+            let d = ok("alloc", other.alloc(4096, 0))?;
+            let m = ok("mmap", other.map(&d))?;
+            ok(
+                "submit",
+                other.submit(&[desc(s.handle, 0, d.handle, 0, JOB)]),
+            )?;
+            use std::os::fd::IntoRawFd;
+            let fd = other.into_fd().into_raw_fd();
+            // The release runs inside close(2) (task work on the way out).
+            let (r, inj) = inject(fail, n, || {
+                // SAFETY: closes the descriptor taken out of `other` above.
+                if unsafe { libc::close(fd) } < 0 {
+                    Err(errno())
+                } else {
+                    Ok(())
+                }
+            })?;
+            // The mapping outlives the file; its buffer goes with it.
+            drop(m);
+            wait_usage(dev, &[before], Duration::from_secs(5))?;
+            Ok((r, inj))
         }),
     );
 

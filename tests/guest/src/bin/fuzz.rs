@@ -739,8 +739,8 @@ impl<'a> Worker<'a> {
         };
         let offset = match self.rng.below(20) {
             0..=13 => cookie,
-            14 => cookie + page * (1 + self.rng.below(3)),
-            15 => cookie + 1 + self.rng.below(page - 1),
+            14 => cookie.wrapping_add(page * (1 + self.rng.below(3))),
+            15 => cookie.wrapping_add(1 + self.rng.below(page - 1)),
             16 => 0,
             17 => 1 << 40,
             18 => (self.rng.next_u64() >> 16) & !(page - 1),
@@ -1226,7 +1226,9 @@ impl<'a> Worker<'a> {
         let size = match self.rng.below(20) {
             0..=7 => 1 + self.rng.below(page),
             8..=11 => page * (1 + self.rng.below(max / page)),
-            12..=13 => page * (1 + self.rng.below(max / page - 1)) + *self.rng.pick(&[1, u64::MAX]),
+            // A page multiple plus or minus one byte.
+            12..=13 => (page * (1 + self.rng.below(max / page - 1)))
+                .wrapping_add(*self.rng.pick(&[1, u64::MAX])),
             14..=16 => 1 + self.rng.below(max),
             17 => 0,
             18 => *self
@@ -1411,9 +1413,10 @@ impl<'a> Worker<'a> {
     }
 }
 
-/// The body of a forked child: fuzz with files of its own (and one
-/// inherited from the parent) until SIGKILLed. Never returns.
-fn child(ctx: &Ctx, inherited: Option<i32>, rng: Rng) -> ! {
+/// The body of a forked child: two workers fuzz with files of its own (and
+/// one inherited from the parent) until SIGKILLed, so that the kill lands
+/// while calls are in flight. Never returns.
+fn child(ctx: &'static Ctx, inherited: Option<i32>, mut rng: Rng) -> ! {
     let pool = Pool::new();
     if let Some(fd) = inherited {
         // SAFETY: duplicates a descriptor inherited over fork.
@@ -1422,9 +1425,13 @@ fn child(ctx: &Ctx, inherited: Option<i32>, rng: Rng) -> ! {
             pool.add_fd(fd);
         }
     }
-    let mut w = Worker::new(ctx, &pool, rng);
+    let mut w = Worker::new(ctx, &pool, rng.fork());
     let _ = w.open_file();
-    w.run();
+    std::thread::scope(|s| {
+        let pool = &pool;
+        s.spawn(move || Worker::new(ctx, pool, rng).run());
+        w.run();
+    });
     // SAFETY: leaves without running the parent's exit handlers.
     unsafe { libc::_exit(0) }
 }
