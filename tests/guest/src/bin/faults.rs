@@ -168,8 +168,17 @@ fn sweep(mut attempt: impl FnMut(u32) -> Result<Shot, String>) -> Result<String,
     // Injected faults the call survived (a fallback, a retry, or a fault in
     // a debugging allocator's own bookkeeping).
     let mut absorbed = 0u32;
+    // TDRV_FAULTS_VERBOSE=1 lists every point, to reproduce one by hand.
+    let verbose = std::env::var_os("TDRV_FAULTS_VERBOSE").is_some();
     for n in 1..=MAX_POINTS {
         let (r, injected) = attempt(n).map_err(|e| format!("injection point {n}: {e}"))?;
+        if verbose {
+            println!(
+                "# point {n}: {}, fault {}",
+                r.map_or_else(errno_name, |()| "ok".into()),
+                if injected { "injected" } else { "not reached" }
+            );
+        }
         match (r, injected) {
             (Ok(()), false) => {
                 let hist: Vec<String> = failed
@@ -378,7 +387,11 @@ fn main() {
                         ok("free", dev.free(x.handle))?;
                         expect_eq("usage after FREE", usage0(dev)?, before)?;
                     }
-                    Err(_) => expect_eq("usage after failed ALLOC", usage0(dev)?, before)?,
+                    Err(e) => expect_eq(
+                        &format!("usage after ALLOC failed with {}", errno_name(*e)),
+                        usage0(dev)?,
+                        before,
+                    )?,
                 }
                 Ok((r.map(drop), inj))
             }),
