@@ -283,7 +283,7 @@ fn configure() -> Result<Vec<(String, String)>, String> {
 fn main() {
     let (dev_owned, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let dev = &dev_owned;
-    let mut t = Tap::new(22);
+    let mut t = Tap::new(23);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
@@ -360,9 +360,11 @@ fn main() {
         }),
     );
 
+    // One page; one multi-page piece; more than one piece can hold.
     for (name, size) in [
         ("ALLOC 4 KiB", 4096u64),
         ("ALLOC 64 KiB + 1", (64 << 10) + 1),
+        ("ALLOC 4 MiB + 4 KiB", (4 << 20) + 4096),
     ] {
         report(
             &mut t,

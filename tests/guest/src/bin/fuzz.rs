@@ -1395,12 +1395,26 @@ impl<'a> Worker<'a> {
             self.stray32(&mut s.pad);
             self.stray64(&mut [std::slice::from_mut(&mut s.job_id), &mut s.reserved[..]]);
         }
-        if self.send(fd, Op::Submit, TDRV_IOC_SUBMIT, &mut s).is_ok() {
+        // Now and then a burst of the same well-formed job on the soft
+        // device: a deep queue for a close or kill to cancel.
+        let repeat = if clean && !edu && self.rng.chance(1, 16) {
+            16
+        } else {
+            1
+        };
+        for i in 0..repeat {
+            s.job_id = 0;
+            if self.send(fd, Op::Submit, TDRV_IOC_SUBMIT, &mut s).is_err() {
+                break;
+            }
             self.ctx.shared.descs.fetch_add(count, Relaxed);
             if s.job_id == 0 {
                 self.violation("SUBMIT returned job id 0".into());
             }
             self.remember_job(file, s.job_id);
+            if i > 0 {
+                self.ctx.shared.calls.fetch_add(1, Relaxed);
+            }
         }
     }
 
