@@ -976,9 +976,20 @@ impl<'a> Worker<'a> {
                     ..Default::default()
                 };
                 self.stray32(&mut b.pad);
-                self.stray64(&mut [&mut b.reserved[..]]);
+                self.stray32(&mut b.pad2);
+                self.stray64(&mut [std::slice::from_mut(&mut b.reserved)]);
+                // An output field: ignored on input.
+                if self.rng.chance(1, 25) {
+                    b.error = -libc::EIO;
+                }
                 if self.send(fd, op, TDRV_IOC_BUF_INFO, &mut b).is_ok() {
                     self.stale_ok(op, &[p]);
+                    if b.error > 0 || (b.error < 0 && !self.ctx.documented.contains(&-b.error)) {
+                        self.violation(format!(
+                            "BUF_INFO {:#x}: error latch {}",
+                            p.handle, b.error
+                        ));
+                    }
                     let known = file
                         .st
                         .lock()
