@@ -25,7 +25,8 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    channel_usage, device_stat, errno_name, expect_eq, expect_err, ok, open_device_or_skip,
+    channel_usage, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers, ok,
+    open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     wait_usage, Tap,
 };
@@ -266,6 +267,29 @@ fn mmap_raw(fd: i32, offset: u64, len: usize) -> Result<*mut u8, Errno> {
     }
 }
 
+/// Maps `len` bytes at `offset` at an address of its own 1 GiB region, so
+/// that the first touch must allocate page-table pages as well (injection
+/// points in the fault path); falls back to any address if that is taken.
+fn mmap_fresh(fd: i32, offset: u64, len: usize, n: u32) -> Result<*mut u8, Errno> {
+    let hint = 0x5000_0000_0000usize + (n as usize % 4096) * (1 << 30);
+    // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping: it
+    // fails with EEXIST instead.
+    let p = unsafe {
+        libc::mmap(
+            hint as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return mmap_raw(fd, offset, len);
+    }
+    Ok(p.cast())
+}
+
 /// Applies [`SETTINGS`]; returns the previous values to restore.
 fn configure() -> Result<Vec<(String, String)>, String> {
     let mut saved = Vec::new();
@@ -283,6 +307,8 @@ fn configure() -> Result<Vec<(String, String)>, String> {
 fn main() {
     let (dev_owned, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let dev = &dev_owned;
+    // A touch of a mapping that dies of SIGBUS says where.
+    install_fatal_handlers();
     let mut t = Tap::new(23);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
@@ -667,7 +693,7 @@ fn main() {
             let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
             let data = pattern(2 * page, n as u8);
             ok("copy_in", dev.copy_in(x.handle, 0, &data))?;
-            let p = ok("mmap", mmap_raw(dev.fd(), x.mmap_offset, 2 * page))?;
+            let p = ok("mmap", mmap_fresh(dev.fd(), x.mmap_offset, 2 * page, n))?;
             let v = (n as u8) ^ 0xFF;
             // A fault handler that cannot allocate retries or fails the
             // access: a SIGBUS here would kill the program (and be a bug).

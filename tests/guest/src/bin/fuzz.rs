@@ -36,7 +36,8 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    channel_usage, device_stat, errno_name, expect_eq, ok, open_device_or_skip,
+    channel_usage, device_stat, errno_name, expect_eq, install_fatal_handlers, ok,
+    open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     wait_usage, Rng, Tap,
 };
@@ -1459,38 +1460,6 @@ fn child(ctx: &'static Ctx, inherited: Option<i32>, mut rng: Rng) -> ! {
     });
     // SAFETY: leaves without running the parent's exit handlers.
     unsafe { libc::_exit(0) }
-}
-
-extern "C" fn on_fatal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    let mut msg = *b"# fatal signal 00 at address 0x0000000000000000\n";
-    msg[15] = b'0' + (sig / 10) as u8;
-    msg[16] = b'0' + (sig % 10) as u8;
-    for i in 0..16 {
-        let nibble = (addr >> (60 - 4 * i)) & 0xf;
-        msg[31 + i] = b"0123456789abcdef"[nibble];
-    }
-    // SAFETY: write(2) and signal(2)/raise(3) are async-signal-safe.
-    unsafe {
-        libc::write(1, msg.as_ptr().cast(), msg.len());
-        libc::signal(sig, libc::SIG_DFL);
-        libc::raise(sig);
-    }
-}
-
-/// Reports a SIGBUS or SIGSEGV (a touch of a mapping the driver accepted)
-/// before dying of it.
-fn install_fatal_handlers() {
-    for sig in [libc::SIGBUS, libc::SIGSEGV] {
-        // SAFETY: installs a handler that only uses async-signal-safe calls.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_fatal as *const () as usize;
-            sa.sa_flags = libc::SA_SIGINFO;
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
-        }
-    }
 }
 
 fn main() {
