@@ -137,7 +137,9 @@ pub fn open_device_or_skip(
     }
 }
 
-fn skip_all(reason: &str) -> ! {
+/// Prints a skipped TAP plan with the reason and exits with the kselftest
+/// skip code.
+pub fn skip_all(reason: &str) -> ! {
     println!("TAP version 13\n1..0 # SKIP {reason}");
     std::process::exit(KSFT_SKIP)
 }

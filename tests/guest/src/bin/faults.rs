@@ -28,7 +28,7 @@ use tdrv_guest_tests::{
     channel_usage, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers, ok,
     open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
-    wait_usage, Tap,
+    skip_all, wait_usage, Tap,
 };
 use tdrv_uapi::*;
 
@@ -306,6 +306,12 @@ fn configure() -> Result<Vec<(String, String)>, String> {
 
 fn main() {
     let (dev_owned, path, version) = open_device_or_skip("/dev/tdrv0", None);
+    // A kernel built without fault injection (a distro kernel) cannot run
+    // this program. The test kernel always has it: scripts/kernel fails the
+    // build if any option of its fragment is dropped.
+    if !std::path::Path::new("/proc/thread-self/fail-nth").exists() {
+        skip_all("kernel without CONFIG_FAULT_INJECTION (no /proc/thread-self/fail-nth)");
+    }
     let dev = &dev_owned;
     // A touch of a mapping that dies of SIGBUS says where.
     install_fatal_handlers();
