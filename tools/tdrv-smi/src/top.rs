@@ -30,15 +30,19 @@ struct State {
 }
 
 impl State {
-    fn new(paths: &Paths, wanted: &[String]) -> State {
+    /// With `prime`, takes a first busy reading now, for a first frame
+    /// drawn one period later; without, the first frame (drawn at once)
+    /// shows no busy figure rather than one over a few microseconds.
+    fn new(paths: &Paths, wanted: &[String], prime: bool) -> State {
         let mut s = State {
             paths: paths.clone(),
             wanted: wanted.to_vec(),
             sampler: BusySampler::default(),
         };
-        // The first frame then has a busy figure over the first period too.
-        if let Ok(found) = collect::discover(&s.paths, &s.wanted) {
-            s.sampler.prime(&s.paths, &found);
+        if prime {
+            if let Ok(found) = collect::discover(&s.paths, &s.wanted) {
+                s.sampler.prime(&s.paths, &found);
+            }
         }
         s
     }
@@ -84,7 +88,7 @@ pub fn batch(
     delay: Duration,
     iterations: Option<u64>,
 ) -> io::Result<()> {
-    let mut state = State::new(paths, wanted);
+    let mut state = State::new(paths, wanted, true);
     let mut n = 0u64;
     loop {
         std::thread::sleep(delay);
@@ -128,7 +132,7 @@ fn run(
     delay: Duration,
     iterations: Option<u64>,
 ) -> io::Result<()> {
-    let mut state = State::new(paths, wanted);
+    let mut state = State::new(paths, wanted, false);
     let mut n = 0u64;
     let mut next = Instant::now() + delay;
     let mut snap = state.snapshot();
