@@ -162,15 +162,18 @@ fn main() {
         ),
     }
 
-    t.run("no accessible device: 1..0 # SKIP and exit 4", || {
-        let (code, out) = run_tests(&here, &["-d", "/dev/tdrv-none"])?;
-        expect_eq("exit code", code, 4)?;
-        if !out.lines().any(|l| l.starts_with("1..0 # SKIP")) {
-            return Err(format!("no skipped plan:\n{out}"));
-        }
-        let (code, _) = run_tests(&here, &["-t", "no-such-program"])?;
-        expect_eq("unknown program: exit code", code, 2)
-    });
+    t.run(
+        "no accessible device: a skipped empty plan (1..0) and exit 4",
+        || {
+            let (code, out) = run_tests(&here, &["-d", "/dev/tdrv-none"])?;
+            expect_eq("exit code", code, 4)?;
+            if !out.lines().any(|l| l.starts_with("1..0 # SKIP")) {
+                return Err(format!("no skipped plan:\n{out}"));
+            }
+            let (code, _) = run_tests(&here, &["-t", "no-such-program"])?;
+            expect_eq("unknown program: exit code", code, 2)
+        },
+    );
 
     // Fake programs: the runner's verdicts do not depend on tdrv.
     let scratch = std::env::temp_dir().join(format!("ksft_runner.{}", std::process::id()));
@@ -209,7 +212,7 @@ fn main() {
             Ok(())
         },
     );
-    t.run("a program past -T is not ok # TIMEOUT", || {
+    t.run("a program past -T is not ok, marked TIMEOUT", || {
         made.clone()?;
         let (code, out) = run_tests(&scratch, &["-t", "d_hangs", "-T", "1", "-d", &path])?;
         expect_eq("exit code", code, 1)?;
