@@ -22,6 +22,7 @@
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
+pub mod compat;
 mod completion;
 pub mod dump;
 mod error;

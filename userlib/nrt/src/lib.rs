@@ -115,8 +115,9 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
             }
             _ => NRT_FAILURE,
         },
-        Error::JobFailed { .. } => NRT_HW_ERROR,
+        Error::JobFailed { .. } | Error::DeviceWriteFailed { .. } => NRT_HW_ERROR,
         Error::Io { .. } => NRT_FAILURE,
+        _ => NRT_FAILURE,
     }
 }
 
@@ -792,7 +793,10 @@ pub extern "C" fn nrt_tensor_check_output_completion(
     const F: &str = "nrt_tensor_check_output_completion";
     guard(F, || {
         let t = tri!(borrow(F, output));
-        match t.check_output_completion(timeout_us, expected_completion_count) {
+        match t.check_output_completion(
+            tdrv::compat::timeout_from_us(timeout_us),
+            expected_completion_count,
+        ) {
             Ok(()) => NRT_SUCCESS,
             // A time-out is an answer, not an error worth a log line.
             Err(e) if e.is_timeout() => NRT_TIMEOUT,
