@@ -347,6 +347,53 @@ impl Tensor {
         Ok(v)
     }
 
+    /// Reads `dst.len()` elements of type `T` at byte `offset` of the view
+    /// (any alignment), after in-flight device writes. `T` is any
+    /// [`bytemuck::Pod`] type: numbers, [`half::f16`], [`half::bf16`],
+    /// arrays and `Pod` structs.
+    ///
+    /// ```
+    /// use tdrv::Tensor;
+    ///
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
+    /// let mut two = [0f32; 2];
+    /// t.read_into(8, &mut two)?; // bytes 8..16: elements 2 and 3
+    /// assert_eq!(two, [3.0, 4.0]);
+    /// t.write_from(0, &[half::f16::from_f32(0.5); 2])?;
+    /// assert_eq!(t.to_vec_of::<half::f16>()?[..2], [half::f16::from_f32(0.5); 2]);
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn read_into<T: bytemuck::Pod>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        self.read(offset, bytemuck::cast_slice_mut(dst))
+    }
+
+    /// Writes the elements of `src` at byte `offset` of the view, after
+    /// every in-flight device access. See [`Tensor::read_into`].
+    pub fn write_from<T: bytemuck::Pod>(&self, offset: usize, src: &[T]) -> Result<()> {
+        self.write(offset, bytemuck::cast_slice(src))
+    }
+
+    /// The whole view as a vector of `T`; its size must be a multiple of
+    /// `size_of::<T>()` ([`Error::InvalidArgument`] otherwise, and for
+    /// zero-sized `T`).
+    pub fn to_vec_of<T: bytemuck::Pod>(&self) -> Result<Vec<T>> {
+        let each = std::mem::size_of::<T>();
+        if each == 0 || self.size() % each != 0 {
+            return Err(Error::invalid(format!(
+                "to_vec_of: tensor {:?} has {} bytes, not a whole number of {}-byte {}",
+                self.name(),
+                self.size(),
+                each,
+                std::any::type_name::<T>()
+            )));
+        }
+        let n = self.size() / each;
+        let mut v: Vec<T> = try_vec(n)?;
+        v.resize(n, T::zeroed());
+        self.read_into(0, &mut v)?;
+        Ok(v)
+    }
+
     /// Several reads of this tensor, fenced once. Every range is checked,
     /// and every byte range held, before any byte moves.
     pub fn read_batch(&self, ops: &mut [ReadOp<'_>], fencing: Fencing) -> Result<()> {

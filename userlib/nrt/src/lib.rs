@@ -153,8 +153,23 @@ fn status(func: &str, r: tdrv::Result<()>) -> NRT_STATUS {
     }
 }
 
+/// The tensor layer logs through the `log` crate, which a C program never
+/// sets up: print its warnings and errors to stderr as `tdrv: <level>:
+/// <message>`, unless `NEURON_RT_LOG_LEVEL` silences logging.
+fn install_logger() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tdrv::set_logger(Some(Box::new(|level, msg| {
+            if level <= tdrv::Level::Warn && logging_enabled() {
+                eprintln!("tdrv: {level}: {msg}");
+            }
+        })));
+    });
+}
+
 /// Runs an entry point, turning a panic into `NRT_FAILURE`.
 fn guard(func: &str, f: impl FnOnce() -> NRT_STATUS) -> NRT_STATUS {
+    install_logger();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(s) => s,
         Err(_) => fail(func, NRT_FAILURE, "internal error (panic)"),
