@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -31,6 +31,7 @@ pub const NODE_PREFIX: &str = "tdrv";
 /// `op` names the call (`"ALLOC"`, `"mmap"`, ...). The variants follow the
 /// errno values documented in `uapi/tdrv.h`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SysError {
     /// EINVAL: the driver refused an argument.
     #[error("{op}: invalid argument (EINVAL)")]
@@ -277,6 +278,14 @@ pub struct Device {
     /// Whether `resets` has ever had an entry: keeps the common path a
     /// single atomic load.
     any_reset: AtomicBool,
+}
+
+impl AsFd for Device {
+    /// The device's open file, for `poll`, `fstat`, or passing to another
+    /// process; the `Device` keeps owning it.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 impl Device {
@@ -820,5 +829,17 @@ mod tests {
         assert_eq!(round_up_to_page(p as u64 + 1), Some(2 * p));
         assert_eq!(round_up_to_page(0), None);
         assert_eq!(round_up_to_page(u64::MAX), None);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "fstat(2) of a device node")]
+    fn a_device_lends_its_file_descriptor() {
+        use std::os::fd::AsFd;
+        let dev = Device::fake_for_tests();
+        let f = std::fs::File::from(dev.as_fd().try_clone_to_owned().unwrap());
+        let meta = f.metadata().unwrap();
+        use std::os::unix::fs::FileTypeExt;
+        assert!(meta.file_type().is_char_device());
+        assert_eq!(dev.as_fd().as_raw_fd(), dev.fd.as_raw_fd());
     }
 }
