@@ -4,7 +4,7 @@
 use tdrv::half::f16;
 use tdrv::Tensor;
 
-fn main() -> Result<(), tdrv::Error> {
+pub fn main() -> Result<(), tdrv::Error> {
     let t = Tensor::from_vec((0..16).map(|i| f16::from_f32(i as f32)).collect())?;
     let tail = t.slice_range(16..)?; // the last 8 elements (2 bytes each)
     tail.write_from(0, &[f16::from_f32(-1.0); 8])?;
