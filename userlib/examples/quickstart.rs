@@ -5,7 +5,9 @@
 use tdrv::{Device, Job, Tensor};
 
 fn main() -> Result<(), tdrv::Error> {
-    let path = std::env::args().nth(1).unwrap_or_else(|| "/dev/tdrv0".into());
+    let path = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "/dev/tdrv0".into());
     let dev = Device::open(&path)?;
     let src = Tensor::builder()
         .on(&dev)

@@ -64,6 +64,16 @@ pub enum JobState {
 /// A submitted job. Dropping it does not cancel the job (it runs to its
 /// end; the driver keeps its buffers until then), but its outcome is
 /// then only visible through the destinations' error latch: wait for it.
+///
+/// Dropping it unused is a warning (`unused_must_use`):
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// fn fire_and_forget(job: &mut tdrv::Job) -> tdrv::Result<()> {
+///     job.submit()?; // the job's failure would go unseen
+///     Ok(())
+/// }
+/// ```
 #[must_use = "a job's failure is reported only by waiting for it (wait, wait_timeout, try_wait)"]
 pub struct JobHandle {
     device: Arc<Device>,

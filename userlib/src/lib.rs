@@ -102,23 +102,35 @@ pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};
 pub use tensor::{DeviceAllocationInfo, Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE};
 
-/// Environment variable naming the device node of [`default_device`].
-pub const DEVICE_ENV: &str = "TDRV_DEVICE";
-/// The node [`default_device`] opens when [`DEVICE_ENV`] is not set.
+/// The node [`default_device`] opens unless [`set_default_device_path`]
+/// names another.
 pub const DEFAULT_DEVICE_PATH: &str = "/dev/tdrv0";
 
+static DEFAULT_PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// Sets the node [`default_device`] opens (`None`: [`DEFAULT_DEVICE_PATH`]).
+/// It takes effect at the next open: a device already opened stays the
+/// default. `libnrt.so.1` sets it from `TDRV_DEVICE`; the crate reads no
+/// environment variable.
+pub fn set_default_device_path(path: Option<PathBuf>) {
+    *DEFAULT_PATH.lock().unwrap_or_else(|e| e.into_inner()) = path;
+}
+
 /// The process-wide device `Placement::Device` allocates on: opened on
-/// first use from `$TDRV_DEVICE`, or `/dev/tdrv0`. A failed open is not
-/// remembered; the next call tries again.
+/// first use from the path [`set_default_device_path`] set, or
+/// `/dev/tdrv0`. A failed open is not remembered; the next call tries
+/// again.
 pub fn default_device() -> Result<Arc<Device>> {
     static DEVICE: Mutex<Option<Arc<Device>>> = Mutex::new(None);
     let mut dev = DEVICE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(d) = dev.as_ref() {
         return Ok(d.clone());
     }
-    let path = std::env::var_os(DEVICE_ENV)
-        .filter(|p| !p.is_empty())
-        .map_or_else(|| PathBuf::from(DEFAULT_DEVICE_PATH), PathBuf::from);
+    let path = DEFAULT_PATH
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_DEVICE_PATH));
     let d = Device::open(path)?;
     *dev = Some(d.clone());
     Ok(d)

@@ -437,9 +437,7 @@ fn input_dump_writes_one_file_per_tensor() {
 #[test]
 fn device_placement_without_a_device_is_an_error() {
     // The host has no tdrv device (unless the module is loaded here).
-    if std::path::Path::new(tdrv::DEFAULT_DEVICE_PATH).exists()
-        || std::env::var_os(tdrv::DEVICE_ENV).is_some()
-    {
+    if std::path::Path::new(tdrv::DEFAULT_DEVICE_PATH).exists() {
         return;
     }
     let err = Tensor::allocate(Placement::Device, 0, 64, None).unwrap_err();
@@ -447,4 +445,21 @@ fn device_placement_without_a_device_is_an_error() {
         matches!(err, Error::Sys(tdrv::SysError::Open { .. })),
         "{err}"
     );
+    // The node is set by the program (nrt: from TDRV_DEVICE), not read
+    // from the environment by the crate.
+    tdrv::set_default_device_path(Some("/nonexistent/tdrv7".into()));
+    let err = Tensor::builder()
+        .placement(Placement::Device)
+        .zeroed(64)
+        .unwrap_err();
+    tdrv::set_default_device_path(None);
+    match err {
+        Error::Sys(tdrv::SysError::Open { path, errno }) => {
+            assert_eq!(
+                (path.to_str(), errno),
+                (Some("/nonexistent/tdrv7"), libc::ENOENT)
+            );
+        }
+        other => panic!("{other}"),
+    }
 }

@@ -74,7 +74,7 @@ impl Ctx {
 
 fn allocate_device_placement(c: &Ctx) -> R {
     // Placement::Device goes through the lazily opened process-wide
-    // device, which TDRV_DEVICE points at this program's device.
+    // device, which set_default_device_path points at this program's device.
     let t = e(
         "allocate",
         Tensor::allocate(Placement::Device, 0, 65536, Some("dev_tensor")),
@@ -690,8 +690,8 @@ fn main() {
     let path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "/dev/tdrv0".to_owned());
-    // Before anything opens the process-wide device (single-threaded here).
-    std::env::set_var(tdrv::DEVICE_ENV, &path);
+    // Before anything opens the process-wide device.
+    tdrv::set_default_device_path(Some(path.clone().into()));
     tdrv::set_heartbeat_interval(Duration::from_secs(30));
 
     let tests: &[Test] = &[
