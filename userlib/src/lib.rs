@@ -79,6 +79,7 @@ mod storage;
 pub mod sys;
 mod tensor;
 pub mod trace;
+mod typed;
 mod wait;
 
 // Accessors, their coherency enforcer and the staging memcpy (seed 003).
@@ -101,6 +102,7 @@ pub use set::TensorSet;
 pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};
 pub use tensor::{DeviceAllocationInfo, Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE};
+pub use typed::TypedTensor;
 
 /// The node [`default_device`] opens unless [`set_default_device_path`]
 /// names another.
