@@ -57,6 +57,25 @@ pub enum Error {
         /// Kind of storage.
         kind: StorageKind,
     },
+    /// The driver refused a buffer: out of memory (`ENOMEM`), or the
+    /// channel's or this file's byte or buffer limit (`ENOSPC`), among
+    /// others.
+    #[error(
+        "allocating {size} bytes on HBM channel {channel} of {}: {source}{}",
+        device.display(),
+        alloc_hint(source)
+    )]
+    DeviceAlloc {
+        /// The device node.
+        device: std::path::PathBuf,
+        /// The HBM channel asked for.
+        channel: u32,
+        /// The size asked for.
+        size: usize,
+        /// The driver's error.
+        #[source]
+        source: SysError,
+    },
     /// A device-to-device copy between two HBM channels of one device.
     #[error(
         "Tensors must be allocated on same HBM (SRC: {src}) (DST: {dst}): \
@@ -157,7 +176,7 @@ impl Error {
     /// `ETIMEDOUT`, `ENOMEM`, `EBUSY`, `EXDEV`, ...).
     pub fn raw_os_error(&self) -> Option<i32> {
         Some(match self {
-            Error::Sys(e) => e.errno(),
+            Error::Sys(e) | Error::DeviceAlloc { source: e, .. } => e.errno(),
             Error::OutOfBounds { .. } => libc::ERANGE,
             Error::Overflow { .. } => libc::EOVERFLOW,
             Error::NoStorage { .. } => libc::ENXIO,
@@ -183,6 +202,18 @@ impl Error {
 
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
+    }
+}
+
+/// What to do about a refused allocation.
+fn alloc_hint(e: &SysError) -> &'static str {
+    match e {
+        SysError::NoSpace { .. } => {
+            " (free buffers, use another channel, or raise the module's \
+             channel_mib / file_max_mib / file_max_buffers)"
+        }
+        SysError::NoMemory { .. } => " (the kernel is out of memory)",
+        _ => "",
     }
 }
 
@@ -240,6 +271,18 @@ mod tests {
         assert_eq!(
             std::io::Error::from(s).kind(),
             std::io::ErrorKind::StorageFull
+        );
+        let a = Error::DeviceAlloc {
+            device: "/dev/tdrv0".into(),
+            channel: 1,
+            size: 4096,
+            source: SysError::NoSpace { op: "ALLOC" },
+        };
+        assert_eq!(a.raw_os_error(), Some(libc::ENOSPC));
+        let m = a.to_string();
+        assert!(
+            m.contains("4096 bytes on HBM channel 1 of /dev/tdrv0") && m.contains("channel_mib"),
+            "{m}"
         );
         let f = Error::DeviceWriteFailed {
             op: "read",

@@ -166,7 +166,14 @@ impl Storage {
                 device.num_channels()
             )));
         }
-        let a = device.alloc(size as u64, channel)?;
+        let a = device
+            .alloc(size as u64, channel)
+            .map_err(|source| Error::DeviceAlloc {
+                device: device.path().to_owned(),
+                channel,
+                size,
+                source,
+            })?;
         let mut buf = DmaBuffer {
             device: device.clone(),
             handle: a.handle,

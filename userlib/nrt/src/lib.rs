@@ -115,6 +115,7 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
             }
             _ => NRT_FAILURE,
         },
+        Error::DeviceAlloc { source, .. } => status_of(&Error::Sys(source.clone())),
         Error::JobFailed { .. } | Error::DeviceWriteFailed { .. } => NRT_HW_ERROR,
         Error::Io { .. } => NRT_FAILURE,
         _ => NRT_FAILURE,

@@ -50,6 +50,16 @@ fn status_mapping() {
         NRT_TIMEOUT
     );
     assert_eq!(status_of(&Error::OutOfMemory(1)), NRT_RESOURCE);
+    // A refused device allocation keeps the driver's status.
+    assert_eq!(
+        status_of(&Error::DeviceAlloc {
+            device: "/dev/tdrv0".into(),
+            channel: 0,
+            size: 64,
+            source: SysError::NoSpace { op: "ALLOC" },
+        }),
+        NRT_RESOURCE
+    );
 }
 
 #[test]
