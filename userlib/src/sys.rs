@@ -13,7 +13,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use tdrv_uapi as uapi;
 
@@ -105,6 +105,14 @@ pub enum SysError {
         /// The operation.
         op: &'static str,
     },
+    /// EBUSY (from the library, not the driver): the call would write a
+    /// buffer that a `Tensor::map_read`/`map_write` guard is lending out.
+    /// Drop the guard first.
+    #[error("{op}: the buffer is mapped by a live map_read/map_write guard (EBUSY)")]
+    Pinned {
+        /// The operation.
+        op: &'static str,
+    },
     /// Any other errno.
     #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
     Os {
@@ -172,6 +180,7 @@ impl SysError {
             Self::Interrupted { .. } => libc::EINTR,
             Self::DeviceRemoved { .. } => libc::ENODEV,
             Self::NotTdrv { .. } => libc::ENOTTY,
+            Self::Pinned { .. } => libc::EBUSY,
             Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
             Self::AbiMismatch { .. } => libc::EPROTO,
         }
@@ -278,6 +287,31 @@ pub struct Device {
     /// Whether `resets` has ever had an entry: keeps the common path a
     /// single atomic load.
     any_reset: AtomicBool,
+    /// Buffers with live host references into their mapping
+    /// (`Tensor::map_read`/`map_write` guards), by handle: the count of
+    /// guards. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
+    /// COPY, SUBMIT) holds the read side for its whole call and refuses a
+    /// pinned destination; pinning takes the write side, so it waits for
+    /// the writes in progress. See `userlib/DESIGN.md`.
+    pins: RwLock<HashMap<u64, usize>>,
+}
+
+/// A pin of one buffer (see [`Device`]'s `pins`); unpins on drop.
+pub(crate) struct Pin<'a> {
+    device: &'a Device,
+    handle: u64,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        let mut pins = self.device.pins.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = pins.get_mut(&self.handle) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&self.handle);
+            }
+        }
+    }
 }
 
 impl AsFd for Device {
@@ -289,6 +323,34 @@ impl AsFd for Device {
 }
 
 impl Device {
+    /// Pins buffer `handle`: until the pin drops, ioctls that would write
+    /// its bytes fail with [`SysError::Pinned`]. Waits for such ioctls in
+    /// progress.
+    pub(crate) fn pin(&self, handle: u64) -> Result<Pin<'_>, SysError> {
+        let mut pins = self.pins.write().unwrap_or_else(|e| e.into_inner());
+        pins.try_reserve(1)
+            .map_err(|_| SysError::from_errno("pin", libc::ENOMEM))?;
+        *pins.entry(handle).or_insert(0) += 1;
+        Ok(Pin {
+            device: self,
+            handle,
+        })
+    }
+
+    /// The read side of the pins, held across an ioctl that writes the
+    /// bytes of `handles`; [`SysError::Pinned`] if one is pinned.
+    fn unpinned(
+        &self,
+        op: &'static str,
+        handles: impl IntoIterator<Item = u64>,
+    ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
+        let pins = self.pins.read().unwrap_or_else(|e| e.into_inner());
+        if !pins.is_empty() && handles.into_iter().any(|h| pins.contains_key(&h)) {
+            return Err(SysError::Pinned { op });
+        }
+        Ok(pins)
+    }
+
     /// Opens a device node and checks its ABI version.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<Device>, SysError> {
         let path = path.as_ref().to_path_buf();
@@ -313,6 +375,7 @@ impl Device {
             version: tdrv_version::default(),
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
         };
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
@@ -494,6 +557,7 @@ impl Device {
             user_ptr: src as u64,
             reserved: [0; 2],
         };
+        let _pins = self.unpinned("COPY_IN", [handle])?;
         self.ioctl("COPY_IN", uapi::TDRV_IOC_COPY_IN, &mut x, true)
     }
 
@@ -537,6 +601,7 @@ impl Device {
             value: value.into(),
             ..Default::default()
         };
+        let _pins = self.unpinned("MEMSET", [handle])?;
         self.ioctl("MEMSET", uapi::TDRV_IOC_MEMSET, &mut m, true)
     }
 
@@ -546,6 +611,7 @@ impl Device {
             desc: *desc,
             reserved: [0; 2],
         };
+        let _pins = self.unpinned("COPY", [desc.dst_handle])?;
         self.ioctl("COPY", uapi::TDRV_IOC_COPY, &mut c, true)
     }
 
@@ -561,6 +627,7 @@ impl Device {
             desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
             ..Default::default()
         };
+        let _pins = self.unpinned("SUBMIT", descs.iter().map(|d| d.dst_handle))?;
         self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
         Ok(s.job_id)
     }
@@ -659,6 +726,7 @@ impl Device {
             version: tdrv_version::default(),
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
         })
     }
 
