@@ -169,6 +169,9 @@ fn emit(sink: &dyn TraceSink, phase: Phase, scope: &Scope<'_>) {
 
 /// Emits the begin event now and the end event when dropped.
 pub(crate) struct Scope<'a> {
+    /// With the `tracing` feature, the operation is a span too.
+    #[cfg(feature = "tracing")]
+    _span: tracing::span::EnteredSpan,
     sink: Option<Arc<dyn TraceSink>>,
     op: TraceOp,
     tensor: &'a str,
@@ -190,6 +193,8 @@ pub(crate) fn scope_with(
     hbm_index: i64,
 ) -> Scope<'_> {
     let s = Scope {
+        #[cfg(feature = "tracing")]
+        _span: tracing::debug_span!(target: "tdrv", "tdrv", op = ?op, tensor, size).entered(),
         sink: current(),
         op,
         tensor,
