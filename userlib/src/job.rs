@@ -246,16 +246,8 @@ impl JobHandle {
         }
     }
 
-    /// ESTALE from JOB_WAIT: the driver no longer keeps the job's status.
+    /// A failed JOB_WAIT (ESTALE says what to do: `SysError::StaleJob`).
     fn wait_error(&self, e: SysError) -> Error {
-        if e.errno() == libc::ESTALE {
-            return Error::InvalidArgument(format!(
-                "job {}: the driver keeps the status of a file's last {} jobs only; \
-                 wait for a job before submitting that many more",
-                self.id,
-                tdrv_uapi::TDRV_JOB_WINDOW
-            ));
-        }
         e.into()
     }
 

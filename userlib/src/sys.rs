@@ -105,6 +105,27 @@ pub enum SysError {
         /// The operation.
         op: &'static str,
     },
+    /// EAGAIN: this file has too many unfinished jobs, or they would move
+    /// too many bytes (module parameters `file_max_jobs`,
+    /// `file_max_inflight_mib`).
+    #[error(
+        "{op}: too many unfinished jobs or bytes in flight for this file (EAGAIN): \
+         wait for some jobs and submit again"
+    )]
+    TooManyJobs {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ESTALE: JOB_WAIT on a job older than the file's last
+    /// `TDRV_JOB_WINDOW` (4096) jobs; its status is no longer kept.
+    #[error(
+        "{op}: the job's status is no longer kept (ESTALE): the driver keeps a \
+         file's last 4096 jobs; wait for a job before submitting that many more"
+    )]
+    StaleJob {
+        /// The operation.
+        op: &'static str,
+    },
     /// EBUSY (from the library, not the driver): the call would write a
     /// buffer that a `Tensor::map_read`/`map_write` guard is lending out.
     /// Drop the guard first.
@@ -157,6 +178,8 @@ impl SysError {
             libc::EINTR => Self::Interrupted { op },
             libc::ENODEV => Self::DeviceRemoved { op },
             libc::ENOTTY => Self::NotTdrv { op },
+            libc::EAGAIN => Self::TooManyJobs { op },
+            libc::ESTALE => Self::StaleJob { op },
             errno => Self::Os { op, errno },
         }
     }
@@ -181,6 +204,8 @@ impl SysError {
             Self::DeviceRemoved { .. } => libc::ENODEV,
             Self::NotTdrv { .. } => libc::ENOTTY,
             Self::Pinned { .. } => libc::EBUSY,
+            Self::TooManyJobs { .. } => libc::EAGAIN,
+            Self::StaleJob { .. } => libc::ESTALE,
             Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
             Self::AbiMismatch { .. } => libc::EPROTO,
         }
@@ -887,6 +912,37 @@ mod tests {
         let err = Device::open(&f).unwrap_err();
         std::fs::remove_file(&f).unwrap();
         assert!(matches!(err, SysError::NotTdrv { op: "VERSION" }), "{err}");
+    }
+
+    #[test]
+    fn errno_values_round_trip() {
+        for errno in [
+            libc::EINVAL,
+            libc::E2BIG,
+            libc::ENOENT,
+            libc::ERANGE,
+            libc::EFAULT,
+            libc::EXDEV,
+            libc::ENOMEM,
+            libc::ENOSPC,
+            libc::ETIMEDOUT,
+            libc::EINTR,
+            libc::ENODEV,
+            libc::ENOTTY,
+            libc::EAGAIN,
+            libc::ESTALE,
+            libc::EIO,
+            libc::ECANCELED,
+        ] {
+            assert_eq!(SysError::from_errno("x", errno).errno(), errno);
+        }
+        let e = SysError::from_errno("SUBMIT", libc::EAGAIN);
+        assert!(matches!(e, SysError::TooManyJobs { .. }));
+        assert!(e.to_string().contains("submit again"), "{e}");
+        assert!(matches!(
+            SysError::from_errno("JOB_WAIT", libc::ESTALE),
+            SysError::StaleJob { .. }
+        ));
     }
 
     #[test]

@@ -101,7 +101,9 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
         Error::NoDmaAddress { .. } => NRT_FAILURE,
         Error::Sys(s) => match s {
             SysError::TimedOut { .. } => NRT_TIMEOUT,
-            SysError::NoMemory { .. } | SysError::NoSpace { .. } => NRT_RESOURCE,
+            SysError::NoMemory { .. } | SysError::NoSpace { .. } | SysError::TooManyJobs { .. } => {
+                NRT_RESOURCE
+            }
             // A device-to-device copy across HBMs is NRT_INVALID.
             SysError::CrossChannel { .. }
             | SysError::InvalidArgument { .. }
