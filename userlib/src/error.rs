@@ -57,9 +57,9 @@ pub enum Error {
         /// Kind of storage.
         kind: StorageKind,
     },
-    /// The driver refused a buffer: out of memory (`ENOMEM`), or the
-    /// channel's or this file's byte or buffer limit (`ENOSPC`), among
-    /// others.
+    /// The driver had no room for a buffer: out of memory (`ENOMEM`), or
+    /// the channel's or this file's byte or buffer limit (`ENOSPC`).
+    /// Other refusals (a zero size, ...) are [`Error::Sys`].
     #[error(
         "allocating {size} bytes on HBM channel {channel} of {}: {source}{}",
         device.display(),

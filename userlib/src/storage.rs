@@ -168,11 +168,16 @@ impl Storage {
         }
         let a = device
             .alloc(size as u64, channel)
-            .map_err(|source| Error::DeviceAlloc {
-                device: device.path().to_owned(),
-                channel,
-                size,
-                source,
+            .map_err(|source| match source {
+                // Out of room: say where and how much (other errors are
+                // argument errors, reported as the driver's).
+                SysError::NoMemory { .. } | SysError::NoSpace { .. } => Error::DeviceAlloc {
+                    device: device.path().to_owned(),
+                    channel,
+                    size,
+                    source,
+                },
+                e => e.into(),
             })?;
         let mut buf = DmaBuffer {
             device: device.clone(),
