@@ -743,6 +743,31 @@ fn device_fences_and_misuse(c: &Ctx) -> R {
         Err(Error::InvalidArgument(_)) => {}
         other => return Err(format!("allocation on a missing channel: {other:?}")),
     }
+    // Past the channel's limit: ENOSPC, with the device, channel and size.
+    let limit = c
+        .dev
+        .channel_info(0)
+        .map_err(|err| format!("CHANNEL_INFO: {err}"))?
+        .limit_bytes;
+    let over = limit + 4096;
+    if over <= c.dev.max_buffer_size() {
+        match Tensor::allocate_on(&c.dev, 0, over as usize, None) {
+            Err(
+                err @ Error::DeviceAlloc {
+                    channel: 0,
+                    size,
+                    source: SysError::NoSpace { .. },
+                    ..
+                },
+            ) if size == over as usize => {
+                let msg = err.to_string();
+                if !msg.contains(&c.path) || !msg.contains("channel_mib") {
+                    return Err(format!("message without context: {msg}"));
+                }
+            }
+            other => return Err(format!("allocation past the channel limit: {other:?}")),
+        }
+    }
     match Tensor::allocate_on(&c.dev, 0, 0, None) {
         Err(Error::Sys(SysError::InvalidArgument { .. })) => Ok(()),
         other => Err(format!("zero-sized device allocation: {other:?}")),
