@@ -495,7 +495,12 @@ impl Buffer {
 #[pinned_drop]
 impl PinnedDrop for Buffer {
     fn drop(self: Pin<&mut Self>) {
-        self.device.unregister_buffer(self.registry_key);
+        // The memory goes under the registry lock, so that it is never
+        // freed after an unbind that no longer sees this buffer returned.
+        self.device.unregister_buffer_with(self.registry_key, || {
+            let old = core::mem::replace(&mut *self.mem.lock(), MemState::Gone);
+            drop(old);
+        });
         self.device.channels.release(self.channel, self.charged);
     }
 }

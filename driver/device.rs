@@ -302,9 +302,19 @@ impl TdrvDevice {
         }
     }
 
-    /// Removes a buffer from the registry (from its drop).
+    /// Removes a buffer from the registry (if its construction failed).
     pub(crate) fn unregister_buffer(&self, key: u64) {
         self.buffers.lock().remove(key);
+    }
+
+    /// Removes a buffer from the registry and runs `free` (which frees its
+    /// memory) under the registry lock: unbind's sweeps hold that lock, so
+    /// a buffer's memory is freed either before unbind frees it, or by
+    /// unbind, never after unbind returned.
+    pub(crate) fn unregister_buffer_with(&self, key: u64, free: impl FnOnce()) {
+        let mut buffers = self.buffers.lock();
+        buffers.remove(key);
+        free();
     }
 
     /// Calls `f` on every registered buffer, under the registry lock.
@@ -329,10 +339,9 @@ impl TdrvDevice {
     ///
     /// `stopped` runs once the engine has stopped and before any memory is
     /// freed (a PCI backend clears bus mastering there).
-    pub(crate) fn unbind(&self, stopped: impl FnOnce()) {
+    pub(crate) fn unbind(&self, mut stopped: impl FnMut()) {
         self.bound.xchg(false, Full);
-        self.engine.shutdown();
-        stopped();
+        self.engine.shutdown(&mut stopped);
         self.for_each_buffer(|buf| buf.fence.kill());
         // No lock is held while draining: sections are short and never
         // wait for userspace, and opens and closes must not wait for us.

@@ -28,17 +28,20 @@
 //! The watchdog (delayed work) handles a chunk the device does not finish
 //! in time: the running job fails with ETIMEDOUT, every queued job with
 //! EIO, and the engine refuses jobs (EIO) until the device lets go of the
-//! stuck transfer, whose job's buffers stay referenced until then; then it
-//! serves jobs again. Recoveries are counted in debugfs (`resets`).
+//! stuck transfer; then it serves jobs again. Until then the timed-out
+//! job keeps its buffers and its fence marks (its destination's waiters
+//! wait, and no CPU write can be overwritten by the late transfer).
+//! Recoveries are counted in debugfs (`resets`).
 //!
-//! A file that closes takes its queued jobs back (ecanceled()), and its
+//! A file that closes takes its queued jobs back (ECANCELED), and its
 //! running job stops at the next chunk. Unbind fails every job with
 //! ENODEV, waits for the device to stop DMA, and clears bus mastering
 //! before any memory is freed.
 //!
 //! Fault injection for tests (debugfs `inject`): `lose_irq` drops the next
 //! completion as if its interrupt were lost; `stall` makes the next chunk
-//! look stuck to the driver until the watchdog fires.
+//! look stuck to the driver until the watchdog fires; `foreign_irq` makes
+//! the device raise an interrupt that is not a DMA completion.
 
 use kernel::{
     device::{
@@ -111,6 +114,9 @@ use crate::{
     uapi::DEVICE_EDU, //
 };
 
+/// The interrupt source `foreign_irq` raises (not `IRQ_DMA`).
+const FOREIGN_IRQ: u32 = 0x2;
+
 /// Shortest accepted `edu_timeout_ms`: a chunk takes about 100 ms of
 /// (virtual) time, so anything shorter would fail healthy jobs.
 pub(crate) const MIN_TIMEOUT_MS: u32 = 200;
@@ -176,6 +182,11 @@ impl_has_delayed_work! {
 /// `submit` holds while taking the engine lock.
 struct Finished {
     job: Option<(Arc<Job>, Result)>,
+    /// A job failed by the watchdog: its outcome is reported now, its
+    /// fences only when the device lets go of its buffers (`released`).
+    timed_out: Option<Arc<Job>>,
+    /// The timed-out job whose transfer is finally over: its fences go.
+    released: Option<Arc<Job>>,
     /// Queued jobs failed by a recovery (EIO).
     failed: List<Job>,
     /// Queued jobs of closed files, found when starting the next job.
@@ -186,6 +197,8 @@ impl Finished {
     fn new() -> Self {
         Self {
             job: None,
+            timed_out: None,
+            released: None,
             failed: List::new(),
             cancelled: List::new(),
         }
@@ -194,6 +207,13 @@ impl Finished {
     fn complete(self) {
         if let Some((job, result)) = self.job {
             job.complete(result);
+        }
+        if let Some(job) = self.timed_out {
+            job.report(Err(ETIMEDOUT));
+        }
+        if let Some(job) = self.released {
+            // Dropped here, after the engine lock: may free buffers.
+            job.release_fences(Err(ETIMEDOUT));
         }
         fail_all(self.failed, EIO);
         fail_all(self.cancelled, ecanceled());
@@ -332,9 +352,10 @@ impl EduEngine {
     fn step(self: &Arc<Self>, st: &mut EduState) -> Finished {
         let mut fin = Finished::new();
         st.started = None;
-        if st.orphan.take().is_some() {
+        if let Some(orphan) = st.orphan.take() {
             // The timed-out transfer is finally over: its buffers may go,
             // and the engine serves jobs again.
+            fin.released = Some(orphan);
             self.start_next(st, &mut fin);
             return fin;
         }
@@ -464,7 +485,10 @@ impl EduEngine {
                 self.timeout.as_millis()
             );
             st.orphan = Some(cur.job.clone());
-            fin.job = Some((cur.job, Err(ETIMEDOUT)));
+            // Its outcome now; its fences (and the destination's error
+            // latch) once the device lets go of the buffers, so that no
+            // CPU write can be overwritten by the late transfer.
+            fin.timed_out = Some(cur.job);
             fin.failed = core::mem::take(&mut st.queue);
         }
         // Look again after another period: the orphan goes once the device
@@ -479,6 +503,12 @@ impl EduEngine {
         match cmd {
             b"lose_irq" => self.inject_lose_irq.add(1, Relaxed),
             b"stall" => self.inject_stall.add(1, Relaxed),
+            // An interrupt that is not a DMA completion (IRQ_RAISE with a
+            // source bit tdrv never uses), as another agent could raise.
+            b"foreign_irq" => self
+                .bar
+                .try_access_with(|bar| bar.write_reg(IRQ_RAISE::zeroed().with_value(FOREIGN_IRQ)))
+                .ok_or(ENODEV)?,
             _ => return Err(EINVAL),
         }
         Ok(())
@@ -518,7 +548,7 @@ impl Engine for EduBackend {
         fail_all(taken, ecanceled());
     }
 
-    fn shutdown(&self) {
+    fn shutdown(&self, stopped: &mut dyn FnMut()) {
         let e = &self.0;
         let (current, orphan, queue) = {
             let mut st = e.state.lock();
@@ -556,10 +586,15 @@ impl Engine for EduBackend {
             }
             fsleep(Delta::from_millis(20));
         }
+        // Bus mastering off (PCI) before any job drops a buffer: a stuck
+        // transfer can no longer reach memory that is about to be freed.
+        stopped();
         if let Some(cur) = current {
             cur.job.complete(Err(ENODEV));
         }
-        drop(orphan);
+        if let Some(orphan) = orphan {
+            orphan.release_fences(Err(ETIMEDOUT));
+        }
         fail_all(queue, ENODEV);
     }
 

@@ -69,12 +69,15 @@ pub(crate) trait Engine: Send + Sync {
     fn submit(&self, job: ListArc<Job>) -> Result;
 
     /// The file of `tracker` closed: completes its queued jobs with
-    /// ecanceled() now; a running one stops at its next piece or chunk.
+    /// ECANCELED now; a running one stops at its next piece or chunk.
     fn cancel(&self, tracker: &JobTracker);
 
-    /// Refuses new jobs, ends the queued and running ones, and returns
-    /// once the engine no longer touches any buffer.
-    fn shutdown(&self);
+    /// Refuses new jobs, ends the queued and running ones (ENODEV), and
+    /// returns once the engine no longer touches any buffer. `stopped` is
+    /// called once the device has stopped its DMA and before the engine
+    /// drops any job (which may free buffer memory): a PCI backend clears
+    /// bus mastering there.
+    fn shutdown(&self, stopped: &mut dyn FnMut());
 
     /// Counters for debugfs.
     fn counters(&self) -> EngineCounters {
@@ -212,12 +215,13 @@ impl Engine for SoftBackend {
         fail_all(taken, ecanceled());
     }
 
-    fn shutdown(&self) {
+    fn shutdown(&self, stopped: &mut dyn FnMut()) {
         self.0.queue.lock().stopped = true;
         // SAFETY: `work` is an initialised, pinned `Work` that lives as long
         // as the engine. After `stopped` is set nothing queues it again, so
         // once `flush_work` returns the work item is idle and the queue is
         // empty.
         unsafe { bindings::flush_work(Work::raw_get(&raw const self.0.work)) };
+        stopped();
     }
 }

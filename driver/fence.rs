@@ -130,11 +130,20 @@ impl Fence {
         Ok(())
     }
 
-    /// Waits until no synchronous CPU access of the buffer is in progress.
+    /// Waits until no synchronous CPU access of the buffer is in progress
+    /// (the error latch does not matter here: a job may overwrite a buffer
+    /// with undefined bytes). ENODEV if the device went away.
     pub(crate) fn wait_cpu_idle(&self) -> Result {
-        self.wait_until(Timeout::Forever, |c| c.cpu == 0)
-            .map(drop)
-            .map_err(|(e, _)| e)
+        let mut c = self.counts.lock();
+        while c.cpu > 0 {
+            if c.dead {
+                return Err(ENODEV);
+            }
+            if self.cv.wait_interruptible(&mut c) {
+                return Err(ERESTARTSYS);
+            }
+        }
+        Ok(())
     }
 
     /// Starts a synchronous CPU access: waits until the device accesses

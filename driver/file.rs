@@ -458,7 +458,8 @@ impl TdrvFile {
         // keep jobs off the buffer until the copy is done.
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize));
-        if r.is_ok() {
+        // A write clears the error latch; an empty one writes nothing.
+        if r.is_ok() && range.len > 0 {
             buf.fence.clear_error();
         }
         buf.fence.cpu_end();
@@ -488,7 +489,7 @@ impl TdrvFile {
         let range = checked_range(a.offset, a.size, buf.size())?;
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.fill(range, a.value as u8);
-        if r.is_ok() {
+        if r.is_ok() && range.len > 0 {
             buf.fence.clear_error();
         }
         buf.fence.cpu_end();

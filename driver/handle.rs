@@ -74,8 +74,9 @@ impl<T> HandleTable<T> {
             Some(slot) => slot,
             None => {
                 // Reserve the free-list space now, so that `remove` never
-                // has to allocate.
-                self.free.reserve(1, GFP_KERNEL)?;
+                // has to allocate: room for every slot, this one included.
+                let want = (self.slots.len() + 1).saturating_sub(self.free.len());
+                self.free.reserve(want, GFP_KERNEL)?;
                 self.slots.push(
                     Slot {
                         generation: 1,
@@ -186,6 +187,21 @@ mod tests {
         let largest = (u64::from(GEN_MASK) << SLOT_BITS) | SLOT_MASK;
         assert!((largest << kernel::page::PAGE_SHIFT) < (1 << 63));
         assert!(h <= largest);
+        Ok(())
+    }
+
+    #[test]
+    fn remove_never_needs_to_allocate() -> Result {
+        let mut t = HandleTable::new();
+        let mut hs = KVec::new();
+        for i in 0..100u32 {
+            hs.push(t.insert(i)?, GFP_KERNEL)?;
+            assert!(t.free.capacity() >= t.slots.len());
+        }
+        for h in hs.iter() {
+            assert!(t.remove(*h).is_some());
+        }
+        assert_eq!(t.free.len(), 100);
         Ok(())
     }
 

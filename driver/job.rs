@@ -18,7 +18,7 @@
 //!
 //! A failed or cancelled job still releases its fences: waiters are never
 //! left hanging. When its file closes, a job that has not started is
-//! cancelled (ecanceled()) and a running one stops after the piece in
+//! cancelled (ECANCELED) and a running one stops after the piece in
 //! flight.
 
 use kernel::{
@@ -60,7 +60,7 @@ use crate::{
 };
 
 /// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
-/// `TDRV_JOB_WINDOW` in the uapi. Older ids get estale().
+/// `TDRV_JOB_WINDOW` in the uapi. Older ids get ESTALE.
 pub(crate) const JOB_WINDOW: u64 = 4096;
 
 /// The monotonic clock in nanoseconds.
@@ -146,7 +146,7 @@ impl Job {
     }
 
     /// True once the submitting file has closed: the engine drops the job
-    /// (or the rest of it) with ecanceled().
+    /// (or the rest of it) with ECANCELED.
     pub(crate) fn cancelled(&self) -> bool {
         self.tracker.closed.load(Acquire)
     }
@@ -161,10 +161,18 @@ impl Job {
         self.started_ns.store(now_ns().max(1), Relaxed);
     }
 
-    /// The completion path, shared by every engine. Call exactly once.
-    /// A failed job latches its errno on every destination (see
-    /// `Fence::end_failed_write`).
+    /// The completion path, shared by every engine. Call exactly once (or
+    /// [`Job::report`] and then [`Job::release_fences`], once each).
     pub(crate) fn complete(&self, result: Result) {
+        self.release_fences(result);
+        self.report(result);
+    }
+
+    /// Drops the job's fence marks. A failed job latches its errno on
+    /// every destination (see `Fence::end_failed_write`). Separate from
+    /// [`Job::report`] for a job whose DMA may still run after it failed:
+    /// its destinations stay marked busy until the device lets go.
+    pub(crate) fn release_fences(&self, result: Result) {
         for (i, t) in self.transfers.iter().enumerate() {
             t.src.fence.end(false, false);
             // A job counts one completion per distinct destination buffer,
@@ -177,6 +185,10 @@ impl Job {
                 Err(e) => t.dst.fence.end_failed_write(e.to_errno()),
             }
         }
+    }
+
+    /// Records the outcome for `TDRV_IOC_JOB_WAIT` and the statistics.
+    pub(crate) fn report(&self, result: Result) {
         let stats = &self.device.stats;
         let started = self.started_ns.load(Relaxed);
         if started != 0 {
@@ -334,7 +346,7 @@ impl JobTracker {
         }
     }
 
-    /// Waits for job `id`: EINVAL for an id this file never issued, estale()
+    /// Waits for job `id`: EINVAL for an id this file never issued, ESTALE
     /// for one older than the last `JOB_WINDOW`, ETIMEDOUT if a timed wait
     /// expires; a signal ends it as in `Fence::wait_until`. A poll reports
     /// `Pending` instead of failing.

@@ -20,6 +20,12 @@
 //! outlives FREE while it is mapped. Every mapping also holds its file, and
 //! with it the module (see `node.rs`), so `rmmod` fails while one exists.
 //!
+//! Pages are mapped with the VMA's default (cacheable) protection, which
+//! is right for cache-coherent DMA without memory encryption: every device
+//! tdrv drives (x86, QEMU). A platform with non-coherent DMA or encrypted
+//! memory would need `dma_pgprot`, which 7.2 does not export to modules;
+//! tdrv would have to refuse mmap there.
+//!
 //! The mmap offset of a buffer is its handle in pages. Once the handle is
 //! decoded `vm_pgoff` is set to 0, so that a fault's page offset is the
 //! page index in the buffer, also in the pieces of a split VMA.

@@ -113,17 +113,19 @@ impl PinnedDrop for Node {
 /// `container_of!` on the registration.
 #[pin_data]
 pub(crate) struct DeviceNode {
-    pub(crate) device: Arc<TdrvDevice>,
+    // Dropped first: `open` and the sysfs attributes use `device` for as
+    // long as the misc device is registered.
     #[pin]
     reg: Node,
+    pub(crate) device: Arc<TdrvDevice>,
 }
 
 impl DeviceNode {
     pub(crate) fn new(device: Arc<TdrvDevice>) -> impl PinInit<Self, Error> {
         let name = device.name();
         try_pin_init!(Self {
-            device,
             reg <- Node::register(name),
+            device,
         })
     }
 

@@ -68,6 +68,6 @@ impl PinnedDrop for SoftDevice {
         // No file is open (the module is going away, and files pin it), and
         // closed files' jobs were cancelled; stop the engine and free every
         // buffer's memory before the faux device goes away.
-        self.node.device.unbind(|| ());
+        self.node.device.unbind(|| {});
     }
 }

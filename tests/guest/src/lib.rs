@@ -137,7 +137,9 @@ pub fn open_device_or_skip(
     }
 }
 
-fn skip_all(reason: &str) -> ! {
+/// Prints a skipped TAP plan with the reason and exits with the kselftest
+/// skip code.
+pub fn skip_all(reason: &str) -> ! {
     println!("TAP version 13\n1..0 # SKIP {reason}");
     std::process::exit(KSFT_SKIP)
 }
@@ -152,5 +154,157 @@ pub fn expect_eq<T: PartialEq + std::fmt::Debug>(
         Ok(())
     } else {
         Err(format!("{what}: got {got:?}, want {want:?}"))
+    }
+}
+
+/// Short name of an errno value, for messages and histograms.
+pub fn errno_name(e: raw::Errno) -> String {
+    let name = match e {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::E2BIG => "E2BIG",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EFAULT => "EFAULT",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::EXDEV => "EXDEV",
+        libc::ENODEV => "ENODEV",
+        libc::EINVAL => "EINVAL",
+        libc::ENFILE => "ENFILE",
+        libc::EMFILE => "EMFILE",
+        libc::ENOTTY => "ENOTTY",
+        libc::ENOSPC => "ENOSPC",
+        libc::ERANGE => "ERANGE",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ECANCELED => "ECANCELED",
+        libc::ESRCH => "ESRCH",
+        libc::ENXIO => "ENXIO",
+        libc::ENODATA => "ENODATA",
+        libc::ESTALE => "ESTALE",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ERESTART => "ERESTART",
+        _ => return format!("errno {e}"),
+    };
+    name.into()
+}
+
+/// A small seeded pseudo-random generator (xorshift64* seeded through
+/// splitmix64), so that a failing run can be replayed from its seed.
+#[derive(Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        // splitmix64 of the seed: any seed, 0 included, gives a non-zero state.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        // The modulo bias is irrelevant for fuzzing.
+        self.next_u64() % n
+    }
+
+    /// True with probability `num`/`den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+
+    /// A new generator for a thread or child, derived from this one.
+    pub fn fork(&mut self) -> Rng {
+        Rng::new(self.next_u64())
+    }
+}
+
+/// `(used_bytes, buffers)` of every channel of the device.
+pub fn channel_usage(dev: &raw::Dev, channels: u32) -> Result<Vec<(u64, u64)>, String> {
+    (0..channels)
+        .map(|ch| ok("channel_info", dev.channel_info(ch)).map(|c| (c.used_bytes, c.buffers)))
+        .collect()
+}
+
+/// Polls every channel's usage every 10 ms until it equals `want`, for at
+/// most `limit` (jobs of closed files may still be draining).
+pub fn wait_usage(
+    dev: &raw::Dev,
+    want: &[(u64, u64)],
+    limit: std::time::Duration,
+) -> Result<std::time::Duration, String> {
+    let start = std::time::Instant::now();
+    loop {
+        let now = channel_usage(dev, want.len() as u32)?;
+        if now == want {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= limit {
+            return Err(format!(
+                "channel (used_bytes, buffers) still {now:?} after {limit:?}, want {want:?}"
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+/// A numeric line `key: N` of the device's debugfs statistics
+/// (`/sys/kernel/debug/tdrv/<node>/stats`), if the driver reports it.
+pub fn device_stat(path: &str, key: &str) -> Option<u64> {
+    let node = path.rsplit('/').next()?;
+    let text = std::fs::read_to_string(format!("/sys/kernel/debug/tdrv/{node}/stats")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+extern "C" fn on_fatal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let addr = unsafe { (*info).si_addr() } as usize;
+    let mut msg = *b"# fatal signal 00 at address 0x0000000000000000\n";
+    msg[15] = b'0' + (sig / 10) as u8;
+    msg[16] = b'0' + (sig % 10) as u8;
+    for i in 0..16 {
+        let nibble = (addr >> (60 - 4 * i)) & 0xf;
+        msg[31 + i] = b"0123456789abcdef"[nibble];
+    }
+    // SAFETY: write(2) and signal(2)/raise(3) are async-signal-safe.
+    unsafe {
+        libc::write(1, msg.as_ptr().cast(), msg.len());
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+/// Reports a SIGBUS or SIGSEGV (e.g. a touch of a mapping the driver
+/// accepted) with its address on stdout, then dies of it as before.
+pub fn install_fatal_handlers() {
+    for sig in [libc::SIGBUS, libc::SIGSEGV] {
+        // SAFETY: installs a handler that only uses async-signal-safe calls.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_fatal as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
     }
 }

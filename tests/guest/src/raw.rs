@@ -36,6 +36,16 @@ impl Dev {
         })
     }
 
+    /// Wraps a file of a tdrv device opened by other means.
+    pub fn from_fd(fd: OwnedFd) -> Dev {
+        Dev { fd }
+    }
+
+    /// Gives up the descriptor (e.g. to close it by hand).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     pub fn fd(&self) -> i32 {
         self.fd.as_raw_fd()
     }
