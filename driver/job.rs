@@ -70,6 +70,9 @@ fn now_ns() -> i64 {
     unsafe { kernel::bindings::ktime_get() }
 }
 
+/// `Job::outcome` before the job completed.
+const NO_OUTCOME: i32 = 1;
+
 /// Ring entry of a job that has not finished.
 const PENDING: i32 = 1;
 
@@ -82,7 +85,7 @@ pub(crate) struct Transfer {
 }
 
 /// A submitted job.
-#[pin_data]
+#[pin_data(PinnedDrop)]
 pub(crate) struct Job {
     /// Set under the tracker lock before the job is queued.
     id: Atomic<u64>,
@@ -93,6 +96,11 @@ pub(crate) struct Job {
     device: Arc<TdrvDevice>,
     /// When the engine started running the job (`ktime_get` ns), or 0.
     started_ns: Atomic<i64>,
+    /// The outcome set by [`Job::complete`] (`NO_OUTCOME`, 0 or a negative
+    /// errno), reported when the job is dropped, after its buffers.
+    outcome: Atomic<i32>,
+    /// Set once the outcome was reported (early, for a timed-out job).
+    reported: Atomic<bool>,
     /// Links of the engine's queue.
     #[pin]
     links: ListLinks,
@@ -163,9 +171,17 @@ impl Job {
 
     /// The completion path, shared by every engine. Call exactly once (or
     /// [`Job::report`] and then [`Job::release_fences`], once each).
+    ///
+    /// The fences go now; the outcome reaches `TDRV_IOC_JOB_WAIT` when the
+    /// job is dropped, after it let go of its buffers, so that a caller who
+    /// sees the job done also sees the memory of buffers it freed released.
     pub(crate) fn complete(&self, result: Result) {
         self.release_fences(result);
-        self.report(result);
+        let errno = match result {
+            Ok(()) => 0,
+            Err(e) => e.to_errno(),
+        };
+        self.outcome.store(errno, Relaxed);
     }
 
     /// Drops the job's fence marks. A failed job latches its errno on
@@ -187,8 +203,16 @@ impl Job {
         }
     }
 
-    /// Records the outcome for `TDRV_IOC_JOB_WAIT` and the statistics.
+    /// Records the outcome for `TDRV_IOC_JOB_WAIT` and the statistics now,
+    /// for a job whose buffers stay busy after it failed (see `edu.rs`).
     pub(crate) fn report(&self, result: Result) {
+        if self.reported.xchg(true, Relaxed) {
+            return;
+        }
+        self.report_now(result);
+    }
+
+    fn report_now(&self, result: Result) {
         let stats = &self.device.stats;
         let started = self.started_ns.load(Relaxed);
         if started != 0 {
@@ -202,6 +226,23 @@ impl Job {
             Err(_) => stats.jobs_failed.add(1, Relaxed),
         }
         self.tracker.finish(self.id.load(Relaxed), self.bytes, result);
+    }
+}
+
+#[pinned_drop]
+impl PinnedDrop for Job {
+    fn drop(mut self: Pin<&mut Self>) {
+        // Buffers first (this may free their memory and give back their
+        // channel bytes), then the outcome.
+        drop(core::mem::take(self.as_mut().project().transfers));
+        let errno = self.outcome.load(Relaxed);
+        if errno != NO_OUTCOME && !self.reported.load(Relaxed) {
+            self.report_now(if errno == 0 {
+                Ok(())
+            } else {
+                Err(Error::from_errno(errno))
+            });
+        }
     }
 }
 
@@ -291,6 +332,8 @@ impl JobTracker {
                 tracker: self.clone(),
                 device: device.clone(),
                 started_ns: Atomic::new(0),
+                outcome: Atomic::new(NO_OUTCOME),
+                reported: Atomic::new(false),
                 links <- ListLinks::new(),
             }),
             GFP_KERNEL_ACCOUNT,
