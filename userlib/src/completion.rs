@@ -15,6 +15,7 @@
 //! part of the buffer counts for every view of it).
 
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 pub use crate::fence::PendingAccess;
@@ -60,6 +61,18 @@ impl Tensor {
 }
 
 impl Tensor {
+    /// The error of a failed ioctl on this view's buffer `b`: EIO from a
+    /// read, fence or completion wait is the buffer's error latch, reported
+    /// with the errno the job ended with ([`Error::DeviceWriteFailed`]).
+    pub(crate) fn dma_error(
+        &self,
+        op: &'static str,
+        b: &crate::storage::DmaBuffer,
+        e: SysError,
+    ) -> Error {
+        crate::io::latch_error(op, self.name(), b, e)
+    }
+
     /// Marks a device access of the storage as started (the seed's
     /// `tensor_async_update(.., release = false)`). Host storages only: the
     /// kernel tracks `Dma` buffers itself.
@@ -113,11 +126,20 @@ impl Tensor {
     /// Waits until host access of kind `access` is safe from the device:
     /// for `Read`, no device write in flight; for `Write`, no device access
     /// at all. Call it before touching the bytes through [`Tensor::va`].
-    /// `timeout_us`: 0 polls, negative waits without limit.
-    pub fn wait_device_idle(&self, access: Access, timeout_us: i64) -> Result<()> {
+    /// `timeout`: `None` waits without limit, `Some(ZERO)` polls.
+    ///
+    /// For a `Dma` tensor whose buffer a failed job wrote this is
+    /// [`Error::DeviceWriteFailed`] (see [`crate::Error`]).
+    pub fn wait_device_idle(&self, access: Access, timeout: Option<Duration>) -> Result<()> {
         let st = self.storage_for("wait_device_idle")?;
         let write = access == Access::Write;
-        let deadline = Deadline::from_timeout_us(timeout_us);
+        let start = Instant::now();
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op: "wait_device_idle",
+            name: self.name().to_owned(),
+            waited: start.elapsed(),
+        };
         match st.dma() {
             Some(b) => {
                 let kind = if write {
@@ -133,27 +155,36 @@ impl Tensor {
                         Ok(()) => return Ok(()),
                         Err(SysError::Interrupted { .. }) if !deadline.expired() => continue,
                         Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {
-                            return Err(Error::Timeout {
-                                op: "wait_device_idle",
-                            })
+                            return Err(timed_out())
                         }
-                        Err(e) => return Err(e.into()),
+                        Err(e) => return Err(self.dma_error("wait_device_idle", b, e)),
                     }
                 }
             }
             None if st.sync.wait_device(write, deadline) => Ok(()),
-            None => Err(Error::Timeout {
-                op: "wait_device_idle",
-            }),
+            None => Err(timed_out()),
         }
     }
 
     /// Waits until this view's output-completion count reaches `expected`.
-    /// `timeout_us`: 0 polls, negative waits without limit (logging a
-    /// warning every 30 s). Fails with [`Error::Timeout`] when time runs out.
-    pub fn check_output_completion(&self, timeout_us: i64, expected: u64) -> Result<()> {
+    /// `timeout`: `None` waits without limit (logging a warning every
+    /// 30 s), `Some(ZERO)` polls. Fails with [`Error::Timeout`] when time
+    /// runs out.
+    ///
+    /// A job that fails writing a `Dma` tensor counts no completion, so
+    /// the count it was waited for would never come: the wait ends with
+    /// [`Error::DeviceWriteFailed`] instead, as soon as no other write that
+    /// could still complete the buffer is in flight (the driver's error
+    /// latch, ABI 1.1; on an older driver only the time-out ends it).
+    pub fn check_output_completion(&self, timeout: Option<Duration>, expected: u64) -> Result<()> {
         let st = self.storage_for("check_output_completion")?;
-        let deadline = Deadline::from_timeout_us(timeout_us);
+        let start = Instant::now();
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op: "check_output_completion",
+            name: self.name().to_owned(),
+            waited: start.elapsed(),
+        };
         let heartbeat = || {
             format!(
                 "still waiting for output tensor {:?} to reach completion count {expected}",
@@ -167,9 +198,7 @@ impl Tensor {
             {
                 Ok(())
             } else {
-                Err(Error::Timeout {
-                    op: "check_output_completion",
-                })
+                Err(timed_out())
             };
         };
         let target = self.dma_baseline(st, b).saturating_add(expected);
@@ -186,12 +215,10 @@ impl Tensor {
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
                     if deadline.expired() =>
                 {
-                    return Err(Error::Timeout {
-                        op: "check_output_completion",
-                    })
+                    return Err(timed_out())
                 }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(self.dma_error("check_output_completion", b, e)),
             }
         }
     }
@@ -314,6 +341,31 @@ mod tests {
         let b = t.storage_for("t").unwrap().dma().unwrap();
         b.counted.store(false, Ordering::Relaxed);
         assert_eq!(t.slice(16, 16, None).unwrap().pa().unwrap(), 0x1010);
+    }
+
+    #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "opens /dev/null and frees the fake buffer with an ioctl"
+    )]
+    fn eio_of_a_read_or_wait_is_the_error_latch() {
+        use crate::sys::SysError;
+        use crate::Error;
+        let (_dev, t) = fake_dma_tensor(0x1000);
+        let b = t.storage_for("t").unwrap().dma().unwrap();
+        // EIO from COPY_OUT, FENCE_WAIT or COMPLETION_WAIT names the tensor
+        // and the failed job's errno (BUF_INFO cannot tell it here: EIO).
+        match t.dma_error("read", b, SysError::from_errno("COPY_OUT", libc::EIO)) {
+            Error::DeviceWriteFailed { op, name, errno } => {
+                assert_eq!((op, name.as_str(), errno), ("read", "_unknown_", libc::EIO));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Other errors pass through.
+        assert!(matches!(
+            t.dma_error("read", b, SysError::from_errno("COPY_OUT", libc::ENODEV)),
+            Error::Sys(SysError::DeviceRemoved { .. })
+        ));
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Debug dump of job inputs (`NEURON_RT_DBG_INPUT_DUMP_DIRECTORY`).
+//! Debug dump of job inputs (nrt's `NEURON_RT_DBG_INPUT_DUMP_DIRECTORY`,
+//! which `libnrt.so.1` reads; the crate reads no environment variable).
 //!
-//! When the environment variable names a directory (or one is set with
-//! [`set_input_dump_directory`]), every submitted job first writes the bytes
+//! When a directory is set with [`set_input_dump_directory`], every
+//! submitted job first writes the bytes
 //! of each of its source tensors to that directory, one file per tensor:
 //! `job<seq>_input<k>_<tensor name>.bin`, where `<seq>` numbers the dumped
 //! jobs of the process from 1 and characters of the name other than
@@ -15,26 +16,17 @@ use crate::error::{Error, Result};
 use crate::log::log_warn;
 use crate::tensor::Tensor;
 
-/// Environment variable naming the input dump directory.
-pub const INPUT_DUMP_ENV: &str = "NEURON_RT_DBG_INPUT_DUMP_DIRECTORY";
-
 static OVERRIDE: RwLock<Option<PathBuf>> = RwLock::new(None);
 static JOB_SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// Sets the dump directory, overriding the environment; `None` goes back
-/// to the environment variable.
+/// Sets the dump directory; `None` turns dumping off.
 pub fn set_input_dump_directory(dir: Option<PathBuf>) {
     *OVERRIDE.write().unwrap_or_else(|e| e.into_inner()) = dir;
 }
 
 /// The directory inputs are dumped to, if any.
 pub fn input_dump_directory() -> Option<PathBuf> {
-    if let Some(d) = OVERRIDE.read().unwrap_or_else(|e| e.into_inner()).clone() {
-        return Some(d);
-    }
-    std::env::var_os(INPUT_DUMP_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+    OVERRIDE.read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
 /// The file-name form of a tensor name.
@@ -88,6 +80,6 @@ pub(crate) fn dump_job_inputs(inputs: &[Tensor]) {
     };
     let seq = JOB_SEQ.fetch_add(1, Ordering::Relaxed) + 1;
     if let Err(e) = dump_tensors(&dir, &format!("job{seq}_"), inputs) {
-        log_warn!("{INPUT_DUMP_ENV}={}: {e}", dir.display());
+        log_warn!("input dump to {}: {e}", dir.display());
     }
 }

@@ -38,6 +38,9 @@ pub(crate) struct Span {
     /// Held by an indexed accessor (atomic byte accesses) rather than a
     /// plain copy.
     pub direct: bool,
+    /// Held by a `map_read`/`map_write` guard: plain (non-atomic) access
+    /// through a reference, for the guard's whole life.
+    pub guard: bool,
 }
 
 /// How a requested span set stands against the active spans.
@@ -56,6 +59,7 @@ impl Span {
             end: start + len,
             write: false,
             direct: false,
+            guard: false,
         }
     }
 
@@ -65,6 +69,7 @@ impl Span {
             end: start + len,
             write: true,
             direct: false,
+            guard: false,
         }
     }
 
@@ -75,7 +80,26 @@ impl Span {
             end: start + len,
             write,
             direct: true,
+            guard: false,
         }
+    }
+
+    /// The span of a `map_read` (or, `write`, `map_write`) guard.
+    pub(crate) fn guard(start: usize, len: usize, write: bool) -> Self {
+        Span {
+            start,
+            end: start + len,
+            write,
+            direct: false,
+            guard: true,
+        }
+    }
+
+    /// Held for an object's life (accessor, guard) rather than one copy:
+    /// whoever conflicts with it is refused, since waiting could deadlock
+    /// the thread that holds it.
+    fn long_lived(&self) -> bool {
+        self.direct || self.guard
     }
 
     fn conflicts(&self, other: &Span) -> bool {
@@ -114,7 +138,7 @@ impl State {
         let mut wait = fence && !self.device_quiet(spans.iter().any(|s| s.write));
         for s in spans {
             for a in self.active.iter().filter(|a| s.conflicts(a)) {
-                if a.direct && !s.direct {
+                if a.long_lived() {
                     return Readiness::Busy;
                 }
                 wait = true;
@@ -252,10 +276,11 @@ impl HostSync {
         Ok(HostAccess { sync: self, spans })
     }
 
-    /// Registers the direct span of an indexed accessor, once the plain
-    /// copies it conflicts with are done.
+    /// Registers the long-lived span of an indexed accessor or a mapping
+    /// guard, once the plain copies it conflicts with are done; `Busy` if
+    /// it conflicts with another long-lived span.
     pub(crate) fn hold(&self, op: &'static str, span: Span) -> Result<HeldSpan<'_>> {
-        debug_assert!(span.direct);
+        debug_assert!(span.long_lived());
         self.register(op, &[span], false)?;
         Ok(HeldSpan {
             sync: self,

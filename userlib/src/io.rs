@@ -14,8 +14,8 @@ use std::ptr::{self, NonNull};
 
 use crate::error::{Error, Result};
 use crate::fence::{HostAccess, Span};
-use crate::storage::{Memory, Storage};
-use crate::sys::{tdrv_copy_desc, FenceKind};
+use crate::storage::{DmaBuffer, Memory, Storage};
+use crate::sys::{tdrv_copy_desc, FenceKind, SysError};
 use crate::tensor::Tensor;
 use crate::trace::{self, TraceOp};
 
@@ -81,12 +81,93 @@ unsafe fn at(base: NonNull<u8>, abs: usize) -> *mut u8 {
     unsafe { base.as_ptr().add(abs) }
 }
 
-/// Kernel fence of a Dma storage before host access through the mapping.
-fn dma_fence(st: &Storage, kind: FenceKind, fencing: Fencing) -> Result<()> {
-    match (st.dma(), fencing) {
-        (Some(b), Fencing::Wait) => b.fence(kind),
-        _ => Ok(()),
+/// Kernel fence of a Dma storage before host access through the mapping,
+/// and its error latch (see [`Error::DeviceWriteFailed`]).
+///
+/// `Ok(false)`: the bytes may be accessed through the mapping. A read
+/// (`FenceKind::Writes` of a source) of a latched buffer is
+/// `DeviceWriteFailed`: its bytes are stale. A write (`FenceKind::All`) of
+/// a latched buffer is `Ok(true)`: the caller must write through the kernel
+/// (COPY_IN), which waits for the device itself and clears the latch, as a
+/// write through the mapping would leave the latch set. With
+/// `Fencing::Skip` the latch is read with BUF_INFO, so skipping the fence
+/// never skips the check.
+fn dma_fence(
+    st: &Storage,
+    name: &str,
+    op: &'static str,
+    kind: FenceKind,
+    fencing: Fencing,
+) -> Result<bool> {
+    let Some(b) = st.dma() else { return Ok(false) };
+    let r = match fencing {
+        Fencing::Wait => b.fence(kind),
+        Fencing::Skip => match b.device.buf_info(b.handle) {
+            Ok(info) if info.error != 0 => Err(Error::Sys(SysError::from_errno(op, libc::EIO))),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.into()),
+        },
+    };
+    match r {
+        Ok(()) => Ok(false),
+        Err(Error::Sys(e)) if e.errno() == libc::EIO && kind == FenceKind::All => Ok(true),
+        Err(Error::Sys(e)) => Err(latch_error(op, name, b, e)),
+        Err(e) => Err(e),
     }
+}
+
+/// The error of a failed ioctl on buffer `b` of tensor `name`: EIO from a
+/// read, fence or completion wait is the buffer's error latch, reported
+/// with the errno the failed job ended with ([`Error::DeviceWriteFailed`]).
+pub(crate) fn latch_error(op: &'static str, name: &str, b: &DmaBuffer, e: SysError) -> Error {
+    if e.errno() != libc::EIO {
+        return e.into();
+    }
+    let errno = match b.device.buf_info(b.handle) {
+        Ok(info) if info.error < 0 => -info.error,
+        _ => libc::EIO,
+    };
+    log::debug!(
+        "{op}: tensor {name:?}: buffer {} holds a failed job's error {errno}",
+        b.handle
+    );
+    Error::DeviceWriteFailed {
+        op,
+        name: name.to_owned(),
+        errno,
+    }
+}
+
+/// COPY_IN of `len` bytes at `src` to `abs` of a mapped buffer `b` whose
+/// mapping starts at `base` (`size` bytes): the write path of a latched
+/// buffer. A source inside the mapping itself is bounced through the heap,
+/// so the kernel never faults the buffer's own pages during its copy.
+///
+/// # Safety
+/// `src` is valid for reads of `len` bytes and not written meanwhile.
+unsafe fn copy_in_latched(
+    b: &DmaBuffer,
+    base: NonNull<u8>,
+    size: usize,
+    abs: usize,
+    src: *const u8,
+    len: usize,
+) -> Result<()> {
+    let start = base.as_ptr().addr();
+    let overlaps =
+        src.addr() < start.saturating_add(size) && start < src.addr().saturating_add(len);
+    if !overlaps {
+        // SAFETY: forwarded from our caller.
+        return Ok(unsafe { b.device.copy_in_raw(b.handle, abs as u64, src, len) }?);
+    }
+    let mut tmp: Vec<u8> = try_vec(len)?;
+    // SAFETY: `src` is valid for `len` bytes (our contract) and `tmp` has
+    // that capacity; `ptr::copy` allows the source to be anywhere.
+    unsafe {
+        ptr::copy(src, tmp.as_mut_ptr(), len);
+        tmp.set_len(len);
+    }
+    Ok(b.device.copy_in(b.handle, abs as u64, &tmp)?)
 }
 
 /// Direction of a host transfer.
@@ -172,7 +253,10 @@ impl Tensor {
                     // contract; the kernel accesses it with copy_*_user.
                     unsafe {
                         match dir {
-                            Dir::Read => b.device.copy_out_raw(b.handle, abs as u64, ptr, len)?,
+                            Dir::Read => b
+                                .device
+                                .copy_out_raw(b.handle, abs as u64, ptr, len)
+                                .map_err(|e| latch_error(op, self.name(), b, e))?,
                             Dir::Write => b.device.copy_in_raw(b.handle, abs as u64, ptr, len)?,
                         }
                     }
@@ -186,7 +270,17 @@ impl Tensor {
                     Dir::Read => FenceKind::Writes,
                     Dir::Write => FenceKind::All,
                 };
-                dma_fence(st, kind, fencing)?;
+                if dma_fence(st, self.name(), op, kind, fencing)? {
+                    // A latched buffer is written through the kernel.
+                    let Some(b) = st.dma() else { return Ok(()) };
+                    for &(abs, ptr, len) in checked {
+                        // SAFETY: `ptr` is valid for reads of `len` bytes
+                        // per our contract (this is `Dir::Write`: only
+                        // `FenceKind::All` reports a latched buffer).
+                        unsafe { copy_in_latched(b, base, st.size, abs, ptr, len)? };
+                    }
+                    return Ok(());
+                }
                 for &(abs, ptr, len) in checked {
                     // SAFETY: `abs + len` is inside the storage (`locate`);
                     // the spans held exclude every other host access that
@@ -250,6 +344,53 @@ impl Tensor {
         let mut v = try_vec(self.size())?;
         v.resize(self.size(), 0);
         self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Reads `dst.len()` elements of type `T` at byte `offset` of the view
+    /// (any alignment), after in-flight device writes. `T` is any
+    /// [`bytemuck::Pod`] type: numbers, [`half::f16`], [`half::bf16`],
+    /// arrays and `Pod` structs.
+    ///
+    /// ```
+    /// use tdrv::Tensor;
+    ///
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
+    /// let mut two = [0f32; 2];
+    /// t.read_into(8, &mut two)?; // bytes 8..16: elements 2 and 3
+    /// assert_eq!(two, [3.0, 4.0]);
+    /// t.write_from(0, &[half::f16::from_f32(0.5); 2])?;
+    /// assert_eq!(t.to_vec_of::<half::f16>()?[..2], [half::f16::from_f32(0.5); 2]);
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn read_into<T: bytemuck::Pod>(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        self.read(offset, bytemuck::cast_slice_mut(dst))
+    }
+
+    /// Writes the elements of `src` at byte `offset` of the view, after
+    /// every in-flight device access. See [`Tensor::read_into`].
+    pub fn write_from<T: bytemuck::Pod>(&self, offset: usize, src: &[T]) -> Result<()> {
+        self.write(offset, bytemuck::cast_slice(src))
+    }
+
+    /// The whole view as a vector of `T`; its size must be a multiple of
+    /// `size_of::<T>()` ([`Error::InvalidArgument`] otherwise, and for
+    /// zero-sized `T`).
+    pub fn to_vec_of<T: bytemuck::Pod>(&self) -> Result<Vec<T>> {
+        let each = std::mem::size_of::<T>();
+        if each == 0 || self.size() % each != 0 {
+            return Err(Error::invalid(format!(
+                "to_vec_of: tensor {:?} has {} bytes, not a whole number of {}-byte {}",
+                self.name(),
+                self.size(),
+                each,
+                std::any::type_name::<T>()
+            )));
+        }
+        let n = self.size() / each;
+        let mut v: Vec<T> = try_vec(n)?;
+        v.resize(n, T::zeroed());
+        self.read_into(0, &mut v)?;
         Ok(v)
     }
 
@@ -371,21 +512,23 @@ impl Tensor {
                 if overlap {
                     // The kernel's copy makes no promise for overlapping
                     // ranges of one buffer: use memmove semantics here.
-                    return host_copy(ss, sa, ds, da, size);
+                    return host_copy((src, ss, sa), (dst, ds, da), size);
                 }
                 let src_span = [Span::read(sa, size)];
                 let dst_span = [Span::write(da, size)];
                 let both = [src_span[0], dst_span[0]];
                 let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
-                Ok(a.device.copy(&tdrv_copy_desc {
-                    src_handle: a.handle,
-                    src_offset: sa as u64,
-                    dst_handle: b.handle,
-                    dst_offset: da as u64,
-                    size: size as u64,
-                })?)
+                a.device
+                    .copy(&tdrv_copy_desc {
+                        src_handle: a.handle,
+                        src_offset: sa as u64,
+                        dst_handle: b.handle,
+                        dst_offset: da as u64,
+                        size: size as u64,
+                    })
+                    .map_err(|e| latch_error("copy", src.name(), a, e))
             }
-            _ => host_copy(ss, sa, ds, da, size),
+            _ => host_copy((src, ss, sa), (dst, ds, da), size),
         }
     }
 }
@@ -413,25 +556,26 @@ fn acquire_pair<'a>(
     }
 }
 
-fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> Result<()> {
+fn host_copy(
+    (src, ss, sa): (&Tensor, &Storage, usize),
+    (dst, ds, da): (&Tensor, &Storage, usize),
+    size: usize,
+) -> Result<()> {
+    const OP: &str = "copy";
     let src_span = [Span::read(sa, size)];
     let dst_span = [Span::write(da, size)];
     let both = [src_span[0], dst_span[0]];
     match (ss.host_base(), ds.host_base()) {
         (Some(sp), Some(dp)) => {
             let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
-            let same = ptr::eq(ss, ds);
-            dma_fence(
-                ss,
-                if same {
-                    FenceKind::All
-                } else {
-                    FenceKind::Writes
-                },
-                Fencing::Wait,
-            )?;
-            if !same {
-                dma_fence(ds, FenceKind::All, Fencing::Wait)?;
+            // One storage: a latched buffer fails as the source first.
+            dma_fence(ss, src.name(), OP, FenceKind::Writes, Fencing::Wait)?;
+            if dma_fence(ds, dst.name(), OP, FenceKind::All, Fencing::Wait)? {
+                if let Some(b) = ds.dma() {
+                    // SAFETY: the source range was checked by `locate` and
+                    // its read span is held: valid and unchanged.
+                    return unsafe { copy_in_latched(b, dp, ds.size, da, at(sp, sa), size) };
+                }
             }
             // SAFETY: both ranges were checked by `locate`; the source read
             // span and destination write span are held; `ptr::copy` allows
@@ -442,8 +586,8 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
         (Some(sp), None) => {
             // Host memory into an unmapped device buffer.
             let Some(b) = ds.dma() else { return Ok(()) };
-            let _g = ss.sync.acquire("copy", &src_span, true)?;
-            dma_fence(ss, FenceKind::Writes, Fencing::Wait)?;
+            let _g = ss.sync.acquire(OP, &src_span, true)?;
+            dma_fence(ss, src.name(), OP, FenceKind::Writes, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the read span is held, so no host
             // write changes the bytes during the call.
             Ok(unsafe { b.device.copy_in_raw(b.handle, da as u64, at(sp, sa), size) }?)
@@ -451,11 +595,13 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
         (None, Some(dp)) => {
             // An unmapped device buffer into host memory.
             let Some(a) = ss.dma() else { return Ok(()) };
-            let _g = ds.sync.acquire("copy", &dst_span, true)?;
-            dma_fence(ds, FenceKind::All, Fencing::Wait)?;
+            let _g = ds.sync.acquire(OP, &dst_span, true)?;
+            // Host storage: never latched.
+            dma_fence(ds, dst.name(), OP, FenceKind::All, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the write span is held, so no
             // other host access touches the bytes during the call.
-            Ok(unsafe { a.device.copy_out_raw(a.handle, sa as u64, at(dp, da), size) }?)
+            unsafe { a.device.copy_out_raw(a.handle, sa as u64, at(dp, da), size) }
+                .map_err(|e| latch_error(OP, src.name(), a, e))
         }
         (None, None) => {
             // Two unmapped device buffers (different devices or overlap):
@@ -465,7 +611,9 @@ fn host_copy(ss: &Storage, sa: usize, ds: &Storage, da: usize, size: usize) -> R
             };
             let mut tmp = try_vec(size)?;
             tmp.resize(size, 0);
-            a.device.copy_out(a.handle, sa as u64, &mut tmp)?;
+            a.device
+                .copy_out(a.handle, sa as u64, &mut tmp)
+                .map_err(|e| latch_error(OP, src.name(), a, e))?;
             Ok(b.device.copy_in(b.handle, da as u64, &tmp)?)
         }
     }

@@ -11,6 +11,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
@@ -24,6 +25,7 @@ pub const MAX_JOB_COPIES: usize = tdrv_uapi::TDRV_MAX_JOB_DESCS as usize;
 /// A job being built. See the module documentation.
 ///
 /// ```
+/// use std::time::Duration;
 /// use tdrv::{Device, Job, Tensor};
 ///
 /// // Runs anywhere: without the module loaded there is nothing to do.
@@ -32,10 +34,12 @@ pub const MAX_JOB_COPIES: usize = tdrv_uapi::TDRV_MAX_JOB_DESCS as usize;
 ///     let dst = Tensor::allocate_on(&dev, 0, 4096, Some("out"))?;
 ///     src.write(0, &[42; 4096])?;
 ///     let mut job = Job::new();
-///     job.copy(&src, 0, &dst, 0, 4096)?;
+///     job.copy(&src, 0, &dst, 0, 2048)?.copy(&src, 2048, &dst, 2048, 2048)?;
 ///     let handle = job.submit()?;
-///     dst.check_output_completion(1_000_000, 1)?; // one job wrote it
-///     handle.wait(-1)?;
+///     handle.wait()?; // the job's own outcome
+///     // One job wrote `dst`: its completion count is 1 (a failed job
+///     // would make this an error, not a hang).
+///     dst.check_output_completion(Some(Duration::from_secs(1)), 1)?;
 ///     assert_eq!(dst.to_vec()?, vec![42; 4096]);
 /// }
 /// # Ok::<(), tdrv::Error>(())
@@ -57,7 +61,20 @@ pub enum JobState {
     Done,
 }
 
-/// A submitted job.
+/// A submitted job. Dropping it does not cancel the job (it runs to its
+/// end; the driver keeps its buffers until then), but its outcome is
+/// then only visible through the destinations' error latch: wait for it.
+///
+/// Dropping it unused is a warning (`unused_must_use`):
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// fn fire_and_forget(job: &mut tdrv::Job) -> tdrv::Result<()> {
+///     job.submit()?; // the job's failure would go unseen
+///     Ok(())
+/// }
+/// ```
+#[must_use = "a job's failure is reported only by waiting for it (wait, wait_timeout, try_wait)"]
 pub struct JobHandle {
     device: Arc<Device>,
     id: u64,
@@ -153,8 +170,27 @@ impl Job {
         &self.outputs
     }
 
-    /// Queues the job on the device and returns at once.
-    pub fn submit(self) -> Result<JobHandle> {
+    /// Adds a copy of the whole of `src` to the whole of `dst`, which
+    /// must be of the same size.
+    pub fn copy_all(&mut self, src: &Tensor, dst: &Tensor) -> Result<&mut Self> {
+        if src.size() != dst.size() {
+            return Err(Error::invalid(format!(
+                "job copy_all: source {:?} has {} bytes, destination {:?} has {}; \
+                 use Job::copy with an explicit size",
+                src.name(),
+                src.size(),
+                dst.name(),
+                dst.size()
+            )));
+        }
+        self.copy(src, 0, dst, 0, src.size())
+    }
+
+    /// Queues the job on the device and returns at once. The job's copies
+    /// move into the handle, leaving this builder empty, so a job can be
+    /// built and submitted in one expression:
+    /// `Job::new().copy_all(&a, &b)?.submit()?.wait()?`.
+    pub fn submit(&mut self) -> Result<JobHandle> {
         let Some(device) = self.device.clone() else {
             return Err(Error::invalid("an empty job cannot be submitted"));
         };
@@ -170,8 +206,9 @@ impl Job {
             }
             device.submit(&self.descs)?
         };
-        let mut tensors = self.inputs;
-        tensors.extend(self.outputs);
+        let mut tensors = std::mem::take(&mut self.inputs);
+        tensors.append(&mut self.outputs);
+        *self = Job::default();
         Ok(JobHandle {
             device,
             id,
@@ -191,7 +228,7 @@ impl JobHandle {
         match self.device.job_wait(self.id, 0) {
             Ok(s) => self.state(s),
             Err(SysError::TimedOut { .. }) => Ok(JobState::Pending),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(self.wait_error(e)),
         }
     }
 
@@ -199,36 +236,64 @@ impl JobHandle {
         match s {
             JobStatus::Pending => Ok(JobState::Pending),
             JobStatus::Done => Ok(JobState::Done),
-            JobStatus::Failed(errno) => Err(Error::JobFailed {
-                job_id: self.id,
-                errno,
-            }),
+            JobStatus::Failed(errno) => {
+                log::debug!("job {} failed with errno {errno}", self.id);
+                Err(Error::JobFailed {
+                    job_id: self.id,
+                    errno,
+                })
+            }
         }
     }
 
+    /// A failed JOB_WAIT (ESTALE says what to do: `SysError::StaleJob`).
+    fn wait_error(&self, e: SysError) -> Error {
+        e.into()
+    }
+
+    /// Whether the job has ended successfully, without waiting: `Ok(false)`
+    /// while it runs, [`Error::JobFailed`] when it failed.
+    pub fn try_wait(&self) -> Result<bool> {
+        Ok(self.poll()? == JobState::Done)
+    }
+
     /// Waits for the job to end: `Ok` when it succeeded,
-    /// [`Error::JobFailed`] when it failed, [`Error::Timeout`] when it is
-    /// still running after `timeout_us` (0 polls, negative waits without
-    /// limit).
-    pub fn wait(&self, timeout_us: i64) -> Result<()> {
-        let deadline = Deadline::from_timeout_us(timeout_us);
+    /// [`Error::JobFailed`] when it failed.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_for(None)
+    }
+
+    /// [`JobHandle::wait`] for at most `timeout`: [`Error::Timeout`] when
+    /// the job is still running then.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<()> {
+        self.wait_for(Some(timeout))
+    }
+
+    /// Waits for at most `timeout` (`None`: without limit, `Some(ZERO)`:
+    /// poll). See [`JobHandle::wait`].
+    pub fn wait_for(&self, timeout: Option<Duration>) -> Result<()> {
+        let start = Instant::now();
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op: "job wait",
+            name: format!("job {}", self.id),
+            waited: start.elapsed(),
+        };
         loop {
             let r = self.device.job_wait(self.id, deadline.remaining_us(None));
             match r {
                 Ok(s) => match self.state(s)? {
                     JobState::Done => return Ok(()),
-                    JobState::Pending if deadline.expired() => {
-                        return Err(Error::Timeout { op: "job wait" })
-                    }
+                    JobState::Pending if deadline.expired() => return Err(timed_out()),
                     JobState::Pending => {}
                 },
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
                     if deadline.expired() =>
                 {
-                    return Err(Error::Timeout { op: "job wait" })
+                    return Err(timed_out())
                 }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(self.wait_error(e)),
             }
         }
     }

@@ -1,4 +1,8 @@
-//! Minimal, pluggable logging (no dependency on a logging framework).
+//! Diagnostics go to the [`log`] crate (target `tdrv`), where the
+//! application's logger (env_logger, tracing-log, ...) picks them up; a
+//! library prints nothing by itself. [`set_logger`] replaces that with a
+//! function of the caller's (the C library uses it to print to stderr as
+//! the runtime it reimplements did).
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,13 +33,24 @@ impl fmt::Display for Level {
     }
 }
 
+impl From<Level> for ::log::Level {
+    fn from(l: Level) -> Self {
+        match l {
+            Level::Error => ::log::Level::Error,
+            Level::Warn => ::log::Level::Warn,
+            Level::Info => ::log::Level::Info,
+            Level::Debug => ::log::Level::Debug,
+        }
+    }
+}
+
 /// A function that receives every log message.
 pub type Logger = Box<dyn Fn(Level, &str) + Send + Sync>;
 
 static LOGGER: RwLock<Option<Logger>> = RwLock::new(None);
 
-/// Installs a logger (or, with `None`, restores the default: warnings and
-/// errors go to stderr as `tdrv: <level>: <message>`).
+/// Installs a function that receives every message instead of the `log`
+/// crate (or, with `None`, sends them to the `log` crate again).
 pub fn set_logger(logger: Option<Logger>) {
     *LOGGER.write().unwrap_or_else(|e| e.into_inner()) = logger;
 }
@@ -44,8 +59,7 @@ pub(crate) fn log(level: Level, args: fmt::Arguments<'_>) {
     let guard = LOGGER.read().unwrap_or_else(|e| e.into_inner());
     match guard.as_ref() {
         Some(logger) => logger(level, &args.to_string()),
-        None if level <= Level::Warn => eprintln!("tdrv: {level}: {args}"),
-        None => {}
+        None => ::log::log!(target: "tdrv", level.into(), "{args}"),
     }
 }
 

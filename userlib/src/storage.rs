@@ -166,7 +166,19 @@ impl Storage {
                 device.num_channels()
             )));
         }
-        let a = device.alloc(size as u64, channel)?;
+        let a = device
+            .alloc(size as u64, channel)
+            .map_err(|source| match source {
+                // Out of room: say where and how much (other errors are
+                // argument errors, reported as the driver's).
+                SysError::NoMemory { .. } | SysError::NoSpace { .. } => Error::DeviceAlloc {
+                    device: device.path().to_owned(),
+                    channel,
+                    size,
+                    source,
+                },
+                e => e.into(),
+            })?;
         let mut buf = DmaBuffer {
             device: device.clone(),
             handle: a.handle,

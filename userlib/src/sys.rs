@@ -8,12 +8,12 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use tdrv_uapi as uapi;
 
@@ -31,6 +31,7 @@ pub const NODE_PREFIX: &str = "tdrv";
 /// `op` names the call (`"ALLOC"`, `"mmap"`, ...). The variants follow the
 /// errno values documented in `uapi/tdrv.h`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SysError {
     /// EINVAL: the driver refused an argument.
     #[error("{op}: invalid argument (EINVAL)")]
@@ -104,6 +105,35 @@ pub enum SysError {
         /// The operation.
         op: &'static str,
     },
+    /// EAGAIN: this file has too many unfinished jobs, or they would move
+    /// too many bytes (module parameters `file_max_jobs`,
+    /// `file_max_inflight_mib`).
+    #[error(
+        "{op}: too many unfinished jobs or bytes in flight for this file (EAGAIN): \
+         wait for some jobs and submit again"
+    )]
+    TooManyJobs {
+        /// The operation.
+        op: &'static str,
+    },
+    /// ESTALE: JOB_WAIT on a job older than the file's last
+    /// `TDRV_JOB_WINDOW` (4096) jobs; its status is no longer kept.
+    #[error(
+        "{op}: the job's status is no longer kept (ESTALE): the driver keeps a \
+         file's last 4096 jobs; wait for a job before submitting that many more"
+    )]
+    StaleJob {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EBUSY (from the library, not the driver): the call would write a
+    /// buffer that a `Tensor::map_read`/`map_write` guard is lending out.
+    /// Drop the guard first.
+    #[error("{op}: the buffer is mapped by a live map_read/map_write guard (EBUSY)")]
+    Pinned {
+        /// The operation.
+        op: &'static str,
+    },
     /// Any other errno.
     #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
     Os {
@@ -148,6 +178,8 @@ impl SysError {
             libc::EINTR => Self::Interrupted { op },
             libc::ENODEV => Self::DeviceRemoved { op },
             libc::ENOTTY => Self::NotTdrv { op },
+            libc::EAGAIN => Self::TooManyJobs { op },
+            libc::ESTALE => Self::StaleJob { op },
             errno => Self::Os { op, errno },
         }
     }
@@ -171,6 +203,9 @@ impl SysError {
             Self::Interrupted { .. } => libc::EINTR,
             Self::DeviceRemoved { .. } => libc::ENODEV,
             Self::NotTdrv { .. } => libc::ENOTTY,
+            Self::Pinned { .. } => libc::EBUSY,
+            Self::TooManyJobs { .. } => libc::EAGAIN,
+            Self::StaleJob { .. } => libc::ESTALE,
             Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
             Self::AbiMismatch { .. } => libc::EPROTO,
         }
@@ -277,9 +312,70 @@ pub struct Device {
     /// Whether `resets` has ever had an entry: keeps the common path a
     /// single atomic load.
     any_reset: AtomicBool,
+    /// Buffers with live host references into their mapping
+    /// (`Tensor::map_read`/`map_write` guards), by handle: the count of
+    /// guards. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
+    /// COPY, SUBMIT) holds the read side for its whole call and refuses a
+    /// pinned destination; pinning takes the write side, so it waits for
+    /// the writes in progress. See `userlib/DESIGN.md`.
+    pins: RwLock<HashMap<u64, usize>>,
+}
+
+/// A pin of one buffer (see [`Device`]'s `pins`); unpins on drop.
+pub(crate) struct Pin<'a> {
+    device: &'a Device,
+    handle: u64,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        let mut pins = self.device.pins.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = pins.get_mut(&self.handle) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&self.handle);
+            }
+        }
+    }
+}
+
+impl AsFd for Device {
+    /// The device's open file, for `poll`, `fstat`, or passing to another
+    /// process; the `Device` keeps owning it.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 impl Device {
+    /// Pins buffer `handle`: until the pin drops, ioctls that would write
+    /// its bytes fail with [`SysError::Pinned`]. Waits for such ioctls in
+    /// progress.
+    pub(crate) fn pin(&self, handle: u64) -> Result<Pin<'_>, SysError> {
+        let mut pins = self.pins.write().unwrap_or_else(|e| e.into_inner());
+        pins.try_reserve(1)
+            .map_err(|_| SysError::from_errno("pin", libc::ENOMEM))?;
+        *pins.entry(handle).or_insert(0) += 1;
+        Ok(Pin {
+            device: self,
+            handle,
+        })
+    }
+
+    /// The read side of the pins, held across an ioctl that writes the
+    /// bytes of `handles`; [`SysError::Pinned`] if one is pinned.
+    fn unpinned(
+        &self,
+        op: &'static str,
+        handles: impl IntoIterator<Item = u64>,
+    ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
+        let pins = self.pins.read().unwrap_or_else(|e| e.into_inner());
+        if !pins.is_empty() && handles.into_iter().any(|h| pins.contains_key(&h)) {
+            return Err(SysError::Pinned { op });
+        }
+        Ok(pins)
+    }
+
     /// Opens a device node and checks its ABI version.
     pub fn open(path: impl AsRef<Path>) -> Result<Arc<Device>, SysError> {
         let path = path.as_ref().to_path_buf();
@@ -304,6 +400,7 @@ impl Device {
             version: tdrv_version::default(),
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
         };
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
@@ -485,6 +582,7 @@ impl Device {
             user_ptr: src as u64,
             reserved: [0; 2],
         };
+        let _pins = self.unpinned("COPY_IN", [handle])?;
         self.ioctl("COPY_IN", uapi::TDRV_IOC_COPY_IN, &mut x, true)
     }
 
@@ -528,6 +626,7 @@ impl Device {
             value: value.into(),
             ..Default::default()
         };
+        let _pins = self.unpinned("MEMSET", [handle])?;
         self.ioctl("MEMSET", uapi::TDRV_IOC_MEMSET, &mut m, true)
     }
 
@@ -537,6 +636,7 @@ impl Device {
             desc: *desc,
             reserved: [0; 2],
         };
+        let _pins = self.unpinned("COPY", [desc.dst_handle])?;
         self.ioctl("COPY", uapi::TDRV_IOC_COPY, &mut c, true)
     }
 
@@ -552,6 +652,7 @@ impl Device {
             desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
             ..Default::default()
         };
+        let _pins = self.unpinned("SUBMIT", descs.iter().map(|d| d.dst_handle))?;
         self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
         Ok(s.job_id)
     }
@@ -650,6 +751,7 @@ impl Device {
             version: tdrv_version::default(),
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
         })
     }
 
@@ -813,6 +915,37 @@ mod tests {
     }
 
     #[test]
+    fn errno_values_round_trip() {
+        for errno in [
+            libc::EINVAL,
+            libc::E2BIG,
+            libc::ENOENT,
+            libc::ERANGE,
+            libc::EFAULT,
+            libc::EXDEV,
+            libc::ENOMEM,
+            libc::ENOSPC,
+            libc::ETIMEDOUT,
+            libc::EINTR,
+            libc::ENODEV,
+            libc::ENOTTY,
+            libc::EAGAIN,
+            libc::ESTALE,
+            libc::EIO,
+            libc::ECANCELED,
+        ] {
+            assert_eq!(SysError::from_errno("x", errno).errno(), errno);
+        }
+        let e = SysError::from_errno("SUBMIT", libc::EAGAIN);
+        assert!(matches!(e, SysError::TooManyJobs { .. }));
+        assert!(e.to_string().contains("submit again"), "{e}");
+        assert!(matches!(
+            SysError::from_errno("JOB_WAIT", libc::ESTALE),
+            SysError::StaleJob { .. }
+        ));
+    }
+
+    #[test]
     fn page_rounding() {
         let p = page_size();
         assert_eq!(round_up_to_page(1), Some(p));
@@ -820,5 +953,17 @@ mod tests {
         assert_eq!(round_up_to_page(p as u64 + 1), Some(2 * p));
         assert_eq!(round_up_to_page(0), None);
         assert_eq!(round_up_to_page(u64::MAX), None);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "fstat(2) of a device node")]
+    fn a_device_lends_its_file_descriptor() {
+        use std::os::fd::AsFd;
+        let dev = Device::fake_for_tests();
+        let f = std::fs::File::from(dev.as_fd().try_clone_to_owned().unwrap());
+        let meta = f.metadata().unwrap();
+        use std::os::unix::fs::FileTypeExt;
+        assert!(meta.file_type().is_char_device());
+        assert_eq!(dev.as_fd().as_raw_fd(), dev.fd.as_raw_fd());
     }
 }

@@ -418,11 +418,6 @@ impl Tensor {
         )
     }
 
-    /// Another handle to the same view (the seed's `tensor_get_reference`).
-    pub fn get_reference(&self) -> Tensor {
-        self.clone()
-    }
-
     /// The tensor's name.
     pub fn name(&self) -> &str {
         self.view().name.as_deref().unwrap_or(DEFAULT_NAME)

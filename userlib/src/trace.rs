@@ -5,10 +5,10 @@
 //! write 10, read_batch 11, write_batch 12, alloc 27, free 28); operations
 //! the seed does not number use ids of their own from 100 up.
 //!
-//! When the environment variable [`TRACE_FILE_ENV`] (`TDRV_TRACE_FILE`)
-//! names a file, a [`ChromeTraceSink`] writing Chrome trace-event JSON to it
-//! is installed on first use and finished at process exit; open the file in
-//! a browser's trace viewer (chrome://tracing or Perfetto).
+//! A [`ChromeTraceSink`] writes Chrome trace-event JSON to a file; open it
+//! in a browser's trace viewer (chrome://tracing or Perfetto). The crate
+//! reads no environment variable and registers no exit hook: `libnrt.so.1`
+//! installs one from `TDRV_TRACE_FILE` and finishes it at exit.
 //!
 //! With no sink installed, an operation pays one relaxed atomic load.
 
@@ -16,11 +16,8 @@ use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Once, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
-
-/// Environment variable naming the Chrome trace file.
-pub const TRACE_FILE_ENV: &str = "TDRV_TRACE_FILE";
 
 /// A traced operation. The discriminant is the event id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,40 +108,8 @@ pub trait TraceSink: Send + Sync {
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static SINK: RwLock<Option<Arc<dyn TraceSink>>> = RwLock::new(None);
-static ENV_INIT: Once = Once::new();
-static ENV_SINK: OnceLock<Arc<ChromeTraceSink>> = OnceLock::new();
-
-fn init_from_env() {
-    let Some(path) = std::env::var_os(TRACE_FILE_ENV) else {
-        return;
-    };
-    if path.is_empty() {
-        return;
-    }
-    match ChromeTraceSink::create(&path) {
-        Ok(sink) => {
-            let sink = Arc::new(sink);
-            let _ = ENV_SINK.set(sink.clone());
-            *SINK.write().unwrap_or_else(|e| e.into_inner()) = Some(sink);
-            ENABLED.store(true, Ordering::Release);
-            // SAFETY: `finish_env_sink` is an `extern "C" fn()` that never
-            // unwinds; atexit has no other requirement.
-            unsafe { libc::atexit(finish_env_sink) };
-        }
-        Err(e) => crate::log::log_warn!("{TRACE_FILE_ENV}={}: {e}", Path::new(&path).display()),
-    }
-}
-
-extern "C" fn finish_env_sink() {
-    if let Some(sink) = ENV_SINK.get() {
-        let _ = std::panic::catch_unwind(|| sink.finish());
-    }
-}
-
-/// Installs `sink` (or, with `None`, disables tracing). Overrides the sink
-/// made from [`TRACE_FILE_ENV`].
+/// Installs `sink` (or, with `None`, disables tracing).
 pub fn set_sink(sink: Option<Arc<dyn TraceSink>>) {
-    ENV_INIT.call_once(init_from_env);
     let on = sink.is_some();
     *SINK.write().unwrap_or_else(|e| e.into_inner()) = sink;
     ENABLED.store(on, Ordering::Release);
@@ -158,7 +123,6 @@ pub fn flush() {
 }
 
 fn current() -> Option<Arc<dyn TraceSink>> {
-    ENV_INIT.call_once(init_from_env);
     if !ENABLED.load(Ordering::Relaxed) {
         return None;
     }
@@ -205,6 +169,9 @@ fn emit(sink: &dyn TraceSink, phase: Phase, scope: &Scope<'_>) {
 
 /// Emits the begin event now and the end event when dropped.
 pub(crate) struct Scope<'a> {
+    /// With the `tracing` feature, the operation is a span too.
+    #[cfg(feature = "tracing")]
+    _span: tracing::span::EnteredSpan,
     sink: Option<Arc<dyn TraceSink>>,
     op: TraceOp,
     tensor: &'a str,
@@ -226,6 +193,8 @@ pub(crate) fn scope_with(
     hbm_index: i64,
 ) -> Scope<'_> {
     let s = Scope {
+        #[cfg(feature = "tracing")]
+        _span: tracing::debug_span!(target: "tdrv", "tdrv", op = ?op, tensor, size).entered(),
         sink: current(),
         op,
         tensor,

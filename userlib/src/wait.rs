@@ -1,5 +1,6 @@
-//! Time-outs in the ABI's convention: microseconds, 0 polls, negative waits
-//! without limit.
+//! Time-outs. The Rust API takes `Option<Duration>` (`None` waits without
+//! limit, `Some(Duration::ZERO)` polls); the ABI and the C library take
+//! microseconds (0 polls, negative waits without limit).
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,19 @@ pub(crate) enum Deadline {
 }
 
 impl Deadline {
+    /// From the Rust API's time-out: `None` waits without limit,
+    /// `Some(ZERO)` polls.
+    pub(crate) fn from_timeout(timeout: Option<Duration>) -> Self {
+        match timeout {
+            None => Deadline::Never,
+            Some(d) if d.is_zero() => Deadline::Poll,
+            Some(d) => Instant::now()
+                .checked_add(d)
+                .map_or(Deadline::Never, Deadline::At),
+        }
+    }
+
+    #[cfg(test)]
     pub(crate) fn from_timeout_us(timeout_us: i64) -> Self {
         match timeout_us {
             t if t < 0 => Deadline::Never,
@@ -49,5 +63,34 @@ impl Deadline {
 
     pub(crate) fn expired(&self) -> bool {
         self.remaining().is_some_and(|r| r.is_zero())
+    }
+}
+
+/// The Rust API's time-out for an ABI (and nrt) time-out in microseconds:
+/// negative waits without limit (`None`), 0 polls (`Some(ZERO)`).
+pub fn timeout_from_us(timeout_us: i64) -> Option<Duration> {
+    (timeout_us >= 0).then(|| Duration::from_micros(timeout_us.unsigned_abs()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn microsecond_time_outs_map_to_durations() {
+        assert_eq!(timeout_from_us(-1), None);
+        assert_eq!(timeout_from_us(i64::MIN), None);
+        assert_eq!(timeout_from_us(0), Some(Duration::ZERO));
+        assert_eq!(timeout_from_us(1500), Some(Duration::from_micros(1500)));
+        assert!(matches!(Deadline::from_timeout(None), Deadline::Never));
+        assert!(matches!(
+            Deadline::from_timeout(Some(Duration::ZERO)),
+            Deadline::Poll
+        ));
+        assert!(matches!(
+            Deadline::from_timeout(Some(Duration::MAX)),
+            Deadline::Never
+        ));
+        assert!(matches!(Deadline::from_timeout_us(0), Deadline::Poll));
     }
 }

@@ -121,7 +121,7 @@ fn readers_wait_for_device_writers() {
     );
     // Polling the fence says "busy".
     assert!(matches!(
-        t.wait_device_idle(Access::Read, 0),
+        t.wait_device_idle(Access::Read, Some(std::time::Duration::ZERO)),
         Err(Error::Timeout { .. })
     ));
     t.mark_async_finish(Access::Write).unwrap();
@@ -130,7 +130,8 @@ fn readers_wait_for_device_writers() {
         "read was not woken"
     );
     reader.join().unwrap();
-    t.wait_device_idle(Access::Write, 0).unwrap();
+    t.wait_device_idle(Access::Write, Some(std::time::Duration::ZERO))
+        .unwrap();
 }
 
 #[test]
@@ -142,7 +143,8 @@ fn writers_wait_for_every_device_access() {
     // A pending device read does not block host reads...
     let mut b = [0; 8];
     t.read(0, &mut b).unwrap();
-    t.wait_device_idle(Access::Read, 0).unwrap();
+    t.wait_device_idle(Access::Read, Some(std::time::Duration::ZERO))
+        .unwrap();
     // ...but blocks writes, memsets and copies into the storage.
     for op in 0..3 {
         let done = Arc::new(AtomicBool::new(false));
@@ -193,22 +195,27 @@ fn timed_device_waits() {
     let t = Tensor::allocate_host(8, None).unwrap();
     t.mark_async_start(Access::Write).unwrap();
     let start = Instant::now();
-    let r = t.wait_device_idle(Access::Read, 30_000);
+    let r = t.wait_device_idle(Access::Read, Some(std::time::Duration::from_micros(30_000)));
     assert!(r.unwrap_err().is_timeout());
     assert!(start.elapsed() >= Duration::from_millis(30));
     t.mark_async_finish(Access::Write).unwrap();
-    t.wait_device_idle(Access::Write, -1).unwrap();
+    t.wait_device_idle(Access::Write, None).unwrap();
 }
 
 #[test]
 fn output_completion_counts_per_view() {
     let out = Tensor::allocate_host(128, Some("out")).unwrap();
     // 0 polls.
-    out.check_output_completion(0, 0).unwrap();
-    assert!(out.check_output_completion(0, 1).unwrap_err().is_timeout());
+    out.check_output_completion(Some(std::time::Duration::ZERO), 0)
+        .unwrap();
+    assert!(out
+        .check_output_completion(Some(std::time::Duration::ZERO), 1)
+        .unwrap_err()
+        .is_timeout());
     out.record_output_completion().unwrap();
     out.record_output_completion().unwrap();
-    out.check_output_completion(0, 2).unwrap();
+    out.check_output_completion(Some(std::time::Duration::ZERO), 2)
+        .unwrap();
     assert_eq!(out.output_completion_count().unwrap(), 2);
 
     // A slice starts at 0 and counts on its own.
@@ -224,14 +231,18 @@ fn output_completion_counts_per_view() {
 
     // Timed wait that runs out.
     let start = Instant::now();
-    let err = out.check_output_completion(20_000, 1).unwrap_err();
+    let err = out
+        .check_output_completion(Some(std::time::Duration::from_micros(20_000)), 1)
+        .unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }));
     assert!(start.elapsed() >= Duration::from_millis(20));
 
     // A waiter on another thread is woken by the producer.
     let waiter = {
         let out = out.clone();
-        thread::spawn(move || out.check_output_completion(10_000_000, 3))
+        thread::spawn(move || {
+            out.check_output_completion(Some(std::time::Duration::from_micros(10_000_000)), 3)
+        })
     };
     for _ in 0..3 {
         thread::sleep(Duration::from_millis(10));
@@ -242,7 +253,8 @@ fn output_completion_counts_per_view() {
     // Fake storage has counters too.
     let f = Tensor::allocate_fake(8, None).unwrap();
     f.record_output_completion().unwrap();
-    f.check_output_completion(0, 1).unwrap();
+    f.check_output_completion(Some(std::time::Duration::ZERO), 1)
+        .unwrap();
 }
 
 #[test]
@@ -258,7 +270,7 @@ fn unbounded_completion_wait_logs_a_heartbeat() {
     let out = Tensor::allocate_host(8, Some("slow_output")).unwrap();
     let waiter = {
         let out = out.clone();
-        thread::spawn(move || out.check_output_completion(-1, 1))
+        thread::spawn(move || out.check_output_completion(None, 1))
     };
     thread::sleep(Duration::from_millis(150));
     out.record_output_completion().unwrap();

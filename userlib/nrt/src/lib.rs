@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use tdrv::handles::{HandleTable, HandlesMut};
 use tdrv::{Error, Fencing, Placement, RawReadOp, RawWriteOp, SysError, Tensor};
@@ -101,7 +101,9 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
         Error::NoDmaAddress { .. } => NRT_FAILURE,
         Error::Sys(s) => match s {
             SysError::TimedOut { .. } => NRT_TIMEOUT,
-            SysError::NoMemory { .. } | SysError::NoSpace { .. } => NRT_RESOURCE,
+            SysError::NoMemory { .. } | SysError::NoSpace { .. } | SysError::TooManyJobs { .. } => {
+                NRT_RESOURCE
+            }
             // A device-to-device copy across HBMs is NRT_INVALID.
             SysError::CrossChannel { .. }
             | SysError::InvalidArgument { .. }
@@ -115,8 +117,10 @@ pub fn status_of(e: &Error) -> NRT_STATUS {
             }
             _ => NRT_FAILURE,
         },
-        Error::JobFailed { .. } => NRT_HW_ERROR,
+        Error::DeviceAlloc { source, .. } => status_of(&Error::Sys(source.clone())),
+        Error::JobFailed { .. } | Error::DeviceWriteFailed { .. } => NRT_HW_ERROR,
         Error::Io { .. } => NRT_FAILURE,
+        _ => NRT_FAILURE,
     }
 }
 
@@ -152,8 +156,70 @@ fn status(func: &str, r: tdrv::Result<()>) -> NRT_STATUS {
     }
 }
 
+/// Environment variable naming the device node of
+/// `NRT_TENSOR_PLACEMENT_DEVICE` (default `/dev/tdrv0`).
+pub const DEVICE_ENV: &str = "TDRV_DEVICE";
+/// Environment variable naming a Chrome trace file, written at exit.
+pub const TRACE_FILE_ENV: &str = "TDRV_TRACE_FILE";
+/// Environment variable naming the job input dump directory.
+pub const INPUT_DUMP_ENV: &str = "NEURON_RT_DBG_INPUT_DUMP_DIRECTORY";
+
+static TRACE_SINK: OnceLock<Arc<tdrv::trace::ChromeTraceSink>> = OnceLock::new();
+
+extern "C" fn finish_trace_file() {
+    if let Some(sink) = TRACE_SINK.get() {
+        let _ = catch_unwind(|| sink.finish());
+    }
+}
+
+fn env_path(var: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
+/// What the C library does at its first call, and the Rust crate never
+/// does by itself (the environment and exit hooks are the C library's):
+///
+/// - the tensor layer logs through the `log` crate, which a C program never
+///   sets up: print its warnings and errors to stderr as `tdrv: <level>:
+///   <message>`, unless `NEURON_RT_LOG_LEVEL` silences logging;
+/// - `TDRV_DEVICE`: the node of the DEVICE placement;
+/// - `NEURON_RT_DBG_INPUT_DUMP_DIRECTORY`: the job input dump directory;
+/// - `TDRV_TRACE_FILE`: a Chrome trace file, finished by an `atexit` hook.
+fn init_from_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tdrv::set_logger(Some(Box::new(|level, msg| {
+            if level <= tdrv::Level::Warn && logging_enabled() {
+                eprintln!("tdrv: {level}: {msg}");
+            }
+        })));
+        if let Some(p) = env_path(DEVICE_ENV) {
+            tdrv::set_default_device_path(Some(p));
+        }
+        if let Some(p) = env_path(INPUT_DUMP_ENV) {
+            tdrv::dump::set_input_dump_directory(Some(p));
+        }
+        if let Some(p) = env_path(TRACE_FILE_ENV) {
+            match tdrv::trace::ChromeTraceSink::create(&p) {
+                Ok(sink) => {
+                    let sink = Arc::new(sink);
+                    let _ = TRACE_SINK.set(sink.clone());
+                    tdrv::trace::set_sink(Some(sink));
+                    // SAFETY: `finish_trace_file` is an `extern "C" fn()`
+                    // that never unwinds; atexit has no other requirement.
+                    unsafe { libc::atexit(finish_trace_file) };
+                }
+                Err(e) => log_error(TRACE_FILE_ENV, &format!("{}: {e}", p.display())),
+            }
+        }
+    });
+}
+
 /// Runs an entry point, turning a panic into `NRT_FAILURE`.
 fn guard(func: &str, f: impl FnOnce() -> NRT_STATUS) -> NRT_STATUS {
+    init_from_env();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(s) => s,
         Err(_) => fail(func, NRT_FAILURE, "internal error (panic)"),
@@ -792,7 +858,10 @@ pub extern "C" fn nrt_tensor_check_output_completion(
     const F: &str = "nrt_tensor_check_output_completion";
     guard(F, || {
         let t = tri!(borrow(F, output));
-        match t.check_output_completion(timeout_us, expected_completion_count) {
+        match t.check_output_completion(
+            tdrv::compat::timeout_from_us(timeout_us),
+            expected_completion_count,
+        ) {
             Ok(()) => NRT_SUCCESS,
             // A time-out is an answer, not an error worth a log line.
             Err(e) if e.is_timeout() => NRT_TIMEOUT,

@@ -25,7 +25,14 @@ fn alloc(size: usize, name: &str) -> *mut nrt_tensor_t {
 #[test]
 fn status_mapping() {
     use tdrv::{Error, SysError};
-    assert_eq!(status_of(&Error::Timeout { op: "x" }), NRT_TIMEOUT);
+    assert_eq!(
+        status_of(&Error::Timeout {
+            op: "x",
+            name: String::new(),
+            waited: std::time::Duration::ZERO
+        }),
+        NRT_TIMEOUT
+    );
     assert_eq!(
         status_of(&Error::CrossChannel { src: 0, dst: 1 }),
         NRT_INVALID
@@ -43,6 +50,16 @@ fn status_mapping() {
         NRT_TIMEOUT
     );
     assert_eq!(status_of(&Error::OutOfMemory(1)), NRT_RESOURCE);
+    // A refused device allocation keeps the driver's status.
+    assert_eq!(
+        status_of(&Error::DeviceAlloc {
+            device: "/dev/tdrv0".into(),
+            channel: 0,
+            size: 64,
+            source: SysError::NoSpace { op: "ALLOC" },
+        }),
+        NRT_RESOURCE
+    );
 }
 
 #[test]

@@ -225,7 +225,7 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
             Span::direct(abs, needed, access == Access::Write),
         )?;
         // The slot and span are released by their guards if the wait fails.
-        tensor.wait_device_idle(access, -1)?;
+        tensor.wait_device_idle(access, None)?;
         Ok(TensorAccessor {
             slot,
             _span: span,

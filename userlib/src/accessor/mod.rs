@@ -17,7 +17,7 @@
 //! read-write ones, like the seed's `const&`/`&` overloads.
 //!
 //! The enforcer is per view: handles cloned from one another
-//! ([`Tensor::get_reference`]) share it, a slice has its own (as each
+//! (`clone`, the seed's `get_reference`) share it, a slice has its own (as each
 //! `at::Tensor` has its own). Staging copies use [`crate::memcpy`], so the
 //! active `neuron_memcpy` method applies.
 //!
@@ -67,25 +67,15 @@ use crate::coherency::{CoherenceError, Policy};
 use crate::storage::StorageKind;
 use crate::tensor::Tensor;
 
-/// Plain data an accessor can load from and store to tensor memory.
-///
-/// # Safety
-/// Every bit pattern of `size_of::<Self>()` bytes must be a valid value and
-/// the type must have no padding, so that arbitrary tensor bytes can be
-/// read as it and its bytes can be written out.
-pub unsafe trait Element: Copy + Send + Sync + 'static {}
+/// Plain data an accessor can load from and store to tensor memory:
+/// every [`bytemuck::Pod`] type that is `Send + Sync` (all of them in
+/// practice: numbers, [`half::f16`], [`half::bf16`], arrays of them and
+/// `#[repr(C)]` structs deriving `Pod`). `Pod` is what makes it sound to
+/// read arbitrary tensor bytes as a `T` and to write a `T` out: no padding,
+/// every bit pattern valid.
+pub trait Element: bytemuck::Pod + Send + Sync {}
 
-macro_rules! elements {
-    ($($t:ty),*) => { $(
-        // SAFETY: a primitive number: no padding, every bit pattern valid.
-        unsafe impl Element for $t {}
-    )* };
-}
-elements!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, usize, isize, f32, f64);
-
-// SAFETY: an array of elements has no padding between them and is valid for
-// any bytes when its element is.
-unsafe impl<T: Element, const K: usize> Element for [T; K] {}
+impl<T: bytemuck::Pod + Send + Sync> Element for T {}
 
 /// Marker of accessors made from a shared tensor: loads only.
 #[derive(Debug, Clone, Copy)]

@@ -95,15 +95,12 @@ impl<T: Element> DerefMut for TcmBuffer<T> {
 
 /// The bytes of a slice of elements.
 fn bytes_of<T: Element>(v: &[T]) -> &[u8] {
-    // SAFETY: `T: Element` has no padding, so all `size_of_val(v)` bytes are
-    // initialised; u8 has no alignment requirement.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    bytemuck::cast_slice(v)
 }
 
 /// The bytes of a slice of elements, for writing.
 fn bytes_of_mut<T: Element>(v: &mut [T]) -> &mut [u8] {
-    // SAFETY: as in `bytes_of`; any bytes written are a valid `T`.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    bytemuck::cast_slice_mut(v)
 }
 
 impl<'a> TensorTcmAccessor<'a, ReadOnly> {

@@ -550,7 +550,7 @@ fn accessor_matrix_under_every_policy() {
 #[test]
 fn enforcer_is_per_view_shared_by_handles() {
     let t = u32_tensor(8);
-    let handle = t.get_reference();
+    let handle = t.clone();
     let slice = t.slice(0, 16, None).unwrap();
     let _r = t.read_stream_accessor::<u32>().unwrap();
     assert_eq!(counts(&handle).buffered_readers, 1);

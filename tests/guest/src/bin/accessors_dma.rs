@@ -157,7 +157,7 @@ fn copies_wait_for_inflight_jobs(ctx: &Ctx) -> R {
         neuron_memcpy_from_tensor_with(m, &mut staging, 0, &dst, 0, len)
             .map_err(err("from tensor"))?;
         same_bytes(&format!("{m:?} after a job"), staging.as_slice(), &data)?;
-        running.wait(-1).map_err(err("job"))?;
+        running.wait().map_err(err("job"))?;
 
         // And a copy into a tensor a job is still reading waits for it: the
         // job copies the old bytes.
@@ -167,7 +167,7 @@ fn copies_wait_for_inflight_jobs(ctx: &Ctx) -> R {
         let running = job.submit().map_err(err("submit"))?;
         staging.as_mut_slice().fill(0xEE);
         neuron_memcpy_to_tensor_with(m, &src, 0, &staging, 0, len).map_err(err("to tensor"))?;
-        running.wait(-1).map_err(err("job"))?;
+        running.wait().map_err(err("job"))?;
         same_bytes(
             &format!("{m:?} job input"),
             &copy.to_vec().map_err(err("read"))?,

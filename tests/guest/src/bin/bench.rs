@@ -1016,7 +1016,7 @@ fn fence_wakes(
     let waiter = std::thread::spawn(move || {
         while let Ok(k) = go_rx.recv() {
             waiter_view
-                .check_output_completion(-1, k)
+                .check_output_completion(None, k)
                 .expect("completion wait");
             done_tx.send(Instant::now()).expect("send");
         }

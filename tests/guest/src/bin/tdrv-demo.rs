@@ -52,9 +52,13 @@ fn demo(path: &PathBuf) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let handle = job.submit().map_err(|e| e.to_string())?;
     println!("  submitted copy job {}", handle.id());
-    dst.check_output_completion(60_000_000, 1)
+    // The job's own outcome first: a failed job is an error here (and the
+    // completion wait below would end with the buffer's error, not hang).
+    handle
+        .wait_timeout(std::time::Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
-    handle.wait(60_000_000).map_err(|e| e.to_string())?;
+    dst.check_output_completion(Some(std::time::Duration::from_secs(60)), 1)
+        .map_err(|e| e.to_string())?;
     println!(
         "  {} reached output completion {} after {:.3} ms",
         dst.name(),

@@ -18,10 +18,10 @@ type R = Result<(), String>;
 /// A named check of this program.
 type Test = (&'static str, fn(&Ctx) -> R);
 
-const SECOND_US: i64 = 1_000_000;
+const SECOND: Duration = Duration::from_secs(1);
 /// How long a job may take (the edu engine moves one 4 KiB chunk per
 /// interrupt).
-const JOB_WAIT_US: i64 = 60 * SECOND_US;
+const JOB_WAIT: Duration = Duration::from_secs(60);
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -74,7 +74,7 @@ impl Ctx {
 
 fn allocate_device_placement(c: &Ctx) -> R {
     // Placement::Device goes through the lazily opened process-wide
-    // device, which TDRV_DEVICE points at this program's device.
+    // device, which set_default_device_path points at this program's device.
     let t = e(
         "allocate",
         Tensor::allocate(Placement::Device, 0, 65536, Some("dev_tensor")),
@@ -165,7 +165,7 @@ fn va_through_mapping(c: &Ctx) -> R {
     same("bytes seen through the va", via_va, &data)?;
     // Direct writes through the mapping, after the fence, are what the
     // device sees.
-    e("fence", s.wait_device_idle(Access::Write, SECOND_US))?;
+    e("fence", s.wait_device_idle(Access::Write, Some(SECOND)))?;
     // SAFETY: as above; the fence says no device access is in flight.
     unsafe { std::ptr::write_bytes(va.as_ptr(), 0xA5, 100) };
     let h = t.dma_handle().ok_or("no handle")?;
@@ -274,6 +274,115 @@ fn copy_host_round_trip(c: &Ctx) -> R {
     expect_eq("device byte after fake copy", read_all(&d)?[0], 0x99)
 }
 
+/// A job that fails (an injected edu stall: the watchdog fails it with
+/// ETIMEDOUT) cannot be missed through the tensor API: its handle, the
+/// completion wait, fences, reads and copies of its output all report it,
+/// none waits for ever or returns stale bytes; a write clears it.
+fn failed_job(c: &Ctx, t: &mut Tap) {
+    const NAME: &str = "a failed job is an error for every reader and waiter";
+    if c.dev.kind() != tdrv::DeviceKind::Edu {
+        t.skip(NAME, "the software engine has no fault injection");
+        return;
+    }
+    let node = c.path.trim_start_matches("/dev/").to_string();
+    let body = || -> R {
+        let size = 8192;
+        let src = c.alloc(size, "failed_src")?;
+        let dst = c.alloc(size, "failed_dst")?;
+        let data = pattern(size, 0x17);
+        e("write", src.write(0, &data))?;
+        e("write", dst.write(0, &[0xEE; 8192]))?;
+        std::fs::write(format!("/sys/kernel/debug/tdrv/{node}/inject"), "stall")
+            .map_err(|err| format!("inject stall: {err}"))?;
+        let h = e(
+            "submit",
+            Job::new().copy_all(&src, &dst).and_then(|j| j.submit()),
+        )?;
+        let failed = |what: &str, r: tdrv::Result<()>| -> R {
+            match r {
+                Err(tdrv::Error::DeviceWriteFailed { errno, .. }) if errno == libc::ETIMEDOUT => {
+                    Ok(())
+                }
+                other => Err(format!(
+                    "{what}: {other:?}, want DeviceWriteFailed(ETIMEDOUT)"
+                )),
+            }
+        };
+        // Waited for before the job's own outcome: ends, with the error.
+        failed(
+            "completion wait (no time limit)",
+            dst.check_output_completion(None, 1),
+        )?;
+        match h.wait() {
+            Err(tdrv::Error::JobFailed { errno, .. }) if errno == libc::ETIMEDOUT => {}
+            other => return Err(format!("job wait: {other:?}, want JobFailed(ETIMEDOUT)")),
+        }
+        match h.try_wait() {
+            Err(tdrv::Error::JobFailed { .. }) => {}
+            other => return Err(format!("try_wait: {other:?}")),
+        }
+        failed("to_vec", dst.to_vec().map(drop))?;
+        let mut buf = [0u8; 16];
+        failed(
+            "read of a slice",
+            dst.slice(4096, 16, None).and_then(|s| s.read(0, &mut buf)),
+        )?;
+        let mut ops = [ReadOp {
+            offset: 0,
+            buf: &mut buf,
+        }];
+        failed(
+            "unfenced batch read",
+            dst.read_batch(&mut ops, Fencing::Skip),
+        )?;
+        failed("fence", dst.wait_device_idle(Access::Read, Some(SECOND)))?;
+        let host = e("allocate_host", Tensor::allocate_host(size, None))?;
+        failed("copy to host", Tensor::copy(&dst, 0, &host, 0, size))?;
+        let other = c.alloc(size, "failed_other")?;
+        failed(
+            "device copy from it",
+            Tensor::copy(&dst, 0, &other, 0, size),
+        )?;
+        let io: std::io::Error = dst.to_vec().map(drop).unwrap_err().into();
+        expect_eq("io error kind", io.kind(), std::io::ErrorKind::TimedOut)?;
+        // The source was only read: intact.
+        same("source", &read_all(&src)?, &data)?;
+        // A write through the library clears the latch (through the
+        // kernel, as a write through the mapping would not).
+        e("write after the failure", dst.write(0, &data))?;
+        same("read after the write", &read_all(&dst)?, &data)?;
+        let info = c
+            .dev
+            .buf_info(dst.dma_handle().ok_or("no handle")?)
+            .map_err(|err| format!("BUF_INFO: {err}"))?;
+        expect_eq("latch after the write", info.error, 0)?;
+        Ok(())
+    };
+    t.run(NAME, || -> R {
+        let checks = body();
+        // The engine recovers (it refuses jobs with EIO until the device
+        // lets go of the stuck transfer, and keeps the job's buffers until
+        // then); wait for that whatever the checks said, so that later
+        // tests and the final accounting see a working engine.
+        let src = c.alloc(4096, "recovery_src")?;
+        let dst = c.alloc(4096, "recovery_dst")?;
+        let mut tries = 0;
+        let h = loop {
+            match Job::new().copy_all(&src, &dst).and_then(|j| j.submit()) {
+                Ok(h) => break h,
+                Err(Error::Sys(err)) if err.errno() == libc::EIO && tries < 30 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                Err(err) => return Err(format!("submit after recovery: {err}")),
+            }
+        };
+        checks?;
+        e("job after recovery", h.wait_timeout(JOB_WAIT))?;
+        e("completion", dst.check_output_completion(Some(JOB_WAIT), 1))
+    });
+}
+
 fn cross_channel(c: &Ctx, t: &mut Tap) {
     const NAME: &str = "copy across HBM channels is refused";
     if c.dev.num_channels() < 2 {
@@ -317,7 +426,7 @@ fn job_and_completion(c: &Ctx) -> R {
     let early = e("slice before the job", dst.slice(0, 4096, None))?;
     let data = pattern(1 << 20, 0x21);
     e("write", src.write(0, &data))?;
-    match dst.check_output_completion(0, 1) {
+    match dst.check_output_completion(Some(std::time::Duration::ZERO), 1) {
         Err(err) if err.is_timeout() => {}
         other => return Err(format!("poll before any job: {other:?}")),
     }
@@ -328,9 +437,9 @@ fn job_and_completion(c: &Ctx) -> R {
     let h = e("submit", job.submit())?;
     e(
         "check_output_completion",
-        dst.check_output_completion(JOB_WAIT_US, 1),
+        dst.check_output_completion(Some(JOB_WAIT), 1),
     )?;
-    e("job wait", h.wait(JOB_WAIT_US))?;
+    e("job wait", h.wait_timeout(JOB_WAIT))?;
     expect_eq("count", e("count", dst.output_completion_count())?, 1)?;
     expect_eq(
         "count of a slice made before the job",
@@ -343,7 +452,7 @@ fn job_and_completion(c: &Ctx) -> R {
         e("count", late.output_completion_count())?,
         0,
     )?;
-    match late.check_output_completion(0, 1) {
+    match late.check_output_completion(Some(std::time::Duration::ZERO), 1) {
         Err(err) if err.is_timeout() => {}
         other => return Err(format!("a new slice starts at 0: {other:?}")),
     }
@@ -364,8 +473,8 @@ fn job_and_completion(c: &Ctx) -> R {
     let mut job = Job::new();
     e("job copy", job.copy(&src, 0, &late, 0, 4096))?;
     let h = e("submit", job.submit())?;
-    e("wait forever", dst.check_output_completion(-1, 1))?;
-    e("job wait", h.wait(-1))?;
+    e("wait forever", dst.check_output_completion(None, 1))?;
+    e("job wait", h.wait())?;
     expect_eq(
         "late slice count",
         e("count", late.output_completion_count())?,
@@ -403,8 +512,8 @@ fn read_fenced_behind_job(c: &Ctx) -> R {
     e("job copy", job.copy(&src, 0, &dst, 0, size))?;
     let h2 = e("submit", job.submit())?;
     e("overwrite source", src.write(0, &vec![0u8; size]))?;
-    e("job wait", h.wait(JOB_WAIT_US))?;
-    e("job wait", h2.wait(JOB_WAIT_US))?;
+    e("job wait", h.wait_timeout(JOB_WAIT))?;
+    e("job wait", h2.wait_timeout(JOB_WAIT))?;
     same("second job copied the old source", &read_all(&dst)?, &data)
 }
 
@@ -514,7 +623,10 @@ fn input_dump(c: &Ctx) -> R {
         e("write", src.write(0, &data))?;
         let mut job = Job::new();
         e("job copy", job.copy(&src, 0, &dst, 0, 5000))?;
-        e("job wait", e("submit", job.submit())?.wait(JOB_WAIT_US))?;
+        e(
+            "job wait",
+            e("submit", job.submit())?.wait_timeout(JOB_WAIT),
+        )?;
         let files: Vec<_> = std::fs::read_dir(&dir)
             .map_err(|err| format!("{}: {err}", dir.display()))?
             .filter_map(|f| f.ok())
@@ -533,12 +645,78 @@ fn input_dump(c: &Ctx) -> R {
     r
 }
 
+/// `map_read`/`map_write` lend a device buffer's mapping: a guard waits
+/// for the job writing the buffer, and while it lives device writes to the
+/// buffer are refused (the tensor layer's and the raw ioctls alike).
+fn mapping_guards(c: &Ctx) -> R {
+    let size = 8192;
+    let src = c.alloc(size, "guard_src")?;
+    let t = c.alloc(size, "guard_t")?;
+    let data = pattern(size, 0x5a);
+    e("write", src.write(0, &data))?;
+    let h = e(
+        "submit",
+        Job::new().copy_all(&src, &t).and_then(|j| j.submit()),
+    )?;
+    {
+        // Waits for the job in flight: sees its bytes.
+        let g = e("map_read", t.map_read(..4096))?;
+        same("guarded bytes", &g, &data[..4096])?;
+        let pinned = |what: &str, r: tdrv::Result<()>| -> R {
+            match r {
+                Err(Error::Sys(SysError::Pinned { .. })) => Ok(()),
+                other => Err(format!("{what}: {other:?}, want Pinned")),
+            }
+        };
+        pinned(
+            "job writing the guarded buffer",
+            Job::new()
+                .copy_all(&src, &t)
+                .and_then(|j| j.submit())
+                .map(drop),
+        )?;
+        pinned("memset elsewhere in it", t.memset(4096, 0, 16))?;
+        let raw = t.dma_handle().ok_or("no handle")?;
+        pinned(
+            "raw COPY_IN",
+            c.dev.copy_in(raw, 0, &[1]).map_err(Error::from),
+        )?;
+        match t.write(0, &[1]) {
+            Err(Error::Busy { .. }) => {}
+            other => return Err(format!("write under the guard: {other:?}")),
+        }
+        // Reading it, and writing other buffers, are fine.
+        let mut b = [0u8; 4];
+        e("read under the guard", t.read(100, &mut b))?;
+        e("write another buffer", src.write(0, &[3; 16]))?;
+    }
+    e("job", h.wait_timeout(JOB_WAIT))?;
+    {
+        let mut w = e("map_write", t.map_write(4096..))?;
+        w.fill(0xC3);
+    }
+    let out = c.alloc(size, "guard_out")?;
+    e(
+        "job after the guards",
+        Job::new()
+            .copy_all(&t, &out)
+            .and_then(|j| j.submit())
+            .and_then(|h| h.wait_timeout(JOB_WAIT)),
+    )?;
+    let back = read_all(&out)?;
+    same("first half", &back[..4096], &data[..4096])?;
+    same("second half", &back[4096..], &[0xC3; 4096])
+}
+
 fn device_fences_and_misuse(c: &Ctx) -> R {
     let t = c.alloc(4096, "fences")?;
-    e("wait_device_idle read", t.wait_device_idle(Access::Read, 0))?;
+    e(
+        "wait_device_idle read",
+        t.wait_device_idle(Access::Read, Some(std::time::Duration::ZERO)),
+    )?;
     e(
         "wait_device_idle write",
-        t.wait_device_idle(Access::Write, SECOND_US),
+        t.wait_device_idle(Access::Write, Some(SECOND)),
     )?;
     let h = t.dma_handle().ok_or("no handle")?;
     c.dev
@@ -565,6 +743,31 @@ fn device_fences_and_misuse(c: &Ctx) -> R {
         Err(Error::InvalidArgument(_)) => {}
         other => return Err(format!("allocation on a missing channel: {other:?}")),
     }
+    // Past the channel's limit: ENOSPC, with the device, channel and size.
+    let limit = c
+        .dev
+        .channel_info(0)
+        .map_err(|err| format!("CHANNEL_INFO: {err}"))?
+        .limit_bytes;
+    let over = limit + 4096;
+    if over <= c.dev.max_buffer_size() {
+        match Tensor::allocate_on(&c.dev, 0, over as usize, None) {
+            Err(
+                err @ Error::DeviceAlloc {
+                    channel: 0,
+                    size,
+                    source: SysError::NoSpace { .. },
+                    ..
+                },
+            ) if size == over as usize => {
+                let msg = err.to_string();
+                if !msg.contains(&c.path) || !msg.contains("channel_mib") {
+                    return Err(format!("message without context: {msg}"));
+                }
+            }
+            other => return Err(format!("allocation past the channel limit: {other:?}")),
+        }
+    }
     match Tensor::allocate_on(&c.dev, 0, 0, None) {
         Err(Error::Sys(SysError::InvalidArgument { .. })) => Ok(()),
         other => Err(format!("zero-sized device allocation: {other:?}")),
@@ -575,8 +778,8 @@ fn main() {
     let path = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "/dev/tdrv0".to_owned());
-    // Before anything opens the process-wide device (single-threaded here).
-    std::env::set_var(tdrv::DEVICE_ENV, &path);
+    // Before anything opens the process-wide device.
+    tdrv::set_default_device_path(Some(path.clone().into()));
     tdrv::set_heartbeat_interval(Duration::from_secs(30));
 
     let tests: &[Test] = &[
@@ -610,9 +813,13 @@ fn main() {
         ),
         ("job inputs are dumped", input_dump),
         ("kernel fences and misuse errors", device_fences_and_misuse),
+        (
+            "map_read and map_write guards on a device buffer",
+            mapping_guards,
+        ),
     ];
-    // +1 open, +1 cross channel, +1 final accounting.
-    let mut t = Tap::new(tests.len() + 3);
+    // +1 open, +1 cross channel, +1 failed job, +1 final accounting.
+    let mut t = Tap::new(tests.len() + 4);
     let dev = match Device::open(&path) {
         Ok(d) => d,
         Err(err) => {
@@ -641,6 +848,7 @@ fn main() {
         t.check(name, r);
     }
     cross_channel(&c, &mut t);
+    failed_job(&c, &mut t);
 
     let now: Vec<_> = (0..c.dev.num_channels())
         .map(|ch| usage(&c.dev, ch))

@@ -1,0 +1,64 @@
+//! The C library's environment (issue 15 item 4: environment variables
+//! and exit hooks belong to `libnrt.so.1`, not the Rust crate):
+//! `TDRV_TRACE_FILE` gets a Chrome trace of the program's calls, finished
+//! at exit.
+
+use std::ffi::CString;
+use std::process::Command;
+use std::ptr::null_mut;
+
+use nrt::*;
+
+/// The child half of `trace_file_env_var`: does work only when asked.
+#[test]
+fn env_trace_child() {
+    if std::env::var_os("NRT_TRACE_TEST_CHILD").is_none() {
+        return;
+    }
+    let name = CString::new("from_env").unwrap();
+    let mut t = null_mut();
+    let data = [7u8; 16];
+    // SAFETY: valid pointers throughout.
+    unsafe {
+        assert_eq!(
+            nrt_tensor_allocate(NRT_TENSOR_PLACEMENT_HOST, -1, 64, name.as_ptr(), &mut t),
+            NRT_SUCCESS
+        );
+        assert_eq!(
+            nrt_tensor_write(t, data.as_ptr().cast(), 0, 16),
+            NRT_SUCCESS
+        );
+        nrt_tensor_free(&mut t);
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "re-runs the test binary; Miri cannot run processes")]
+fn trace_file_env_var() {
+    let path = std::env::temp_dir().join(format!("nrt-envtrace-{}.json", std::process::id()));
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "env_trace_child", "--test-threads=1"])
+        .env(TRACE_FILE_ENV, &path)
+        .env("NRT_TRACE_TEST_CHILD", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "child failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    // Finished at exit: a complete JSON array with the alloc (27), write
+    // (10) and free (28) events of the tensor.
+    let text = text.trim_end();
+    assert!(text.starts_with('[') && text.ends_with(']'), "{text}");
+    for id in [27, 10, 28] {
+        let begin = format!("\"event_id\":{id}");
+        assert!(
+            text.contains(&begin) && text.contains("from_env"),
+            "event {id} missing: {text}"
+        );
+    }
+}

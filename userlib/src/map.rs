@@ -1,0 +1,305 @@
+//! Guard-based views of a tensor's bytes: [`Tensor::map_read`] and
+//! [`Tensor::map_write`] lend a range of the host memory or the device
+//! buffer's mapping as `&[u8]` / `&mut [u8]`, without copying, for the
+//! guard's life (as vulkano's buffer guards and wgpu's `BufferView` do).
+//!
+//! What makes the reference sound while the guard lives (see
+//! `userlib/DESIGN.md`, "Mapping guards"):
+//!
+//! - host side: the guard holds a long-lived span of the storage's
+//!   byte-range exclusion: conflicting plain copies, accessors and other
+//!   guards are refused with [`Error::Busy`] (never kept waiting: the
+//!   thread holding the guard might be the one asking);
+//! - device side (`Dma`): the buffer is pinned in its [`crate::Device`],
+//!   so every ioctl that would write its bytes (COPY_IN, MEMSET, COPY,
+//!   SUBMIT, through the tensor layer or the raw [`crate::sys`] calls) is
+//!   refused with [`crate::SysError::Pinned`]; then the guard waits for
+//!   the device work in flight (writes for `map_read`, all for
+//!   `map_write`) and checks the buffer's error latch.
+
+use std::ops::{Deref, DerefMut, RangeBounds};
+use std::ptr::NonNull;
+
+use crate::builder::byte_range;
+use crate::error::{Error, Result};
+use crate::fence::{HeldSpan, Span};
+use crate::storage::Storage;
+use crate::sys::{FenceKind, Pin};
+use crate::tensor::Tensor;
+use crate::wait::Deadline;
+
+/// Bytes of a tensor lent by [`Tensor::map_read`]; derefs to `[u8]`.
+pub struct MappedBytes<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    // Dropped after the reference can no longer be used (fields drop in
+    // declaration order, after the guard itself is gone).
+    _pin: Option<Pin<'a>>,
+    _span: HeldSpan<'a>,
+}
+
+/// Bytes of a tensor lent by [`Tensor::map_write`]; derefs to `&mut [u8]`.
+pub struct MappedBytesMut<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _pin: Option<Pin<'a>>,
+    _span: HeldSpan<'a>,
+}
+
+impl Deref for MappedBytes<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialised bytes of the storage
+        // (checked range, host memory or the live mapping; the tensor is
+        // borrowed for 'a, so the storage lives); the read span excludes
+        // every conflicting host write (plain copies, accessors, guards:
+        // refused with Busy) and the pin every device write, for as long
+        // as `self` (and so the returned borrow) lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Deref for MappedBytesMut<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: as for `MappedBytes`; the write span excludes every other
+        // host access to the range.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for MappedBytesMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; the write span is exclusive over the range
+        // (no other host access, read or write, can be registered while it
+        // is held) and `&mut self` makes this borrow unique among the
+        // guard's own.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for MappedBytes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedBytes")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for MappedBytesMut<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedBytesMut")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+type Parts<'a> = (NonNull<u8>, usize, Option<Pin<'a>>, HeldSpan<'a>);
+
+impl Tensor {
+    fn map_range(
+        &self,
+        op: &'static str,
+        range: impl RangeBounds<usize>,
+        write: bool,
+    ) -> Result<Parts<'_>> {
+        let (offset, len) = byte_range(op, range, self.size())?;
+        let (st, abs) = self.locate(op, offset, len)?;
+        let st: &Storage = st;
+        let Some(base) = st.host_base() else {
+            return Err(Error::Unsupported {
+                op,
+                kind: st.kind(),
+            });
+        };
+        // Host side first: waits for the plain copies it overlaps, refuses
+        // accessors and other guards.
+        let span = st.sync.hold(op, Span::guard(abs, len, write))?;
+        let pin = match st.dma() {
+            Some(b) => {
+                // No device write can start from here on ...
+                let pin = b.device.pin(b.handle)?;
+                // ... and those in flight are waited for.
+                let kind = if write {
+                    FenceKind::All
+                } else {
+                    FenceKind::Writes
+                };
+                b.fence(kind).map_err(|e| match e {
+                    Error::Sys(e) => self.dma_error(op, b, e),
+                    e => e,
+                })?;
+                Some(pin)
+            }
+            None => {
+                // Host storage: the async marks stand for device access.
+                st.sync.wait_device(write, Deadline::Never);
+                None
+            }
+        };
+        // SAFETY: `abs + len` is inside the storage (`locate`).
+        let ptr = unsafe { NonNull::new_unchecked(base.as_ptr().add(abs)) };
+        Ok((ptr, len, pin, span))
+    }
+
+    /// Lends the bytes of `range` (of this view) for reading, without a
+    /// copy. While the guard lives, host writes to the range (plain copies,
+    /// accessors, `map_write`) are [`Error::Busy`], and device writes to
+    /// the buffer are refused ([`crate::SysError::Pinned`]). Waits for
+    /// device writes in flight; a buffer a failed job wrote is
+    /// [`Error::DeviceWriteFailed`]. `Fake` tensors and unmapped buffers
+    /// are [`Error::Unsupported`].
+    ///
+    /// ```
+    /// use tdrv::Tensor;
+    ///
+    /// let t = Tensor::from_slice(&[1u8, 2, 3, 4, 5])?;
+    /// {
+    ///     let bytes = t.map_read(1..4)?;
+    ///     assert_eq!(&*bytes, [2, 3, 4]);
+    ///     assert!(t.write(0, &[9, 9]).is_err()); // Busy: overlaps the guard
+    ///     t.write(4, &[6])?; // disjoint: fine
+    /// }
+    /// {
+    ///     let mut bytes = t.map_write(..)?;
+    ///     bytes.fill(7);
+    /// }
+    /// assert_eq!(t.to_vec()?, [7; 5]);
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn map_read(&self, range: impl RangeBounds<usize>) -> Result<MappedBytes<'_>> {
+        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false)?;
+        Ok(MappedBytes {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// Lends the bytes of `range` for reading and writing, without a copy.
+    /// While the guard lives, every other host access to the range is
+    /// [`Error::Busy`] and device writes to the buffer are refused. Waits
+    /// for all device access in flight. Writes through the guard do not
+    /// clear a failed job's error latch (the kernel does not see them): a
+    /// latched buffer is [`Error::DeviceWriteFailed`] here; write it with
+    /// [`Tensor::write`] first. See [`Tensor::map_read`].
+    pub fn map_write(&self, range: impl RangeBounds<usize>) -> Result<MappedBytesMut<'_>> {
+        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true)?;
+        Ok(MappedBytesMut {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Error, Tensor};
+
+    #[test]
+    fn guards_exclude_conflicting_host_access_without_waiting() {
+        let t = Tensor::from_slice(&[0u8; 64]).unwrap();
+        let other = t.clone();
+        let mut third = t.clone();
+        let s = t.slice(32, 32, None).unwrap();
+        {
+            let r = t.map_read(0..16).unwrap();
+            assert_eq!(r.len(), 16);
+            // Readers coexist; writers of the range are refused at once.
+            let r2 = other.map_read(8..24).unwrap();
+            assert_eq!(&r2[..], [0; 16]);
+            assert!(matches!(other.write(4, &[1]), Err(Error::Busy { .. })));
+            assert!(matches!(t.map_write(15..17), Err(Error::Busy { .. })));
+            assert!(matches!(t.memset(0, 1, 64), Err(Error::Busy { .. })));
+            assert!(third.accessor_mut::<u8, 1>([64]).is_err());
+            // Outside the range: fine.
+            s.write(0, &[5; 32]).unwrap();
+            let mut b = [0; 4];
+            other.read(0, &mut b).unwrap();
+        }
+        {
+            let mut w = s.map_write(..).unwrap();
+            assert_eq!(&w[..2], [5, 5]);
+            w.copy_from_slice(&[9; 32]);
+            let mut b = [0; 1];
+            assert!(matches!(t.read(40, &mut b), Err(Error::Busy { .. })));
+            assert!(matches!(s.map_read(..1), Err(Error::Busy { .. })));
+            t.read(0, &mut b).unwrap(); // the first half is not lent
+        }
+        assert_eq!(t.to_vec().unwrap()[32..], [9; 32]);
+        // Ranges are checked; Fake storage has no bytes to lend.
+        assert!(matches!(t.map_read(60..65), Err(Error::OutOfBounds { .. })));
+        let f = Tensor::allocate_fake(8, None).unwrap();
+        assert!(matches!(f.map_read(..), Err(Error::Unsupported { .. })));
+    }
+
+    #[test]
+    fn a_guard_and_a_writer_thread_never_race() {
+        let t = Tensor::from_slice(&[0u32; 16]).unwrap();
+        let writer = {
+            let t = t.clone();
+            std::thread::spawn(move || {
+                let mut busy = 0;
+                for i in 0..if cfg!(miri) { 20 } else { 2000 } {
+                    match t.write_from(0, &[i as u32; 16]) {
+                        Ok(()) => {}
+                        Err(Error::Busy { .. }) => busy += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                busy
+            })
+        };
+        for _ in 0..if cfg!(miri) { 20 } else { 2000 } {
+            if let Ok(g) = t.map_read(..) {
+                // All 16 words come from one write: the guard's bytes do
+                // not change under it.
+                let first = g[0];
+                assert!(g.iter().step_by(4).all(|b| *b == first));
+            }
+        }
+        writer.join().unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "opens /dev/null and issues ioctls")]
+    fn a_pinned_buffer_refuses_every_device_write() {
+        use crate::sys::{tdrv_copy_desc, Device, SysError};
+        let dev = Device::fake_for_tests();
+        let desc = |dst| tdrv_copy_desc {
+            src_handle: 1,
+            src_offset: 0,
+            dst_handle: dst,
+            dst_offset: 0,
+            size: 1,
+        };
+        let pin = dev.pin(7).unwrap();
+        let pinned = |r: Result<(), SysError>| matches!(r, Err(SysError::Pinned { .. }));
+        assert!(pinned(dev.copy_in(7, 0, &[1])));
+        assert!(pinned(dev.memset(7, 0, 1, 0)));
+        assert!(pinned(dev.copy(&desc(7))));
+        assert!(pinned(dev.submit(&[desc(3), desc(7)]).map(drop)));
+        // Other buffers, and reads of the pinned one, reach the driver
+        // (here /dev/null: ENOTTY).
+        assert!(matches!(
+            dev.copy_in(8, 0, &[1]),
+            Err(SysError::NotTdrv { .. })
+        ));
+        let mut b = [0];
+        assert!(matches!(
+            dev.copy_out(7, 0, &mut b),
+            Err(SysError::NotTdrv { .. })
+        ));
+        let pin2 = dev.pin(7).unwrap();
+        drop(pin);
+        assert!(pinned(dev.memset(7, 0, 1, 0)));
+        drop(pin2);
+        assert!(matches!(
+            dev.memset(7, 0, 1, 0),
+            Err(SysError::NotTdrv { .. })
+        ));
+    }
+}
