@@ -102,6 +102,7 @@ use crate::{
         self,
         fail_all,
         take_jobs_of,
+        take_one,
         Engine,
         EngineCounters, //
     },
@@ -218,18 +219,6 @@ impl Finished {
         fail_all(self.failed, EIO);
         fail_all(self.cancelled, ecanceled());
     }
-}
-
-/// Decrements a pending-injection count; false if it was zero.
-fn take_one(count: &Atomic<u32>) -> bool {
-    let mut v = count.load(Relaxed);
-    while v > 0 {
-        match count.cmpxchg(v, v - 1, Relaxed) {
-            Ok(_) => return true,
-            Err(now) => v = now,
-        }
-    }
-    false
 }
 
 /// What the device says about the chunk in flight.

@@ -18,6 +18,10 @@ use kernel::{
     new_mutex,
     prelude::*,
     sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
         Arc,
         Mutex, //
     },
@@ -91,6 +95,18 @@ pub(crate) trait Engine: Send + Sync {
     }
 }
 
+/// Decrements a pending fault-injection count; false if it was zero.
+pub(crate) fn take_one(count: &Atomic<u32>) -> bool {
+    let mut v = count.load(Relaxed);
+    while v > 0 {
+        match count.cmpxchg(v, v - 1, Relaxed) {
+            Ok(_) => return true,
+            Err(now) => v = now,
+        }
+    }
+    false
+}
+
 /// Removes from `queue` the jobs `tracker` submitted, in order.
 pub(crate) fn take_jobs_of(queue: &mut List<Job>, tracker: &JobTracker) -> List<Job> {
     let mut taken = List::new();
@@ -118,12 +134,17 @@ struct SoftQueue {
 }
 
 /// CPU copy engine: a work item drains the queue in FIFO order.
+///
+/// Fault injection for tests (debugfs `inject`): `fail_job` makes the next
+/// job the engine runs fail with EIO, copying nothing.
 #[pin_data]
 pub(crate) struct SoftEngine {
     #[pin]
     queue: Mutex<SoftQueue>,
     #[pin]
     work: Work<SoftEngine>,
+    /// Injected failures still to apply.
+    inject_fail: Atomic<u32>,
 }
 
 impl_has_work! {
@@ -168,7 +189,11 @@ impl WorkItem for SoftEngine {
                 return;
             };
             job.start();
-            let result = run_on_cpu(&job);
+            let result = if take_one(&this.inject_fail) {
+                Err(EIO)
+            } else {
+                run_on_cpu(&job)
+            };
             job.complete(result);
         }
     }
@@ -186,6 +211,7 @@ impl SoftEngine {
                     "SoftEngine::queue"
                 ),
                 work <- new_work!("SoftEngine::work"),
+                inject_fail: Atomic::new(0),
             }),
             GFP_KERNEL,
         )
@@ -213,6 +239,14 @@ impl Engine for SoftBackend {
     fn cancel(&self, tracker: &JobTracker) {
         let taken = take_jobs_of(&mut self.0.queue.lock().jobs, tracker);
         fail_all(taken, ecanceled());
+    }
+
+    fn inject(&self, cmd: &[u8]) -> Result {
+        match cmd {
+            b"fail_job" => self.0.inject_fail.add(1, Relaxed),
+            _ => return Err(EINVAL),
+        }
+        Ok(())
     }
 
     fn shutdown(&self, stopped: &mut dyn FnMut()) {
