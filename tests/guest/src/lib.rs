@@ -308,3 +308,26 @@ pub fn install_fatal_handlers() {
         }
     }
 }
+
+/// A copy descriptor: `size` bytes from `src` at `src_offset` to `dst` at
+/// `dst_offset`.
+pub fn desc(
+    src: u64,
+    src_offset: u64,
+    dst: u64,
+    dst_offset: u64,
+    size: u64,
+) -> tdrv_uapi::tdrv_copy_desc {
+    tdrv_uapi::tdrv_copy_desc {
+        src_handle: src,
+        src_offset,
+        dst_handle: dst,
+        dst_offset,
+        size,
+    }
+}
+
+/// One counter of a device's debugfs statistics, with an error naming it.
+pub fn stat(node: &str, key: &str) -> Result<u64, String> {
+    device_stat(node, key).ok_or_else(|| format!("no {key} in the stats of {node}"))
+}

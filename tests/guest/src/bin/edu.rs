@@ -7,7 +7,7 @@
 
 use std::{fs, thread, time::Duration};
 
-use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
+use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, stat, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
@@ -22,16 +22,6 @@ fn desc(src: u64, dst: u64, size: u64) -> tdrv_copy_desc {
         dst_offset: 0,
         size,
     }
-}
-
-/// Reads one counter of a device's debugfs statistics.
-fn stat(node: &str, key: &str) -> Result<u64, String> {
-    let name = node.trim_start_matches("/dev/");
-    let text = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/stats"))
-        .map_err(|e| format!("read stats of {name}: {e}"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
-        .ok_or_else(|| format!("no {key} in stats of {name}"))
 }
 
 /// The PCI address of the (single) edu device bound to tdrv.

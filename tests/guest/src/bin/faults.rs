@@ -25,8 +25,8 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    channel_usage, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers, ok,
-    open_device_or_skip,
+    channel_usage, desc, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers,
+    ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     skip_all, wait_usage, Tap,
 };
@@ -217,16 +217,6 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 8) as u8)
         .collect()
-}
-
-fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv_copy_desc {
-    tdrv_copy_desc {
-        src_handle: src,
-        src_offset,
-        dst_handle: dst,
-        dst_offset,
-        size,
-    }
 }
 
 /// `(used_bytes, buffers)` of channel 0, where every buffer of this test lives.

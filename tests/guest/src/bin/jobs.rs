@@ -11,23 +11,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tdrv_guest_tests::{expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
+use tdrv_guest_tests::{desc, expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, Tap};
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| ((i * 7 + i / 251) as u8) ^ seed).collect()
-}
-
-fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv_copy_desc {
-    tdrv_copy_desc {
-        src_handle: src,
-        src_offset,
-        dst_handle: dst,
-        dst_offset,
-        size,
-    }
 }
 
 /// Waits for a job and checks that it succeeded. The wait has no limit:

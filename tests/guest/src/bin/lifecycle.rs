@@ -13,23 +13,13 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    expect_eq, expect_err, ok, open_device_or_skip,
+    desc, expect_eq, expect_err, ok, open_device_or_skip,
     raw::{page_size, Dev},
-    Tap,
+    stat, Tap,
 };
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
-
-fn desc(src: u64, src_offset: u64, dst: u64, dst_offset: u64, size: u64) -> tdrv_copy_desc {
-    tdrv_copy_desc {
-        src_handle: src,
-        src_offset,
-        dst_handle: dst,
-        dst_offset,
-        size,
-    }
-}
 
 /// The module's reference count, as sysfs shows it.
 fn module_refcnt() -> Result<u64, String> {
@@ -48,16 +38,6 @@ fn try_unload() -> Result<(), i32> {
     } else {
         Err(tdrv_guest_tests::raw::errno())
     }
-}
-
-/// Reads one counter of a device's debugfs statistics.
-fn stat(node: &str, key: &str) -> Result<u64, String> {
-    let name = node.trim_start_matches("/dev/");
-    let text = fs::read_to_string(format!("/sys/kernel/debug/tdrv/{name}/stats"))
-        .map_err(|e| format!("read stats of {name}: {e}"))?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':')?.trim().parse().ok())
-        .ok_or_else(|| format!("no {key} in stats of {name}"))
 }
 
 /// Polls channel 0's usage until it is back to `base` bytes and buffers,
