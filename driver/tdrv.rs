@@ -12,14 +12,13 @@
 //! - `buffer.rs`: a DMA-coherent buffer, charged to a channel
 //!   (`channel.rs`) and mapped by `mmap.rs`;
 //! - `job.rs`: a submitted job, its fence marks and the completion path;
-//! - `engine.rs`: the [`engine::Engine`] seam every backend implements, and
-//!   the software engine (CPU copies in a work item); edu's DMA chunks are
-//!   advanced by interrupts in `edu.rs`;
+//! - `engine.rs`: the [`engine::Engine`] seam every backend implements;
 //! - `fence.rs`: per-buffer pending-read/write counters and completion
 //!   counts, whose wait queues the waiters sleep on;
-//! - `device.rs`, `soft.rs`, `edu.rs` (+ `edu_regs.rs`): the device state
-//!   and unbind sequence, the software device, and the QEMU edu PCI device
-//!   whose DMA engine and MSI interrupt run jobs in hardware;
+//! - `device.rs`: the device state and unbind sequence;
+//! - `backends/`: the devices, each with its engine: `soft.rs` (CPU copies
+//!   in a work item) and `edu.rs` (QEMU edu's DMA engine, advanced by its
+//!   MSI completion interrupt);
 //! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
 //!   helpers 7.2's Rust bindings lack.
@@ -31,11 +30,10 @@ use kernel::{
     InPlaceModule, //
 };
 
+mod backends;
 mod buffer;
 mod channel;
 mod device;
-mod edu;
-mod edu_regs;
 mod engine;
 mod fence;
 mod file;
@@ -45,7 +43,6 @@ mod job;
 mod mmap;
 mod node;
 mod range;
-mod soft;
 mod stats;
 mod uapi;
 
@@ -53,7 +50,10 @@ use device::{
     Limits,
     MAX_DEVICES, //
 };
-use soft::SoftDevice;
+use backends::{
+    edu,
+    soft::SoftDevice, //
+};
 
 module! {
     type: TdrvModule,

@@ -91,13 +91,13 @@ use kernel::{
     }, //
 };
 
+use super::edu_regs::*;
 use crate::{
     uapi::ecanceled,
     device::{
         DeviceIndex,
         TdrvDevice, //
     },
-    edu_regs::*,
     engine::{
         self,
         fail_all,

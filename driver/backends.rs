@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! The devices tdrv drives. Each backend creates its devices, hands the core
+//! a [`crate::device::TdrvDevice`] with its [`crate::engine::Engine`], and
+//! registers the `/dev/tdrv<N>` node; the core names none of them.
+//!
+//! - `soft.rs`: the software device, a faux device whose engine copies with
+//!   the CPU in a work item, so tdrv works on any machine;
+//! - `edu.rs` (+ `edu_regs.rs`): QEMU's edu PCI device, whose DMA engine
+//!   moves one 4 KiB chunk per MSI completion interrupt.
+
+pub(crate) mod edu;
+mod edu_regs;
+pub(crate) mod soft;
