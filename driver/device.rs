@@ -149,6 +149,10 @@ pub(crate) trait Client: Send + Sync {
     /// later access faults again (and gets SIGBUS once memory is detached).
     fn zap_mappings(&self);
 
+    /// Ends with `err` the file's jobs that are not on the engine yet
+    /// (held for their in-fences).
+    fn cancel_held_jobs(&self, err: Error);
+
     /// Writes one line describing the file's usage (debugfs `clients`).
     fn describe(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result;
 }
@@ -342,6 +346,14 @@ impl TdrvDevice {
     pub(crate) fn unbind(&self, mut stopped: impl FnMut()) {
         self.bound.xchg(false, Full);
         self.engine.shutdown(&mut stopped);
+        // Jobs held for in-fences never reach the engine now: end them
+        // (their callbacks go), outside the file registry's lock (ending a
+        // job may free buffers).
+        let mut key = 0;
+        while let Some((k, file)) = self.file_after(key) {
+            file.cancel_held_jobs(ENODEV);
+            key = k;
+        }
         self.for_each_buffer(|buf| buf.fence.kill());
         // No lock is held while draining: sections are short and never
         // wait for userspace, and opens and closes must not wait for us.
@@ -368,6 +380,16 @@ impl TdrvDevice {
         self.files.lock().push((key, file), GFP_KERNEL)?;
         self.stats.open_files.add(1, Relaxed);
         Ok(())
+    }
+
+    /// The open file with the lowest client id above `key`.
+    fn file_after(&self, key: u64) -> Option<(u64, Arc<dyn Client>)> {
+        self.files
+            .lock()
+            .iter()
+            .filter(|(k, _)| *k > key)
+            .min_by_key(|(k, _)| *k)
+            .map(|(k, f)| (*k, f.clone()))
     }
 
     /// Writes one line per open file (debugfs `clients`).

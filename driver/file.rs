@@ -41,6 +41,11 @@ use crate::{
         TdrvDevice, //
     },
     fence::Timeout,
+    fence_fd::{
+        self,
+        InFences,
+        OutFence, //
+    },
     glue,
     handle::HandleTable,
     job::{
@@ -116,6 +121,10 @@ impl Client for FileState {
         // this), so its inode and `f_mapping` are alive.
         // `unmap_mapping_range` with length 0 covers the whole file.
         unsafe { bindings::unmap_mapping_range(self.mapping.0, 0, 0, 1) };
+    }
+
+    fn cancel_held_jobs(&self, err: Error) {
+        self.jobs.cancel_held(err);
     }
 
     fn describe(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -203,8 +212,13 @@ impl MiscDevice for TdrvFile {
         // The file's jobs go first: queued ones end with ECANCELED now and
         // a running one stops at its next piece, so their buffers (and
         // channel bytes) come back at once, not when the queue drains.
+        // Held jobs (waiting for in-fences) first, so that the dispatch
+        // work hands nothing more to the engine; then the engine's.
         me.state.jobs.close();
+        me.state.jobs.cancel_held(ecanceled());
         me.device.engine().cancel(&me.state.jobs);
+        // No in-fence callback can queue the dispatch work any more.
+        me.state.jobs.flush_dispatch();
         // Dropping the table releases the file's buffer references (outside
         // the lock: that may free DMA memory). Buffers still used by
         // mappings (which also hold this file, so not here) or by a job
@@ -313,10 +327,20 @@ impl TdrvFile {
         arg.check_size::<Version>()?;
         let d = &self.device;
         let irq = if d.kind == DEVICE_EDU { FEAT_IRQ } else { 0 };
+        let fence_fd = if fence_fd::supported() {
+            FEAT_FENCE_FD
+        } else {
+            0
+        };
         arg.write(&Version {
             abi_major: ABI_MAJOR,
             abi_minor: ABI_MINOR,
-            features: FEAT_MMAP | FEAT_SUBMIT | FEAT_COMPLETION | FEAT_ERROR_LATCH | irq,
+            features: FEAT_MMAP
+                | FEAT_SUBMIT
+                | FEAT_COMPLETION
+                | FEAT_ERROR_LATCH
+                | irq
+                | fence_fd,
             device_kind: d.kind,
             num_channels: d.channels.count(),
             max_buffer_size: MAX_BUFFER_SIZE,
@@ -550,17 +574,29 @@ impl TdrvFile {
     }
 
     fn submit(&self, arg: &ArgBuf) -> Result {
+        // (`out_fence` is output only: a reused struct may carry one.)
         let a: Submit = arg.read()?;
-        if a.flags != 0 || a.pad != 0 || a.job_id != 0 || any_nonzero(&a.reserved) {
+        if a.flags & !SUBMIT_OUT_FENCE != 0
+            || a.pad != 0
+            || a.job_id != 0
+            || any_nonzero(&a.reserved)
+        {
             return Err(EINVAL);
         }
         if a.desc_count == 0 || a.desc_count > MAX_JOB_DESCS {
+            return Err(EINVAL);
+        }
+        if a.in_fence_count > MAX_IN_FENCES || (a.in_fence_count == 0 && a.in_fences != 0) {
             return Err(EINVAL);
         }
         let stride = a.desc_size as usize;
         let ours = core::mem::size_of::<CopyDesc>();
         if stride < ours || stride > MAX_DESC_SIZE {
             return Err(EINVAL);
+        }
+        let want_out = a.flags & SUBMIT_OUT_FENCE != 0;
+        if (want_out || a.in_fence_count > 0) && !fence_fd::supported() {
+            return Err(eopnotsupp());
         }
         let count = a.desc_count as usize;
         // Bounded by MAX_JOB_DESCS * MAX_DESC_SIZE: no overflow.
@@ -584,11 +620,47 @@ impl TdrvFile {
             }
             transfers.push(t, GFP_KERNEL_ACCOUNT)?;
         }
-        let job_id = self
-            .state
-            .jobs
-            .submit(&self.device, transfers, &self.device.limits)?;
-        arg.write(&Submit { job_id, ..a })
+        let in_fences = if a.in_fence_count > 0 {
+            let mut fds = [0i32; MAX_IN_FENCES as usize];
+            let fds = &mut fds[..a.in_fence_count as usize];
+            let mut reader = UserSlice::new(
+                UserPtr::from_addr(a.in_fences as usize),
+                fds.len() * core::mem::size_of::<i32>(),
+            )
+            .reader();
+            for fd in fds.iter_mut() {
+                *fd = reader.read()?;
+            }
+            Some(InFences::from_fds(fds)?)
+        } else {
+            None
+        };
+        // The out-fence's fd is reserved (and its sync_file made) before
+        // the job is queued, so that nothing can fail after it, except
+        // writing the result back.
+        let (out_fence, fd) = if want_out {
+            let fence = OutFence::new()?;
+            let fd = fence.reserve_fd()?;
+            (Some(fence), Some(fd))
+        } else {
+            (None, None)
+        };
+        let job_id = self.state.jobs.submit(
+            &self.device,
+            transfers,
+            &self.device.limits,
+            in_fences,
+            out_fence,
+        )?;
+        arg.write(&Submit {
+            job_id,
+            out_fence: fd.as_ref().map_or(-1, |fd| fd.fd()),
+            ..a
+        })?;
+        if let Some(fd) = fd {
+            fd.install();
+        }
+        Ok(())
     }
 
     fn job_wait(&self, arg: &ArgBuf) -> Result {

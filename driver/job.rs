@@ -9,12 +9,18 @@
 //!    destination (the seed's `tensor_async_update(.., release = false)`),
 //!    waiting first for synchronous CPU copies of those buffers to end.
 //! 2. [`JobTracker::submit`] gives it the file's next id and hands it to
-//!    the device's engine (`engine.rs`), within the file's limits.
+//!    the device's engine (`engine.rs`), within the file's limits. A job
+//!    with in-fences, and any later job of its file, is held by the file
+//!    until they signal, then handed over by the file's dispatch work
+//!    (see `fence_fd.rs`).
 //! 3. The engine runs the transfers and calls [`Job::complete`] exactly
 //!    once, with the result. That drops the pending marks (waking fence
 //!    waiters when a count reaches zero), bumps the completion count of
 //!    each destination if the job succeeded, and records the outcome in
 //!    the submitting file's [`JobTracker`], waking `TDRV_IOC_JOB_WAIT`.
+//!
+//! 4. When the job is dropped (after its buffers), its out-fence, if it
+//!    has one, is signalled with the outcome.
 //!
 //! A failed or cancelled job still releases its fences: waiters are never
 //! left hanging. When its file closes, a job that has not started is
@@ -22,9 +28,11 @@
 //! flight.
 
 use kernel::{
+    bindings,
     list::{
         impl_list_arc_safe,
         impl_list_item,
+        List,
         ListArc,
         ListLinks, //
     },
@@ -42,6 +50,12 @@ use kernel::{
         CondVar,
         CondVarTimeoutResult,
         Mutex, //
+    },
+    workqueue::{
+        impl_has_work,
+        new_work,
+        Work,
+        WorkItem, //
     }, //
 };
 
@@ -51,7 +65,15 @@ use crate::{
         Limits,
         TdrvDevice, //
     },
+    engine::{
+        fail_all,
+        queue, //
+    },
     fence::Timeout,
+    fence_fd::{
+        InFences,
+        OutFence, //
+    },
     range::ByteRange,
     uapi::{
         ecanceled,
@@ -101,7 +123,13 @@ pub(crate) struct Job {
     outcome: Atomic<i32>,
     /// Set once the outcome was reported (early, for a timed-out job).
     reported: Atomic<bool>,
-    /// Links of the engine's queue.
+    /// The `sync_file`s the job waits for before it may reach the engine.
+    in_fences: Option<InFences>,
+    /// Set once every in-fence signalled (at once without in-fences).
+    deps_ready: Atomic<bool>,
+    /// Signalled with the outcome when the job is dropped.
+    out_fence: Option<OutFence>,
+    /// Links of the engine's queue, or of its file's held jobs.
     #[pin]
     links: ListLinks,
 }
@@ -209,6 +237,14 @@ impl Job {
         if self.reported.xchg(true, Relaxed) {
             return;
         }
+        // Kept for the out-fence, signalled when the job is dropped.
+        self.outcome.store(
+            match result {
+                Ok(()) => 0,
+                Err(e) => e.to_errno(),
+            },
+            Relaxed,
+        );
         self.report_now(result);
     }
 
@@ -232,8 +268,11 @@ impl Job {
 #[pinned_drop]
 impl PinnedDrop for Job {
     fn drop(mut self: Pin<&mut Self>) {
-        // Buffers first (this may free their memory and give back their
-        // channel bytes), then the outcome.
+        // In-fence callbacks first: this waits for one that is running,
+        // which may still look at the job.
+        drop(self.as_mut().project().in_fences.take());
+        // Buffers next (this may free their memory and give back their
+        // channel bytes), then the outcome, then the out-fence.
         drop(core::mem::take(self.as_mut().project().transfers));
         let errno = self.outcome.load(Relaxed);
         if errno != NO_OUTCOME && !self.reported.load(Relaxed) {
@@ -243,7 +282,45 @@ impl PinnedDrop for Job {
                 Err(Error::from_errno(errno))
             });
         }
+        if let Some(fence) = self.as_mut().project().out_fence.take() {
+            // A job that never ran (SUBMIT failed) counts as cancelled.
+            fence.signal(if errno == NO_OUTCOME {
+                ecanceled().to_errno()
+            } else {
+                errno
+            });
+        }
     }
+}
+
+impl Job {
+    /// Whether every in-fence of the job has signalled.
+    fn deps_ready(&self) -> bool {
+        self.deps_ready.load(Acquire)
+    }
+
+    /// The error of a failed in-fence, once all signalled.
+    fn deps_error(&self) -> Result {
+        self.in_fences.as_ref().map_or(Ok(()), InFences::error)
+    }
+}
+
+/// The last in-fence of the job at `ctx` signalled (called by
+/// `fence_fd.c`, from any context): queue its file's dispatch work.
+///
+/// # Safety
+///
+/// `ctx` is the address of a live [`Job`] that armed its in-fences with it
+/// (see `JobTracker::submit`). The job stays alive during the call: its
+/// drop removes the callbacks first, which waits for this call.
+#[no_mangle]
+unsafe extern "C" fn tdrv_deps_ready(ctx: *mut core::ffi::c_void) {
+    // SAFETY: See above.
+    let job = unsafe { &*ctx.cast::<Job>() };
+    job.deps_ready.store(true, Release);
+    // Fails only if the work is already queued, and that run will see the
+    // job ready.
+    let _ = queue().enqueue(job.tracker.clone());
 }
 
 struct TrackerState {
@@ -256,6 +333,10 @@ struct TrackerState {
     queued: u32,
     /// Bytes those jobs move.
     inflight_bytes: u64,
+    /// Jobs submitted and not yet handed to the engine, in id order: those
+    /// waiting for in-fences, and every later job of the file (a file's
+    /// jobs reach the engine in id order).
+    held: List<Job>,
 }
 
 /// The jobs of one open file: ids, limits, outcomes and their waiters.
@@ -269,6 +350,21 @@ pub(crate) struct JobTracker {
     closed: Atomic<bool>,
     /// Nanoseconds the engine spent on this file's jobs.
     pub(crate) busy_ns: Atomic<u64>,
+    /// Hands held jobs to the engine once their in-fences signalled.
+    #[pin]
+    dispatch: Work<JobTracker>,
+}
+
+impl_has_work! {
+    impl HasWork<Self> for JobTracker { self.dispatch }
+}
+
+impl WorkItem for JobTracker {
+    type Pointer = Arc<JobTracker>;
+
+    fn run(this: Arc<JobTracker>) {
+        this.dispatch_ready();
+    }
 }
 
 /// What `TDRV_IOC_JOB_WAIT` reports.
@@ -289,12 +385,14 @@ impl JobTracker {
                         ring,
                         queued: 0,
                         inflight_bytes: 0,
+                        held: List::new(),
                     },
                     "JobTracker::state"
                 ),
                 cv <- new_condvar!("JobTracker::cv"),
                 closed: Atomic::new(false),
                 busy_ns: Atomic::new(0),
+                dispatch <- new_work!("JobTracker::dispatch"),
             }),
             GFP_KERNEL_ACCOUNT,
         )
@@ -310,20 +408,26 @@ impl JobTracker {
         self.closed.store(true, Release);
     }
 
-    /// Creates a job from `transfers` and hands it to `device`'s engine.
-    /// EAGAIN if the file has `limits.jobs` jobs queued, or if the job's
-    /// bytes would pass `limits.inflight_bytes` (a lone job always fits).
-    /// The tracker lock is held across id allocation and queueing, so one
-    /// file's jobs reach the engine in id order. Returns the job id.
+    /// Creates a job from `transfers` and hands it to `device`'s engine,
+    /// or holds it until `in_fences` have signalled (and so every job of
+    /// the file submitted after a held one). The job signals `out_fence`
+    /// when it ends. EAGAIN if the file has `limits.jobs` jobs queued, or
+    /// if the job's bytes would pass `limits.inflight_bytes` (a lone job
+    /// always fits). The tracker lock is held across id allocation and
+    /// queueing, so one file's jobs reach the engine in id order. Returns
+    /// the job id.
     pub(crate) fn submit(
         self: &Arc<Self>,
         device: &Arc<TdrvDevice>,
         transfers: KVec<Transfer>,
         limits: &Limits,
+        in_fences: Option<InFences>,
+        out_fence: Option<OutFence>,
     ) -> Result<u64> {
         let bytes = Job::total_bytes(&transfers);
         // Cheap early refusal, before any allocation or waiting.
         self.check_limits(&self.state.lock(), bytes, limits)?;
+        let ready = in_fences.is_none();
         let job = ListArc::pin_init(
             try_pin_init!(Job {
                 id: Atomic::new(0),
@@ -334,21 +438,51 @@ impl JobTracker {
                 started_ns: Atomic::new(0),
                 outcome: Atomic::new(NO_OUTCOME),
                 reported: Atomic::new(false),
+                in_fences,
+                deps_ready: Atomic::new(ready),
+                out_fence,
                 links <- ListLinks::new(),
             }),
             GFP_KERNEL_ACCOUNT,
         )?;
         mark(&job.transfers)?;
         let undo = job.clone_arc();
+        let mut failed = None;
         let mut state = self.state.lock();
         let id = state.next_id;
         job.id.store(id, Relaxed);
-        let queued = self
-            .check_limits(&state, bytes, limits)
-            .and_then(|()| device.engine().submit(job));
+        let queued = self.check_limits(&state, bytes, limits).and_then(|()| {
+            if let Some(deps) = &job.in_fences {
+                if !device.is_bound() {
+                    // Unbind has swept (or is sweeping) the held jobs.
+                    return Err(ENODEV);
+                }
+                // SAFETY: Armed once, here. The job (an `Arc`, so at a
+                // fixed address) outlives its `InFences`, which its drop
+                // frees first.
+                if unsafe { deps.arm(core::ptr::from_ref::<Job>(&*job).cast()) } {
+                    job.deps_ready.store(true, Release);
+                }
+            }
+            if !state.held.is_empty() || !job.deps_ready() {
+                if !state.held.is_empty() && job.deps_ready() {
+                    // Behind a held job: the dispatch work takes it along.
+                    let _ = queue().enqueue(self.clone());
+                }
+                state.held.push_back(job);
+                return Ok(());
+            }
+            if let Err(e) = job.deps_error() {
+                // An in-fence failed already: so does the job, unrun.
+                failed = Some(e);
+                return Ok(());
+            }
+            device.engine().submit(job)
+        });
         if let Err(e) = queued {
             // Never queued: undo the marks without counting anything.
             unmark(&undo.transfers, undo.transfers.len(), false);
+            drop(state);
             return Err(e);
         }
         // Still under the lock, so the job's completion (which takes it)
@@ -358,7 +492,74 @@ impl JobTracker {
         state.queued += 1;
         state.inflight_bytes += bytes;
         device.stats.jobs_submitted.add(1, Relaxed);
+        drop(state);
+        if let Some(e) = failed {
+            undo.complete(Err(e));
+        }
         Ok(id)
+    }
+
+    /// The dispatch work: hands the held jobs whose in-fences signalled to
+    /// the engine, oldest first, stopping at the first that still waits.
+    /// A job with a failed in-fence ends with its error; one the engine
+    /// refuses (unbound: ENODEV, recovering: EIO) with the engine's.
+    fn dispatch_ready(&self) {
+        loop {
+            // Jobs that ended here, dropped (which reports them, taking
+            // the lock) after the lock is released.
+            let mut ended = List::<Job>::new();
+            let mut refused = None;
+            {
+                let mut state = self.state.lock();
+                loop {
+                    let mut cursor = state.held.cursor_front();
+                    let Some(front) = cursor.peek_next() else {
+                        break;
+                    };
+                    if !front.arc().deps_ready() {
+                        break;
+                    }
+                    let job = front.remove();
+                    let result = if self.closed.load(Acquire) {
+                        Err(ecanceled())
+                    } else {
+                        job.deps_error()
+                    };
+                    if let Err(e) = result {
+                        job.complete(Err(e));
+                        ended.push_back(job);
+                        continue;
+                    }
+                    let keep = job.clone_arc();
+                    if let Err(e) = keep.device.engine().submit(job) {
+                        refused = Some((keep, e));
+                        break;
+                    }
+                }
+            }
+            drop(ended);
+            let Some((job, e)) = refused else {
+                return;
+            };
+            job.complete(Err(e));
+            drop(job);
+        }
+    }
+
+    /// Ends every held job with `err` (ECANCELED when the file closes,
+    /// ENODEV at unbind), removing their in-fence callbacks.
+    pub(crate) fn cancel_held(&self, err: Error) {
+        let held = core::mem::take(&mut self.state.lock().held);
+        fail_all(held, err);
+    }
+
+    /// Waits until the dispatch work is idle. After `close` and
+    /// `cancel_held` nothing queues it again, so none of this module's
+    /// work is pending once the file is released.
+    pub(crate) fn flush_dispatch(&self) {
+        // SAFETY: `dispatch` is an initialised, pinned `Work` that lives
+        // as long as `self`.
+        unsafe { bindings::flush_work(Work::raw_get(&raw const self.dispatch)) };
     }
 
     fn check_limits(&self, state: &TrackerState, bytes: u64, limits: &Limits) -> Result {

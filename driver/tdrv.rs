@@ -21,7 +21,9 @@
 //!   MSI completion interrupt);
 //! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
-//!   helpers 7.2's Rust bindings lack.
+//!   helpers 7.2's Rust bindings lack;
+//! - `fence_fd.rs` (with `fence_fd.c`): jobs' out-fences and in-fences as
+//!   `sync_file` fds, and why they are safe after `rmmod`.
 
 use kernel::{
     driver,
@@ -36,6 +38,7 @@ mod channel;
 mod device;
 mod engine;
 mod fence;
+mod fence_fd;
 mod file;
 mod glue;
 mod handle;
@@ -155,8 +158,20 @@ struct TdrvModule {
     #[pin]
     _pci: driver::Registration<pci::Adapter<edu::EduDriver>>,
     soft: KVec<Pin<KBox<SoftDevice>>>,
-    // Dropped last: the devices' debugfs entries live inside it.
+    // The devices' debugfs entries live inside it.
     _debugfs: stats::RootGuard,
+    // Dropped last, once every device is gone: see `fence_fd.rs`.
+    _fences: FenceExit,
+}
+
+/// Waits, at module exit, for RCU readers that may still call the
+/// out-fences' name ops (see `fence_fd.rs`).
+struct FenceExit;
+
+impl Drop for FenceExit {
+    fn drop(&mut self) {
+        fence_fd::module_exit();
+    }
 }
 
 impl InPlaceModule for TdrvModule {
@@ -180,6 +195,7 @@ impl InPlaceModule for TdrvModule {
                 _pci <- driver::Registration::new(c"tdrv", module),
                 soft,
                 _debugfs: root,
+                _fences: FenceExit,
             }))
         })
     }

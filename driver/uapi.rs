@@ -33,13 +33,17 @@ use kernel::{
 };
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 1;
+pub(crate) const ABI_MINOR: u32 = 2;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
 pub(crate) const FEAT_COMPLETION: u64 = 1 << 2;
 pub(crate) const FEAT_IRQ: u64 = 1 << 3;
 pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
+pub(crate) const FEAT_FENCE_FD: u64 = 1 << 5;
+
+pub(crate) const SUBMIT_OUT_FENCE: u32 = 1 << 0;
+pub(crate) const MAX_IN_FENCES: u32 = 64;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
 pub(crate) const DEVICE_EDU: u32 = 2;
@@ -179,6 +183,9 @@ uapi_struct!(
         pad: u32,
         job_id: u64,
         reserved: [u64; 2],
+        in_fences: u64,
+        in_fence_count: u32,
+        out_fence: i32,
     }
 );
 uapi_struct!(
@@ -253,9 +260,9 @@ const_assert_layout!(CopyDesc, 40, {
     src_handle @ 0, src_offset @ 8, dst_handle @ 16, dst_offset @ 24, size @ 32,
 });
 const_assert_layout!(Copy, 56, { desc @ 0, reserved @ 40 });
-const_assert_layout!(Submit, 48, {
+const_assert_layout!(Submit, 64, {
     descs @ 0, desc_count @ 8, desc_size @ 12, flags @ 16, pad @ 20, job_id @ 24,
-    reserved @ 32,
+    reserved @ 32, in_fences @ 48, in_fence_count @ 56, out_fence @ 60,
 });
 const_assert_layout!(JobWait, 40, {
     job_id @ 0, timeout_us @ 8, state @ 16, status @ 20, reserved @ 24,
@@ -297,6 +304,11 @@ const _: () = {
 /// (7.2 names no constant for it.)
 pub(crate) fn ecanceled() -> Error {
     Error::from_errno(-(kernel::bindings::ECANCELED as i32))
+}
+
+/// EOPNOTSUPP: fence fds on a kernel without `sync_file`.
+pub(crate) fn eopnotsupp() -> Error {
+    Error::from_errno(-(kernel::bindings::EOPNOTSUPP as i32))
 }
 
 /// ESTALE: JOB_WAIT on an id older than the retained window.
@@ -344,12 +356,17 @@ first_size!(
     Xfer,
     Memset,
     Copy,
-    Submit,
     JobWait,
     FenceWait,
     CompletionWait,
     CompletionReset,
 );
+
+// `struct tdrv_submit` grew in ABI 1.2 (fence fds); 1.0 callers send 48
+// bytes.
+impl FirstSize for Submit {
+    const FIRST_SIZE: usize = 48;
+}
 
 /// Largest argument struct of this ABI (bounds the stack copy below).
 const MAX_OUR_SIZE: usize = 128;

@@ -13,7 +13,8 @@
  *    and are zeroed on output;
  *  - structs may grow at the end. The size encoded in the ioctl number is
  *    the caller's struct size: the driver accepts any size from the first
- *    published one (the sizes below, ABI 1.0) up to 4096 bytes. Input
+ *    published one (the sizes below in ABI 1.0; struct tdrv_submit was 48
+ *    bytes) up to 4096 bytes. Input
  *    copies the smaller of the caller's and the driver's size and reads
  *    missing fields as zero; bytes the driver does not know must be zero
  *    (else E2BIG). Output is written back up to the smaller of the two
@@ -50,6 +51,9 @@
  *           tdrv_buf_info.error tells which errno the job ended with.
  *  ECANCELED (job status) the job's file was closed before it ended
  *  ENODEV   the device was removed; its files only support close(2)
+ *  EBADF    (SUBMIT) an in-fence is not an open fd
+ *  EMFILE   (SUBMIT) no free fd for the out-fence
+ *  EOPNOTSUPP (SUBMIT) fence fds on a kernel without CONFIG_SYNC_FILE
  *
  * Memory: buffers are charged to their channel (and to the allocating
  * process's memory cgroup) at their size rounded up to pages. A buffer
@@ -70,7 +74,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 1
+#define TDRV_ABI_MINOR 2
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -78,6 +82,8 @@
 #define TDRV_FEAT_COMPLETION	(1ULL << 2) /* completion counters */
 #define TDRV_FEAT_IRQ		(1ULL << 3) /* completions signalled by interrupt */
 #define TDRV_FEAT_ERROR_LATCH	(1ULL << 4) /* failed jobs latch tdrv_buf_info.error (1.1) */
+#define TDRV_FEAT_FENCE_FD	(1ULL << 5) /* SUBMIT takes and returns sync_file fds (1.2);
+					     * absent on kernels without CONFIG_SYNC_FILE */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -91,6 +97,8 @@
 #define TDRV_MAX_JOB_BYTES	(1ULL << 32)
 /* Jobs per file whose status TDRV_IOC_JOB_WAIT keeps (older: ESTALE). */
 #define TDRV_JOB_WINDOW		4096
+/* Most in-fence fds one TDRV_IOC_SUBMIT may carry. */
+#define TDRV_MAX_IN_FENCES	64
 
 /* Timeouts are in microseconds: 0 polls, negative waits without limit. */
 #define TDRV_TIMEOUT_INFINITE	(-1LL)
@@ -194,17 +202,73 @@ struct tdrv_copy {
 	__u64 reserved[2];	/* in: zero */
 };
 
-/* TDRV_IOC_SUBMIT: queue an asynchronous job on the device's engine. It
- * returns at once; every source gets a pending read and every destination
- * a pending write until the job ends (successfully or not). */
+/* tdrv_submit.flags */
+#define TDRV_SUBMIT_OUT_FENCE	(1U << 0) /* return the job's out-fence in out_fence (1.2) */
+
+/**
+ * struct tdrv_submit - argument of TDRV_IOC_SUBMIT: queue an asynchronous
+ * job on the device's engine.
+ *
+ * It returns at once; every source gets a pending read and every
+ * destination a pending write until the job ends (successfully or not).
+ *
+ * Fence fds (ABI 1.2, TDRV_FEAT_FENCE_FD):
+ *
+ * With TDRV_SUBMIT_OUT_FENCE the call returns a sync_file fd (O_CLOEXEC)
+ * whose dma_fence signals when the job has ended and let go of its
+ * buffers, after TDRV_IOC_JOB_WAIT reports it done. The job's outcome is
+ * the fence's error: 0 on success, else -ECANCELED (its file was closed),
+ * -EIO (device failure or recovery), -ETIMEDOUT (watchdog), -ENODEV
+ * (device removed), or an in-fence's error (below). poll(2)/epoll report
+ * POLLIN once it signalled; SYNC_IOC_FILE_INFO gives the status. The fd
+ * works after the tdrv file is closed and after the module is unloaded.
+ *
+ * @in_fences lists sync_file fds (from any driver, e.g. another job's
+ * out-fence or a sw_sync fence) that must all signal before the job may
+ * start. The job is held by its file, not by the engine, so other files'
+ * jobs run meanwhile; the submitting thread does not wait. A file's jobs
+ * still start in submission order: a job submitted after a held one
+ * waits for it too. If an in-fence signals with an error, the job fails
+ * with that error without running (and its out-fence carries it).
+ * Closing the file ends held jobs with ECANCELED, removing the device
+ * with ENODEV.
+ *
+ * Errors (besides those of every call): EINVAL for a bad descriptor,
+ * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
+ * with a zero count, or an in-fence fd that is not a sync_file; EBADF for an in-fence that is not an open
+ * fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
+ * TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file
+ * support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the
+ * out-fence; EAGAIN, EXDEV, ERANGE, ENOENT, ENOMEM, ENODEV as documented
+ * above. A job is queued only if the call succeeds (an EFAULT writing the
+ * result back is the exception: the job runs, and no out-fence fd is
+ * created).
+ *
+ * @descs: in: user pointer to @desc_count descriptors
+ * @desc_count: in: 1..TDRV_MAX_JOB_DESCS
+ * @desc_size: in: sizeof(struct tdrv_copy_desc) the caller uses
+ * @flags: in: TDRV_SUBMIT_* bits
+ * @pad: in: zero
+ * @job_id: out: per-file id, increasing from 1; in: zero
+ * @reserved: in: zero
+ * @in_fences: in (1.2): user pointer to @in_fence_count __s32 sync_file
+ *	fds, or 0 when @in_fence_count is 0
+ * @in_fence_count: in (1.2): 0..TDRV_MAX_IN_FENCES
+ * @out_fence: out (1.2): the out-fence's fd with TDRV_SUBMIT_OUT_FENCE,
+ *	else -1; ignored on input
+ */
 struct tdrv_submit {
-	__u64 descs;		/* in: user pointer to desc_count descriptors */
-	__u32 desc_count;	/* in: 1..TDRV_MAX_JOB_DESCS */
-	__u32 desc_size;	/* in: sizeof(struct tdrv_copy_desc) the caller uses */
-	__u32 flags;		/* in: zero */
-	__u32 pad;		/* in: zero */
-	__u64 job_id;		/* out: per-file id, increasing from 1 */
-	__u64 reserved[2];	/* in: zero */
+	__u64 descs;
+	__u32 desc_count;
+	__u32 desc_size;
+	__u32 flags;
+	__u32 pad;
+	__u64 job_id;
+	__u64 reserved[2];
+	/* ABI 1.2 (earlier callers pass the first 48 bytes) */
+	__u64 in_fences;
+	__u32 in_fence_count;
+	__s32 out_fence;
 };
 
 /* tdrv_job_wait.state */

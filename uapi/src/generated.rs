@@ -3,19 +3,22 @@
 // Generated from uapi/tdrv.h by scripts/gen-uapi; do not edit.
 
 pub const TDRV_ABI_MAJOR: u32 = 1;
-pub const TDRV_ABI_MINOR: u32 = 1;
+pub const TDRV_ABI_MINOR: u32 = 2;
 pub const TDRV_FEAT_MMAP: u32 = 1;
 pub const TDRV_FEAT_SUBMIT: u32 = 2;
 pub const TDRV_FEAT_COMPLETION: u32 = 4;
 pub const TDRV_FEAT_IRQ: u32 = 8;
 pub const TDRV_FEAT_ERROR_LATCH: u32 = 16;
+pub const TDRV_FEAT_FENCE_FD: u32 = 32;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
 pub const TDRV_MAX_BUFFER_SIZE: u32 = 1073741824;
 pub const TDRV_MAX_JOB_DESCS: u32 = 1024;
 pub const TDRV_MAX_JOB_BYTES: u64 = 4294967296;
 pub const TDRV_JOB_WINDOW: u32 = 4096;
+pub const TDRV_MAX_IN_FENCES: u32 = 64;
 pub const TDRV_TIMEOUT_INFINITE: i32 = -1;
+pub const TDRV_SUBMIT_OUT_FENCE: u32 = 1;
 pub const TDRV_JOB_PENDING: u32 = 1;
 pub const TDRV_JOB_DONE: u32 = 2;
 pub const TDRV_FENCE_READS: u32 = 1;
@@ -116,6 +119,7 @@ pub struct tdrv_copy {
     pub desc: tdrv_copy_desc,
     pub reserved: [__u64; 2usize],
 }
+#[doc = " struct tdrv_submit - argument of TDRV_IOC_SUBMIT: queue an asynchronous\n job on the device's engine.\n\n It returns at once; every source gets a pending read and every\n destination a pending write until the job ends (successfully or not).\n\n Fence fds (ABI 1.2, TDRV_FEAT_FENCE_FD):\n\n With TDRV_SUBMIT_OUT_FENCE the call returns a sync_file fd (O_CLOEXEC)\n whose dma_fence signals when the job has ended and let go of its\n buffers, after TDRV_IOC_JOB_WAIT reports it done. The job's outcome is\n the fence's error: 0 on success, else -ECANCELED (its file was closed),\n -EIO (device failure or recovery), -ETIMEDOUT (watchdog), -ENODEV\n (device removed), or an in-fence's error (below). poll(2)/epoll report\n POLLIN once it signalled; SYNC_IOC_FILE_INFO gives the status. The fd\n works after the tdrv file is closed and after the module is unloaded.\n\n @in_fences lists sync_file fds (from any driver, e.g. another job's\n out-fence or a sw_sync fence) that must all signal before the job may\n start. The job is held by its file, not by the engine, so other files'\n jobs run meanwhile; the submitting thread does not wait. A file's jobs\n still start in submission order: a job submitted after a held one\n waits for it too. If an in-fence signals with an error, the job fails\n with that error without running (and its out-fence carries it).\n Closing the file ends held jobs with ECANCELED, removing the device\n with ENODEV.\n\n Errors (besides those of every call): EINVAL for a bad descriptor,\n unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set\n with a zero count, or an in-fence fd that is not a sync_file; EBADF for an in-fence that is not an open\n fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for\n TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file\n support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the\n out-fence; EAGAIN, EXDEV, ERANGE, ENOENT, ENOMEM, ENODEV as documented\n above. A job is queued only if the call succeeds (an EFAULT writing the\n result back is the exception: the job runs, and no out-fence fd is\n created).\n\n @descs: in: user pointer to @desc_count descriptors\n @desc_count: in: 1..TDRV_MAX_JOB_DESCS\n @desc_size: in: sizeof(struct tdrv_copy_desc) the caller uses\n @flags: in: TDRV_SUBMIT_* bits\n @pad: in: zero\n @job_id: out: per-file id, increasing from 1; in: zero\n @reserved: in: zero\n @in_fences: in (1.2): user pointer to @in_fence_count __s32 sync_file\n\tfds, or 0 when @in_fence_count is 0\n @in_fence_count: in (1.2): 0..TDRV_MAX_IN_FENCES\n @out_fence: out (1.2): the out-fence's fd with TDRV_SUBMIT_OUT_FENCE,\n\telse -1; ignored on input"]
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct tdrv_submit {
@@ -126,6 +130,9 @@ pub struct tdrv_submit {
     pub pad: __u32,
     pub job_id: __u64,
     pub reserved: [__u64; 2usize],
+    pub in_fences: __u64,
+    pub in_fence_count: __u32,
+    pub out_fence: __s32,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

@@ -5,6 +5,7 @@
 //! whole program was skipped (feature absent).
 
 pub mod raw;
+pub mod sync;
 
 use std::fmt::Display;
 

@@ -169,6 +169,32 @@ impl Dev {
         self.ioctl(TDRV_IOC_SUBMIT, &mut s).map(|_| s.job_id)
     }
 
+    /// SUBMIT with fence fds: waits for `in_fences` before the job starts,
+    /// and returns (job id, out-fence fd) with `out_fence` (the fd is -1
+    /// without). The caller owns the returned fd.
+    pub fn submit_fences(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[i32],
+        out_fence: bool,
+    ) -> Result<(u64, i32), Errno> {
+        let mut s = tdrv_submit {
+            descs: descs.as_ptr() as u64,
+            desc_count: descs.len() as u32,
+            desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+            flags: if out_fence { TDRV_SUBMIT_OUT_FENCE } else { 0 },
+            in_fences: if in_fences.is_empty() {
+                0
+            } else {
+                in_fences.as_ptr() as u64
+            },
+            in_fence_count: in_fences.len() as u32,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_SUBMIT, &mut s)
+            .map(|_| (s.job_id, s.out_fence))
+    }
+
     /// Waits for a job; returns (state, status).
     pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> Result<(u32, i32), Errno> {
         let mut w = tdrv_job_wait {

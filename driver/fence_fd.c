@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * tdrv: fence fds of jobs, the narrow C side of driver/fence_fd.rs.
+ *
+ * 7.2 has no Rust abstraction of dma_fence or sync_file. Everything that
+ * touches them is here, behind a handful of functions; the reasoning
+ * (lifetimes, module unload, contexts) is in the module doc of
+ * driver/fence_fd.rs.
+ *
+ * Without CONFIG_SYNC_FILE (e.g. Debian's cloud kernel) the module still
+ * builds and loads: tdrv_fence_fd_supported() is false and every
+ * constructor returns -EOPNOTSUPP.
+ */
+
+#include <linux/dma-fence.h>
+#include <linux/fcntl.h>
+#include <linux/file.h>
+#include <linux/rcupdate.h>
+#include <linux/slab.h>
+#include <linux/sync_file.h>
+
+#include "fence_fd.h"
+
+#if IS_ENABLED(CONFIG_SYNC_FILE)
+
+bool tdrv_fence_fd_supported(void)
+{
+	return true;
+}
+
+/*
+ * Out-fences have no release and no wait op, so dma_fence_signal() sets
+ * their ops to NULL: from then on the fence (freed by the core with
+ * kfree_rcu) and its sync_file need nothing of this module. The two name
+ * ops run only for unsignalled fences, inside an RCU read-side section
+ * (dma_fence_driver_name/timeline_name); module exit waits for those
+ * sections (tdrv_fence_module_exit) after every fence was signalled.
+ */
+static const char *tdrv_fence_driver_name(struct dma_fence *fence)
+{
+	return "tdrv";
+}
+
+static const char *tdrv_fence_timeline_name(struct dma_fence *fence)
+{
+	return "tdrv-job";
+}
+
+static const struct dma_fence_ops tdrv_fence_ops = {
+	.get_driver_name = tdrv_fence_driver_name,
+	.get_timeline_name = tdrv_fence_timeline_name,
+};
+
+/* A new unsignalled fence with its own context (see fence_fd.rs: jobs of
+ * one file may end out of order), its own lock, and one reference. */
+struct dma_fence *tdrv_fence_new(void)
+{
+	struct dma_fence *fence = kzalloc(sizeof(*fence), GFP_KERNEL_ACCOUNT);
+
+	if (!fence)
+		return NULL;
+	dma_fence_init(fence, &tdrv_fence_ops, NULL, dma_fence_context_alloc(1), 1);
+	return fence;
+}
+
+/* Signals the fence, with error (a negative errno) or 0. Call once. */
+void tdrv_fence_signal(struct dma_fence *fence, int error)
+{
+	if (error < 0 && error >= -MAX_ERRNO)
+		dma_fence_set_error(fence, error);
+	dma_fence_signal(fence);
+}
+
+void tdrv_fence_put(struct dma_fence *fence)
+{
+	dma_fence_put(fence);
+}
+
+/*
+ * Creates a sync_file holding its own reference to fence and reserves an
+ * O_CLOEXEC descriptor for it, not yet visible to userspace. Returns the
+ * descriptor (and the file in *filep), or a negative errno. Finish with
+ * tdrv_fence_fd_install or tdrv_fence_fd_discard, in the same task.
+ */
+int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep)
+{
+	struct sync_file *sync_file;
+	int fd = get_unused_fd_flags(O_CLOEXEC);
+
+	if (fd < 0)
+		return fd;
+	sync_file = sync_file_create(fence);
+	if (!sync_file) {
+		put_unused_fd(fd);
+		return -ENOMEM;
+	}
+	*filep = sync_file->file;
+	return fd;
+}
+
+void tdrv_fence_fd_install(int fd, struct file *file)
+{
+	fd_install(fd, file);
+}
+
+void tdrv_fence_fd_discard(int fd, struct file *file)
+{
+	fput(file);
+	put_unused_fd(fd);
+}
+
+/* One in-fence: the callback node lives as long as the set. */
+struct tdrv_dep {
+	struct dma_fence_cb cb;
+	struct dma_fence *fence;
+	struct tdrv_deps *deps;
+};
+
+struct tdrv_deps {
+	/* Fences not yet signalled, plus one while arming. */
+	atomic_t pending;
+	void *ctx;
+	u32 count;
+	struct tdrv_dep dep[] __counted_by(count);
+};
+
+/*
+ * Takes a reference to the fence of each sync_file fd. -EBADF for a
+ * descriptor that is not open, -EINVAL for one that is not a sync_file,
+ * -ENOMEM. On success *depsp owns the references (tdrv_deps_free).
+ */
+int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
+{
+	struct tdrv_deps *deps;
+	u32 i;
+
+	deps = kzalloc(struct_size(deps, dep, count), GFP_KERNEL_ACCOUNT);
+	if (!deps)
+		return -ENOMEM;
+	deps->count = count;
+	for (i = 0; i < count; i++) {
+		struct tdrv_dep *dep = &deps->dep[i];
+		struct file *file = fds[i] >= 0 ? fget(fds[i]) : NULL;
+
+		INIT_LIST_HEAD(&dep->cb.node);
+		dep->deps = deps;
+		if (!file) {
+			tdrv_deps_free(deps);
+			return -EBADF;
+		}
+		fput(file);
+		dep->fence = sync_file_get_fence(fds[i]);
+		if (!dep->fence) {
+			tdrv_deps_free(deps);
+			return -EINVAL;
+		}
+	}
+	*depsp = deps;
+	return 0;
+}
+
+static void tdrv_dep_signalled(struct dma_fence *fence, struct dma_fence_cb *cb)
+{
+	struct tdrv_dep *dep = container_of(cb, struct tdrv_dep, cb);
+	struct tdrv_deps *deps = dep->deps;
+
+	/* The set stays alive: tdrv_deps_free removes this callback first,
+	 * which waits for this call (it runs under the fence's lock). */
+	if (atomic_dec_and_test(&deps->pending))
+		tdrv_deps_ready(deps->ctx);
+}
+
+/*
+ * Arms a callback on every fence. Returns true if all had signalled
+ * already (tdrv_deps_ready will not be called); else tdrv_deps_ready(ctx)
+ * is called exactly once, when the last one signals, unless the set is
+ * freed first. Call once.
+ */
+bool tdrv_deps_arm(struct tdrv_deps *deps, void *ctx)
+{
+	u32 i;
+
+	deps->ctx = ctx;
+	atomic_set(&deps->pending, deps->count + 1);
+	for (i = 0; i < deps->count; i++) {
+		struct tdrv_dep *dep = &deps->dep[i];
+
+		/* -ENOENT: already signalled, and no callback was added. */
+		if (dma_fence_add_callback(dep->fence, &dep->cb, tdrv_dep_signalled))
+			atomic_dec(&deps->pending);
+	}
+	return atomic_dec_and_test(&deps->pending);
+}
+
+/* The first error among the fences (all signalled): a negative errno, or
+ * 0 if every one succeeded. */
+int tdrv_deps_error(struct tdrv_deps *deps)
+{
+	u32 i;
+
+	for (i = 0; i < deps->count; i++) {
+		int status = dma_fence_get_status(deps->dep[i].fence);
+
+		if (status < 0)
+			return status;
+	}
+	return 0;
+}
+
+/*
+ * Removes the callbacks that have not run and waits for any that is
+ * running (dma_fence_remove_callback takes the fence's lock, under which
+ * callbacks run), then drops the references. Afterwards nothing refers to
+ * the set or to this module's callback. Process or atomic context.
+ */
+void tdrv_deps_free(struct tdrv_deps *deps)
+{
+	u32 i;
+
+	for (i = 0; i < deps->count; i++) {
+		struct tdrv_dep *dep = &deps->dep[i];
+
+		if (!dep->fence)
+			continue;
+		dma_fence_remove_callback(dep->fence, &dep->cb);
+		dma_fence_put(dep->fence);
+	}
+	kfree(deps);
+}
+
+#else /* !CONFIG_SYNC_FILE */
+
+bool tdrv_fence_fd_supported(void)
+{
+	return false;
+}
+
+struct dma_fence *tdrv_fence_new(void)
+{
+	return NULL;
+}
+
+void tdrv_fence_signal(struct dma_fence *fence, int error)
+{
+}
+
+void tdrv_fence_put(struct dma_fence *fence)
+{
+}
+
+int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep)
+{
+	return -EOPNOTSUPP;
+}
+
+void tdrv_fence_fd_install(int fd, struct file *file)
+{
+}
+
+void tdrv_fence_fd_discard(int fd, struct file *file)
+{
+}
+
+int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
+{
+	return -EOPNOTSUPP;
+}
+
+bool tdrv_deps_arm(struct tdrv_deps *deps, void *ctx)
+{
+	return true;
+}
+
+int tdrv_deps_error(struct tdrv_deps *deps)
+{
+	return -EOPNOTSUPP;
+}
+
+void tdrv_deps_free(struct tdrv_deps *deps)
+{
+}
+
+#endif /* CONFIG_SYNC_FILE */
+
+/* Module exit, after every device is gone (so every out-fence was
+ * signalled and every in-fence callback removed): waits for RCU readers
+ * that may still be inside tdrv_fence_driver_name/timeline_name, or using
+ * the strings they returned, before the module's text and data go. */
+void tdrv_fence_module_exit(void)
+{
+	synchronize_rcu();
+}

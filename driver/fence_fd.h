@@ -1,0 +1,37 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Fence fds of tdrv jobs (sync_file + dma_fence), called from Rust
+ * (driver/fence_fd.rs documents the contracts and the design).
+ */
+#ifndef TDRV_FENCE_FD_H
+#define TDRV_FENCE_FD_H
+
+#include <linux/types.h>
+
+struct dma_fence;
+struct file;
+struct tdrv_deps;
+
+bool tdrv_fence_fd_supported(void);
+
+/* Out-fences: one dma_fence per job, exported as a sync_file fd. */
+struct dma_fence *tdrv_fence_new(void);
+void tdrv_fence_signal(struct dma_fence *fence, int error);
+void tdrv_fence_put(struct dma_fence *fence);
+int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep);
+void tdrv_fence_fd_install(int fd, struct file *file);
+void tdrv_fence_fd_discard(int fd, struct file *file);
+void tdrv_fence_module_exit(void);
+
+/* In-fences: the sync_files a job waits for before it may start. */
+int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp);
+bool tdrv_deps_arm(struct tdrv_deps *deps, void *ctx);
+int tdrv_deps_error(struct tdrv_deps *deps);
+void tdrv_deps_free(struct tdrv_deps *deps);
+
+/* Implemented in Rust (job.rs): every in-fence of the job behind ctx has
+ * signalled. Called once per armed set, from any context (under the
+ * signalling fence's lock, interrupts off). */
+void tdrv_deps_ready(void *ctx);
+
+#endif
