@@ -9,11 +9,16 @@
 //! With an input dump directory set ([`crate::dump`]), submitting first
 //! writes the bytes of every source tensor of the job to that directory.
 
+use std::future::Future;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::reactor;
 use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
 use crate::tensor::Tensor;
 use crate::trace::{self, TraceOp};
@@ -21,6 +26,9 @@ use crate::wait::Deadline;
 
 /// Most copies one job may carry.
 pub const MAX_JOB_COPIES: usize = tdrv_uapi::TDRV_MAX_JOB_DESCS as usize;
+
+/// Most in-fences one job may wait for.
+pub const MAX_IN_FENCES: usize = tdrv_uapi::TDRV_MAX_IN_FENCES as usize;
 
 /// A job being built. See the module documentation.
 ///
@@ -50,6 +58,10 @@ pub struct Job {
     descs: Vec<tdrv_copy_desc>,
     inputs: Vec<Tensor>,
     outputs: Vec<Tensor>,
+    /// Duplicates of the `sync_file`s the job waits for.
+    in_fences: Vec<OwnedFd>,
+    /// Whether to ask for an out-fence.
+    out_fence: bool,
 }
 
 /// State of a submitted job.
@@ -79,6 +91,12 @@ pub struct JobHandle {
     device: Arc<Device>,
     id: u64,
     _tensors: Vec<Tensor>,
+    /// The job's out-fence, if it asked for one.
+    fence: Option<Arc<OwnedFd>>,
+    /// Its key in the reactor while awaited through the fence.
+    reactor_key: u64,
+    /// The task to wake when awaited without a fence (see `poll`).
+    fallback: Option<Arc<Mutex<Option<Waker>>>>,
 }
 
 impl Job {
@@ -186,6 +204,38 @@ impl Job {
         self.copy(src, 0, dst, 0, src.size())
     }
 
+    /// Makes the job wait for `fence`, a `sync_file` fd (another job's
+    /// [`JobHandle::fence_fd`], another driver's fence, a sw_sync point):
+    /// the driver starts it only once every such fence has signalled, and
+    /// a fence that signals with an error fails the job with that error,
+    /// unrun. The job keeps a duplicate of the fd, so the caller may close
+    /// its own. Needs a kernel with fence fds
+    /// ([`Device::supports_fence_fds`]): `submit` says
+    /// [`SysError::FenceFdsUnsupported`] otherwise.
+    pub fn in_fence(&mut self, fence: impl AsFd) -> Result<&mut Self> {
+        if self.in_fences.len() >= MAX_IN_FENCES {
+            return Err(Error::invalid(format!(
+                "a job waits for at most {MAX_IN_FENCES} fences"
+            )));
+        }
+        let fd = fence
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| SysError::from_errno("dup", e.raw_os_error().unwrap_or(libc::EBADF)))?;
+        self.in_fences.push(fd);
+        Ok(self)
+    }
+
+    /// Asks for an out-fence: the submitted job's [`JobHandle::fence_fd`]
+    /// is then a `sync_file` fd that becomes readable (poll, epoll) when
+    /// the job ends, and awaiting the handle needs no thread of its own.
+    /// It costs one fd per live handle. Needs a kernel with fence fds
+    /// ([`Device::supports_fence_fds`]).
+    pub fn with_out_fence(&mut self) -> &mut Self {
+        self.out_fence = true;
+        self
+    }
+
     /// Queues the job on the device and returns at once. The job's copies
     /// move into the handle, leaving this builder empty, so a job can be
     /// built and submitted in one expression:
@@ -194,7 +244,11 @@ impl Job {
         let Some(device) = self.device.clone() else {
             return Err(Error::invalid("an empty job cannot be submitted"));
         };
-        let id = {
+        let fenced = self.out_fence || !self.in_fences.is_empty();
+        if fenced && !device.supports_fence_fds() {
+            return Err(SysError::FenceFdsUnsupported { op: "SUBMIT" }.into());
+        }
+        let (id, fence) = {
             let name = self.outputs.first().map_or("", |t| t.name());
             let _t = trace::scope(TraceOp::Submit, name, self.descs.len());
             crate::dump::dump_job_inputs(&self.inputs);
@@ -204,7 +258,8 @@ impl Job {
                     b.counted.store(true, Ordering::Release);
                 }
             }
-            device.submit(&self.descs)?
+            let in_fences: Vec<BorrowedFd<'_>> = self.in_fences.iter().map(|f| f.as_fd()).collect();
+            device.submit_with_fences(&self.descs, &in_fences, self.out_fence)?
         };
         let mut tensors = std::mem::take(&mut self.inputs);
         tensors.append(&mut self.outputs);
@@ -213,6 +268,9 @@ impl Job {
             device,
             id,
             _tensors: tensors,
+            fence: fence.map(Arc::new),
+            reactor_key: reactor::new_key(),
+            fallback: None,
         })
     }
 }
@@ -221,6 +279,15 @@ impl JobHandle {
     /// The driver's id of the job (per open file, increasing from 1).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The job's out-fence (submitted [`Job::with_out_fence`]): a
+    /// `sync_file` fd that becomes readable (POLLIN) when the job has
+    /// ended, with the job's errno as its error (SYNC_IOC_FILE_INFO).
+    /// Give it to [`Job::in_fence`] of another job, to another driver, or
+    /// to an event loop; duplicate it to keep it past the handle.
+    pub fn fence_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fence.as_deref().map(|f| f.as_fd())
     }
 
     /// The job's state now; a failed job is [`Error::JobFailed`].
@@ -294,6 +361,81 @@ impl JobHandle {
                 }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
                 Err(e) => return Err(self.wait_error(e)),
+            }
+        }
+    }
+}
+
+/// Awaiting a handle waits for the job without blocking the executor:
+/// `Ok(())` when it succeeded, [`Error::JobFailed`] when it failed. It
+/// needs no async runtime. A handle with an out-fence
+/// ([`Job::with_out_fence`]) is watched by the process's reactor thread
+/// (one for all awaited jobs, started on first use: it polls their fence
+/// fds); one without (or on a kernel without fence fds) gets a thread of
+/// its own that blocks in JOB_WAIT until the job ends. See
+/// `userlib/DESIGN.md`.
+impl Future for JobHandle {
+    type Output = Result<()>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self.get_mut();
+        match this.poll() {
+            Ok(JobState::Done) => return Poll::Ready(Ok(())),
+            Err(e) => return Poll::Ready(Err(e)),
+            Ok(JobState::Pending) => {}
+        }
+        if let (Some(fence), Some(r)) = (&this.fence, reactor::get()) {
+            r.register(this.reactor_key, fence.clone(), cx.waker());
+        } else {
+            this.wake_from_thread(cx.waker());
+        }
+        // The job may have ended before the registration: look again, so
+        // that no wake-up is lost.
+        match this.poll() {
+            Ok(JobState::Done) => Poll::Ready(Ok(())),
+            Err(e) => Poll::Ready(Err(e)),
+            Ok(JobState::Pending) => Poll::Pending,
+        }
+    }
+}
+
+impl JobHandle {
+    /// Without a fence: one thread per handle blocks in JOB_WAIT and wakes
+    /// the latest waker when the job ends.
+    fn wake_from_thread(&mut self, waker: &Waker) {
+        if let Some(slot) = &self.fallback {
+            let mut w = slot.lock().unwrap_or_else(|e| e.into_inner());
+            match w.as_mut() {
+                Some(w) => w.clone_from(waker),
+                None => *w = Some(waker.clone()),
+            }
+            return;
+        }
+        let slot = Arc::new(Mutex::new(Some(waker.clone())));
+        let (device, id, s) = (self.device.clone(), self.id, slot.clone());
+        let spawned = std::thread::Builder::new()
+            .name("tdrv-job-wait".into())
+            .spawn(move || {
+                // Ends when the job does (or the device goes: ENODEV).
+                while let Err(SysError::Interrupted { .. }) = device.job_wait(id, -1) {}
+                let waker = s.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            });
+        match spawned {
+            Ok(_) => self.fallback = Some(slot),
+            // No thread: have the task poll again soon rather than never.
+            Err(_) => waker.wake_by_ref(),
+        }
+    }
+}
+
+impl Drop for JobHandle {
+    fn drop(&mut self) {
+        if self.fence.is_some() {
+            if let Some(r) = reactor::running() {
+                r.deregister(self.reactor_key);
             }
         }
     }

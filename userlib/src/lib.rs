@@ -75,6 +75,7 @@ mod io;
 pub mod job;
 mod log;
 mod map;
+mod reactor;
 mod set;
 mod storage;
 pub mod sys;

@@ -134,6 +134,13 @@ pub enum SysError {
         /// The operation.
         op: &'static str,
     },
+    /// EOPNOTSUPP: fence fds on a kernel without `sync_file`
+    /// (`CONFIG_SYNC_FILE`); see [`Device::supports_fence_fds`].
+    #[error("{op}: fence fds need a kernel with CONFIG_SYNC_FILE (EOPNOTSUPP)")]
+    FenceFdsUnsupported {
+        /// The operation.
+        op: &'static str,
+    },
     /// Any other errno.
     #[error("{op}: {}", std::io::Error::from_raw_os_error(*errno))]
     Os {
@@ -180,6 +187,7 @@ impl SysError {
             libc::ENOTTY => Self::NotTdrv { op },
             libc::EAGAIN => Self::TooManyJobs { op },
             libc::ESTALE => Self::StaleJob { op },
+            libc::EOPNOTSUPP => Self::FenceFdsUnsupported { op },
             errno => Self::Os { op, errno },
         }
     }
@@ -206,6 +214,7 @@ impl SysError {
             Self::Pinned { .. } => libc::EBUSY,
             Self::TooManyJobs { .. } => libc::EAGAIN,
             Self::StaleJob { .. } => libc::ESTALE,
+            Self::FenceFdsUnsupported { .. } => libc::EOPNOTSUPP,
             Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
             Self::AbiMismatch { .. } => libc::EPROTO,
         }
@@ -473,6 +482,12 @@ impl Device {
         self.version.features & bits == bits
     }
 
+    /// Whether SUBMIT takes and returns fence fds (`TDRV_FEAT_FENCE_FD`:
+    /// ABI 1.2 on a kernel with `CONFIG_SYNC_FILE`).
+    pub fn supports_fence_fds(&self) -> bool {
+        self.has_features(uapi::TDRV_FEAT_FENCE_FD as u64)
+    }
+
     /// Issues one ioctl. Restarts on EINTR when `restart` is set (for calls
     /// that do not wait with a caller-chosen timeout).
     fn ioctl<T>(
@@ -642,19 +657,55 @@ impl Device {
 
     /// `TDRV_IOC_SUBMIT`: queues an asynchronous copy job; returns its id.
     pub fn submit(&self, descs: &[tdrv_copy_desc]) -> Result<u64, SysError> {
+        self.submit_with_fences(descs, &[], false).map(|(id, _)| id)
+    }
+
+    /// `TDRV_IOC_SUBMIT` with fence fds (ABI 1.2): the job starts only
+    /// after every `sync_file` of `in_fences` has signalled (a failed one
+    /// fails the job with its error), and with `out_fence` the call also
+    /// returns the job's out-fence, a `sync_file` fd that signals when the
+    /// job ends (its error is the job's). Fence fds on a kernel without
+    /// them are [`SysError::FenceFdsUnsupported`].
+    pub fn submit_with_fences(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[BorrowedFd<'_>],
+        out_fence: bool,
+    ) -> Result<(u64, Option<OwnedFd>), SysError> {
         let desc_count =
             u32::try_from(descs.len()).map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?;
-        // `descs` points at `descs`, borrowed (valid, unchanged) for the whole
-        // call; the kernel copies the descriptors before returning.
+        let fds: Vec<i32> = in_fences.iter().map(|f| f.as_raw_fd()).collect();
+        // `descs` and `fds` are borrowed (valid, unchanged) for the whole
+        // call; the kernel copies them before returning, and takes its own
+        // references to the in-fences.
         let mut s = uapi::tdrv_submit {
             descs: descs.as_ptr() as u64,
             desc_count,
             desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+            flags: if out_fence {
+                uapi::TDRV_SUBMIT_OUT_FENCE
+            } else {
+                0
+            },
+            in_fences: if fds.is_empty() {
+                0
+            } else {
+                fds.as_ptr() as u64
+            },
+            in_fence_count: u32::try_from(fds.len())
+                .map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?,
             ..Default::default()
         };
         let _pins = self.unpinned("SUBMIT", descs.iter().map(|d| d.dst_handle))?;
         self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
-        Ok(s.job_id)
+        let fence = if out_fence && s.out_fence >= 0 {
+            // SAFETY: the driver installed this descriptor for this call
+            // and nothing else owns it.
+            Some(unsafe { OwnedFd::from_raw_fd(s.out_fence) })
+        } else {
+            None
+        };
+        Ok((s.job_id, fence))
     }
 
     /// `TDRV_IOC_JOB_WAIT`: waits up to `timeout_us` (0 polls, < 0 forever)
@@ -933,6 +984,7 @@ mod tests {
             libc::ESTALE,
             libc::EIO,
             libc::ECANCELED,
+            libc::EOPNOTSUPP,
         ] {
             assert_eq!(SysError::from_errno("x", errno).errno(), errno);
         }

@@ -146,8 +146,7 @@ impl Timeline {
             fence: -1,
         };
         // SAFETY: a live create_fence_data the kernel reads and writes.
-        if unsafe { libc::ioctl(self.fd.as_raw_fd(), SW_SYNC_IOC_CREATE_FENCE as _, &mut c) } < 0
-        {
+        if unsafe { libc::ioctl(self.fd.as_raw_fd(), SW_SYNC_IOC_CREATE_FENCE as _, &mut c) } < 0 {
             return Err(errno());
         }
         // SAFETY: the kernel just installed this descriptor for us.

@@ -309,7 +309,13 @@ fn main() {
                 ..Default::default()
             };
             for (field, s) in [
-                ("flags", tdrv_submit { flags: 1 << 7, ..base }),
+                (
+                    "flags",
+                    tdrv_submit {
+                        flags: 1 << 7,
+                        ..base
+                    },
+                ),
                 ("pad", tdrv_submit { pad: 1, ..base }),
                 ("job_id (out field)", tdrv_submit { job_id: 1, ..base }),
                 (

@@ -33,7 +33,9 @@ const PCI_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
 const TESTS: usize = 13;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(13) ^ seed).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13) ^ seed)
+        .collect()
 }
 
 /// Takes ownership of an fd the driver returned.
@@ -112,15 +114,22 @@ fn unload() -> Result<(), i32> {
 /// The tests that need no fence support: what a kernel without
 /// `CONFIG_SYNC_FILE` answers.
 fn unsupported(t: &mut Tap, dev: &Dev) {
-    t.run("without sync_file: TDRV_SUBMIT_OUT_FENCE is EOPNOTSUPP", || -> R {
-        let (a, b, _) = pair(dev, 4096, 1)?;
-        let d = [desc(a.handle, 0, b.handle, 0, 4096)];
-        expect_err("submit", dev.submit_fences(&d, &[], true), libc::EOPNOTSUPP)
-    });
+    t.run(
+        "without sync_file: TDRV_SUBMIT_OUT_FENCE is EOPNOTSUPP",
+        || -> R {
+            let (a, b, _) = pair(dev, 4096, 1)?;
+            let d = [desc(a.handle, 0, b.handle, 0, 4096)];
+            expect_err("submit", dev.submit_fences(&d, &[], true), libc::EOPNOTSUPP)
+        },
+    );
     t.run("without sync_file: in-fences are EOPNOTSUPP", || -> R {
         let (a, b, _) = pair(dev, 4096, 2)?;
         let d = [desc(a.handle, 0, b.handle, 0, 4096)];
-        expect_err("submit", dev.submit_fences(&d, &[0], false), libc::EOPNOTSUPP)
+        expect_err(
+            "submit",
+            dev.submit_fences(&d, &[0], false),
+            libc::EOPNOTSUPP,
+        )
     });
     t.run(
         "without sync_file: a job through the 1.2 struct runs and reports out_fence -1",
@@ -168,18 +177,20 @@ fn main() {
             expect_eq("FD_CLOEXEC", flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC)?;
             expect_eq("fence status", wait_fence(fence.as_raw_fd())?, 1)?;
             // Signalled after JOB_WAIT learnt the outcome.
-            expect_eq("job after the fence", job_state(&dev, id)?, (TDRV_JOB_DONE, 0))?;
+            expect_eq(
+                "job after the fence",
+                job_state(&dev, id)?,
+                (TDRV_JOB_DONE, 0),
+            )?;
             check_copied(&dev, &b, &data)?;
             let info = ok("file_info", file_info(fence.as_raw_fd()))?;
             expect_eq("fences in the sync_file", info.num_fences, 1)
         },
     );
 
-    let sw_sync = |t: &mut Tap, name: &str, body: &dyn Fn(&Timeline) -> R| {
-        match Timeline::new() {
-            Ok(tl) => t.run(name, || body(&tl)),
-            Err(e) => t.skip(name, &format!("no sw_sync timeline (errno {e})")),
-        }
+    let sw_sync = |t: &mut Tap, name: &str, body: &dyn Fn(&Timeline) -> R| match Timeline::new() {
+        Ok(tl) => t.run(name, || body(&tl)),
+        Err(e) => t.skip(name, &format!("no sw_sync timeline (errno {e})")),
     };
 
     sw_sync(
@@ -192,7 +203,11 @@ fn main() {
             let (id, fd) = ok("submit", dev.submit_fences(&d, &[gate.as_raw_fd()], true))?;
             let fence = owned(fd)?;
             thread::sleep(Duration::from_millis(300));
-            expect_eq("job while gated", job_state(&dev, id)?, (TDRV_JOB_PENDING, 0))?;
+            expect_eq(
+                "job while gated",
+                job_state(&dev, id)?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
             let info = ok("buf_info", dev.buf_info(b.handle))?;
             expect_eq("pending write on the destination", info.pending_writes, 1)?;
             expect_eq("completions while gated", info.completion_count, 0)?;
@@ -207,7 +222,11 @@ fn main() {
             // Signalled fences no longer call into the module (their ops
             // are detached): the core names them itself.
             let s = ok("file_info", file_info(fence.as_raw_fd()))?;
-            expect_eq("driver name after signalling", s.driver.as_str(), "detached-driver")
+            expect_eq(
+                "driver name after signalling",
+                s.driver.as_str(),
+                "detached-driver",
+            )
         },
     );
 
@@ -231,8 +250,12 @@ fn main() {
                     events: libc::EPOLLIN as u32,
                     u64: 0x7d7d,
                 };
-                if libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fence.as_raw_fd(), &mut ev)
-                    < 0
+                if libc::epoll_ctl(
+                    ep.as_raw_fd(),
+                    libc::EPOLL_CTL_ADD,
+                    fence.as_raw_fd(),
+                    &mut ev,
+                ) < 0
                 {
                     return Err(format!("epoll_ctl: errno {}", errno()));
                 }
@@ -259,14 +282,24 @@ fn main() {
             let gate = ok("sw_sync fence", tl.fence(1))?;
             let (gated, _) = ok(
                 "submit gated",
-                dev.submit_fences(&[desc(a.handle, 0, b.handle, 0, size)], &[gate.as_raw_fd()], false),
+                dev.submit_fences(
+                    &[desc(a.handle, 0, b.handle, 0, size)],
+                    &[gate.as_raw_fd()],
+                    false,
+                ),
             )?;
             // Same file, no in-fence: still behind the gated job.
-            let behind = ok("submit behind", dev.submit(&[desc(c.handle, 0, e.handle, 0, size)]))?;
+            let behind = ok(
+                "submit behind",
+                dev.submit(&[desc(c.handle, 0, e.handle, 0, size)]),
+            )?;
             // Another file's job runs meanwhile.
             let other = ok("open", Dev::open(&path))?;
             let (x, y, xdata) = pair(&other, size, 9)?;
-            let id = ok("submit other", other.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
+            let id = ok(
+                "submit other",
+                other.submit(&[desc(x.handle, 0, y.handle, 0, size)]),
+            )?;
             expect_eq(
                 "other file's job",
                 ok("wait", other.job_wait(id, 60_000_000))?,
@@ -274,10 +307,22 @@ fn main() {
             )?;
             check_copied(&other, &y, &xdata)?;
             expect_eq("gated job", job_state(&dev, gated)?, (TDRV_JOB_PENDING, 0))?;
-            expect_eq("job behind it", job_state(&dev, behind)?, (TDRV_JOB_PENDING, 0))?;
+            expect_eq(
+                "job behind it",
+                job_state(&dev, behind)?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
             ok("sw_sync inc", tl.inc(1))?;
-            expect_eq("gated job", ok("wait", dev.job_wait(gated, -1))?, (TDRV_JOB_DONE, 0))?;
-            expect_eq("job behind", ok("wait", dev.job_wait(behind, -1))?, (TDRV_JOB_DONE, 0))?;
+            expect_eq(
+                "gated job",
+                ok("wait", dev.job_wait(gated, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            expect_eq(
+                "job behind",
+                ok("wait", dev.job_wait(behind, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
             check_copied(&dev, &b, &data)
         },
     );
@@ -288,18 +333,28 @@ fn main() {
             let first = ok("open", Dev::open(&path))?;
             let (a, b, _) = pair(&first, size, 10)?;
             let passes = if edu { 2 } else { 8 };
-            let d: Vec<_> = (0..passes).map(|_| desc(a.handle, 0, b.handle, 0, size)).collect();
+            let d: Vec<_> = (0..passes)
+                .map(|_| desc(a.handle, 0, b.handle, 0, size))
+                .collect();
             let (id1, fd1) = ok("submit first", first.submit_fences(&d, &[], true))?;
             let f1 = owned(fd1)?;
             let (c, e, data) = pair(&dev, size, 11)?;
             let (id2, fd2) = ok(
                 "submit second",
-                dev.submit_fences(&[desc(c.handle, 0, e.handle, 0, size)], &[f1.as_raw_fd()], true),
+                dev.submit_fences(
+                    &[desc(c.handle, 0, e.handle, 0, size)],
+                    &[f1.as_raw_fd()],
+                    true,
+                ),
             )?;
             let f2 = owned(fd2)?;
             expect_eq("second fence", wait_fence(f2.as_raw_fd())?, 1)?;
             expect_eq("second job", job_state(&dev, id2)?, (TDRV_JOB_DONE, 0))?;
-            expect_eq("first job when the second ended", job_state(&first, id1)?, (TDRV_JOB_DONE, 0))?;
+            expect_eq(
+                "first job when the second ended",
+                job_state(&first, id1)?,
+                (TDRV_JOB_DONE, 0),
+            )?;
             expect_eq("first fence", status(f1.as_raw_fd())?, 1)?;
             check_copied(&dev, &e, &data)
         },
@@ -327,13 +382,25 @@ fn main() {
             let f1 = owned(fd1)?;
             let (id2, fd2) = ok(
                 "submit gated on it",
-                dev.submit_fences(&[desc(c.handle, 0, e.handle, 0, 4096)], &[f1.as_raw_fd()], true),
+                dev.submit_fences(
+                    &[desc(c.handle, 0, e.handle, 0, 4096)],
+                    &[f1.as_raw_fd()],
+                    true,
+                ),
             )?;
             let f2 = owned(fd2)?;
             expect_eq("failed job's fence", wait_fence(f1.as_raw_fd())?, -want)?;
-            expect_eq("failed job", ok("wait", dev.job_wait(id1, -1))?, (TDRV_JOB_DONE, -want))?;
+            expect_eq(
+                "failed job",
+                ok("wait", dev.job_wait(id1, -1))?,
+                (TDRV_JOB_DONE, -want),
+            )?;
             expect_eq("gated job's fence", wait_fence(f2.as_raw_fd())?, -want)?;
-            expect_eq("gated job", ok("wait", dev.job_wait(id2, -1))?, (TDRV_JOB_DONE, -want))?;
+            expect_eq(
+                "gated job",
+                ok("wait", dev.job_wait(id2, -1))?,
+                (TDRV_JOB_DONE, -want),
+            )?;
             // It did not run: its destination kept its bytes (and latched
             // the error, as every failed job does).
             let info = ok("buf_info", dev.buf_info(e.handle))?;
@@ -341,60 +408,125 @@ fn main() {
             ok("completion_reset", dev.completion_reset(e.handle))?;
             let mut out = vec![0u8; 4096];
             ok("copy_out", dev.copy_out(e.handle, 0, &mut out))?;
-            expect_eq("gated destination untouched", out.iter().all(|x| *x == 0x5a), true)?;
+            expect_eq(
+                "gated destination untouched",
+                out.iter().all(|x| *x == 0x5a),
+                true,
+            )?;
             // The engine serves jobs again (edu: once it let go).
             let id = submit_when_ready(&dev, &[desc(c.handle, 0, e.handle, 0, 4096)])?;
-            expect_eq("next job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))
+            expect_eq(
+                "next job",
+                ok("wait", dev.job_wait(id, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )
         },
     );
 
-    t.run("bad fence arguments get clean errors and queue nothing", || -> R {
-        let (a, b, _) = pair(&dev, 4096, 14)?;
-        let d = [desc(a.handle, 0, b.handle, 0, 4096)];
-        let before = ok("channel", dev.channel_info(0))?;
-        expect_err("in-fence -1", dev.submit_fences(&d, &[-1], false), libc::EBADF)?;
-        expect_err("in-fence not open", dev.submit_fences(&d, &[4000], false), libc::EBADF)?;
-        // The device file itself is not a sync_file.
-        expect_err("in-fence not a sync_file", dev.submit_fences(&d, &[dev.fd()], false), libc::EINVAL)?;
-        let many = vec![dev.fd(); TDRV_MAX_IN_FENCES as usize + 1];
-        expect_err("too many in-fences", dev.submit_fences(&d, &many, false), libc::EINVAL)?;
-        let base = tdrv_submit {
-            descs: d.as_ptr() as u64,
-            desc_count: 1,
-            desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
-            ..Default::default()
-        };
-        for (what, s, want) in [
-            ("unknown flag", tdrv_submit { flags: 1 << 7, ..base }, libc::EINVAL),
-            ("in_fences without a count", tdrv_submit { in_fences: 8, ..base }, libc::EINVAL),
-            (
-                "unreadable in_fences",
-                tdrv_submit { in_fences: 8, in_fence_count: 1, ..base },
-                libc::EFAULT,
-            ),
-        ] {
-            let mut s = s;
-            expect_err(what, dev.ioctl(TDRV_IOC_SUBMIT, &mut s), want)?;
-        }
-        // Nothing was queued: the buffers carry no marks.
-        let i = ok("buf_info", dev.buf_info(a.handle))?;
-        expect_eq("marks", (i.pending_reads, i.pending_writes), (0, 0))?;
-        let after = ok("channel", dev.channel_info(0))?;
-        expect_eq("channel usage", after.used_bytes, before.used_bytes)?;
-        // out_fence is output only: a reused struct's value is ignored.
-        let mut s = tdrv_submit { out_fence: 3, ..base };
-        ok("submit with a stale out_fence", dev.ioctl(TDRV_IOC_SUBMIT, &mut s))?;
-        expect_eq("out_fence without the flag", s.out_fence, -1)?;
-        expect_eq("job", ok("wait", dev.job_wait(s.job_id, -1))?, (TDRV_JOB_DONE, 0))?;
-        // A 1.0 caller (48-byte struct) still submits.
-        let mut old = [0u8; 48];
-        // SAFETY: the first 48 bytes of a tdrv_submit, as an old binary sends.
-        unsafe { std::ptr::copy_nonoverlapping((&base as *const tdrv_submit).cast::<u8>(), old.as_mut_ptr(), 48) };
-        let req = (TDRV_IOC_SUBMIT & !(0x3fff << 16)) | (48 << 16);
-        ok("submit with the 1.0 size", dev.ioctl(req, &mut old))?;
-        let id = u64::from_ne_bytes(old[24..32].try_into().unwrap());
-        expect_eq("1.0 job", ok("wait", dev.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))
-    });
+    t.run(
+        "bad fence arguments get clean errors and queue nothing",
+        || -> R {
+            let (a, b, _) = pair(&dev, 4096, 14)?;
+            let d = [desc(a.handle, 0, b.handle, 0, 4096)];
+            let before = ok("channel", dev.channel_info(0))?;
+            expect_err(
+                "in-fence -1",
+                dev.submit_fences(&d, &[-1], false),
+                libc::EBADF,
+            )?;
+            expect_err(
+                "in-fence not open",
+                dev.submit_fences(&d, &[4000], false),
+                libc::EBADF,
+            )?;
+            // The device file itself is not a sync_file.
+            expect_err(
+                "in-fence not a sync_file",
+                dev.submit_fences(&d, &[dev.fd()], false),
+                libc::EINVAL,
+            )?;
+            let many = vec![dev.fd(); TDRV_MAX_IN_FENCES as usize + 1];
+            expect_err(
+                "too many in-fences",
+                dev.submit_fences(&d, &many, false),
+                libc::EINVAL,
+            )?;
+            let base = tdrv_submit {
+                descs: d.as_ptr() as u64,
+                desc_count: 1,
+                desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+                ..Default::default()
+            };
+            for (what, s, want) in [
+                (
+                    "unknown flag",
+                    tdrv_submit {
+                        flags: 1 << 7,
+                        ..base
+                    },
+                    libc::EINVAL,
+                ),
+                (
+                    "in_fences without a count",
+                    tdrv_submit {
+                        in_fences: 8,
+                        ..base
+                    },
+                    libc::EINVAL,
+                ),
+                (
+                    "unreadable in_fences",
+                    tdrv_submit {
+                        in_fences: 8,
+                        in_fence_count: 1,
+                        ..base
+                    },
+                    libc::EFAULT,
+                ),
+            ] {
+                let mut s = s;
+                expect_err(what, dev.ioctl(TDRV_IOC_SUBMIT, &mut s), want)?;
+            }
+            // Nothing was queued: the buffers carry no marks.
+            let i = ok("buf_info", dev.buf_info(a.handle))?;
+            expect_eq("marks", (i.pending_reads, i.pending_writes), (0, 0))?;
+            let after = ok("channel", dev.channel_info(0))?;
+            expect_eq("channel usage", after.used_bytes, before.used_bytes)?;
+            // out_fence is output only: a reused struct's value is ignored.
+            let mut s = tdrv_submit {
+                out_fence: 3,
+                ..base
+            };
+            ok(
+                "submit with a stale out_fence",
+                dev.ioctl(TDRV_IOC_SUBMIT, &mut s),
+            )?;
+            expect_eq("out_fence without the flag", s.out_fence, -1)?;
+            expect_eq(
+                "job",
+                ok("wait", dev.job_wait(s.job_id, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            // A 1.0 caller (48-byte struct) still submits.
+            let mut old = [0u8; 48];
+            // SAFETY: the first 48 bytes of a tdrv_submit, as an old binary sends.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (&base as *const tdrv_submit).cast::<u8>(),
+                    old.as_mut_ptr(),
+                    48,
+                )
+            };
+            let req = (TDRV_IOC_SUBMIT & !(0x3fff << 16)) | (48 << 16);
+            ok("submit with the 1.0 size", dev.ioctl(req, &mut old))?;
+            let id = u64::from_ne_bytes(old[24..32].try_into().unwrap());
+            expect_eq(
+                "1.0 job",
+                ok("wait", dev.job_wait(id, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )
+        },
+    );
 
     sw_sync(
         &mut t,
@@ -408,18 +540,30 @@ fn main() {
             for _ in 0..4 {
                 let (_, fd) = ok(
                     "submit gated",
-                    victim.submit_fences(&[desc(a.handle, 0, b.handle, 0, size)], &[gate.as_raw_fd()], true),
+                    victim.submit_fences(
+                        &[desc(a.handle, 0, b.handle, 0, size)],
+                        &[gate.as_raw_fd()],
+                        true,
+                    ),
                 )?;
                 fences.push(owned(fd)?);
             }
             drop(victim);
             for f in &fences {
-                expect_eq("fence of a cancelled job", wait_fence(f.as_raw_fd())?, -libc::ECANCELED)?;
+                expect_eq(
+                    "fence of a cancelled job",
+                    wait_fence(f.as_raw_fd())?,
+                    -libc::ECANCELED,
+                )?;
             }
             wait_usage(&dev, &base, Duration::from_secs(10))?;
             // The callbacks on the sw_sync fence are gone with the jobs.
             ok("sw_sync inc", tl.inc(1))?;
-            expect_eq("still cancelled", status(fences[0].as_raw_fd())?, -libc::ECANCELED)
+            expect_eq(
+                "still cancelled",
+                status(fences[0].as_raw_fd())?,
+                -libc::ECANCELED,
+            )
         },
     );
 
@@ -442,7 +586,11 @@ fn main() {
                     let a = d.alloc(size, 0)?;
                     let b = d.alloc(size, 0)?;
                     for _ in 0..8 {
-                        d.submit_fences(&[desc(a.handle, 0, b.handle, 0, size)], &[gate.as_raw_fd()], true)?;
+                        d.submit_fences(
+                            &[desc(a.handle, 0, b.handle, 0, size)],
+                            &[gate.as_raw_fd()],
+                            true,
+                        )?;
                     }
                     // SAFETY: one byte to the pipe, then wait to be killed.
                     unsafe {
@@ -480,7 +628,10 @@ fn main() {
     drop(dev);
 
     if edu {
-        t.run("unbind ends gated and running jobs with ENODEV on their fences", || unbind_test(&path));
+        t.run(
+            "unbind ends gated and running jobs with ENODEV on their fences",
+            || unbind_test(&path),
+        );
     } else {
         t.skip(
             "unbind ends gated and running jobs with ENODEV on their fences",
@@ -488,7 +639,8 @@ fn main() {
         );
     }
 
-    let guest = fs::metadata("/lib/modules/tdrv.ko").is_ok() && fs::metadata("/etc/tdrv-params").is_ok();
+    let guest =
+        fs::metadata("/lib/modules/tdrv.ko").is_ok() && fs::metadata("/etc/tdrv-params").is_ok();
     if guest {
         t.run(
             "out-fence fds outlive rmmod: FILE_INFO, poll and close after the module is gone",
@@ -540,17 +692,34 @@ fn unbind_test(path: &str) -> R {
         let running = owned(fd1)?;
         let (_, fd2) = ok(
             "submit gated",
-            dev.submit_fences(&[desc(b.handle, 0, a.handle, 0, 4096)], &[gate.as_raw_fd()], true),
+            dev.submit_fences(
+                &[desc(b.handle, 0, a.handle, 0, 4096)],
+                &[gate.as_raw_fd()],
+                true,
+            ),
         )?;
         let gated = owned(fd2)?;
         fs::write(format!("{PCI_DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind: {e}"))?;
-        expect_eq("running job's fence", wait_fence(running.as_raw_fd())?, -libc::ENODEV)?;
-        expect_eq("gated job's fence", wait_fence(gated.as_raw_fd())?, -libc::ENODEV)?;
-        expect_err("submit after unbind", dev.submit_fences(&[desc(a.handle, 0, b.handle, 0, 8)], &[], true), libc::ENODEV)?;
+        expect_eq(
+            "running job's fence",
+            wait_fence(running.as_raw_fd())?,
+            -libc::ENODEV,
+        )?;
+        expect_eq(
+            "gated job's fence",
+            wait_fence(gated.as_raw_fd())?,
+            -libc::ENODEV,
+        )?;
+        expect_err(
+            "submit after unbind",
+            dev.submit_fences(&[desc(a.handle, 0, b.handle, 0, 8)], &[], true),
+            libc::ENODEV,
+        )?;
         drop(dev);
         ok("sw_sync inc", tl.inc(1))
     })();
-    let rebind = fs::write(format!("{PCI_DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
+    let rebind =
+        fs::write(format!("{PCI_DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
     r?;
     rebind?;
     wait_node(path)
@@ -566,10 +735,17 @@ fn rmmod_test(path: &str) -> R {
         let (_, fd1) = ok("submit", dev.submit_fences(&d, &[], true))?;
         let done = owned(fd1)?;
         expect_eq("done fence", wait_fence(done.as_raw_fd())?, 1)?;
-        let (_, fd2) = ok("submit gated", dev.submit_fences(&d, &[gate.as_raw_fd()], true))?;
+        let (_, fd2) = ok(
+            "submit gated",
+            dev.submit_fences(&d, &[gate.as_raw_fd()], true),
+        )?;
         (done, owned(fd2)?)
     };
-    expect_eq("cancelled fence", wait_fence(cancelled.as_raw_fd())?, -libc::ECANCELED)?;
+    expect_eq(
+        "cancelled fence",
+        wait_fence(cancelled.as_raw_fd())?,
+        -libc::ECANCELED,
+    )?;
     // Signalled fences do not pin the module.
     let unloaded = unload();
     let r = (|| -> R {
@@ -579,7 +755,11 @@ fn rmmod_test(path: &str) -> R {
         expect_eq("driver", s.driver.as_str(), "detached-driver")?;
         let s = ok("file_info after rmmod", file_info(cancelled.as_raw_fd()))?;
         expect_eq("status", s.status, -libc::ECANCELED)?;
-        expect_eq("poll after rmmod", ok("poll", poll_in(done.as_raw_fd(), 0))?, true)?;
+        expect_eq(
+            "poll after rmmod",
+            ok("poll", poll_in(done.as_raw_fd(), 0))?,
+            true,
+        )?;
         drop(done);
         drop(cancelled);
         // The gated job's callback went with it; signalling now reaches
@@ -592,7 +772,13 @@ fn rmmod_test(path: &str) -> R {
         .args(params.split_whitespace())
         .status()
         .map_err(|e| format!("insmod: {e}"))
-        .and_then(|s| if s.success() { Ok(()) } else { Err(format!("insmod: {s}")) });
+        .and_then(|s| {
+            if s.success() {
+                Ok(())
+            } else {
+                Err(format!("insmod: {s}"))
+            }
+        });
     r?;
     reload?;
     wait_node(path)
