@@ -113,7 +113,7 @@ fn unload() -> Result<(), i32> {
 
 /// The tests that need no fence support: what a kernel without
 /// `CONFIG_SYNC_FILE` answers.
-fn unsupported(t: &mut Tap, dev: &Dev) {
+fn unsupported(t: &mut Tap, dev: &Dev, path: &str) {
     t.run(
         "without sync_file: TDRV_SUBMIT_OUT_FENCE is EOPNOTSUPP",
         || -> R {
@@ -142,7 +142,27 @@ fn unsupported(t: &mut Tap, dev: &Dev) {
             check_copied(dev, &b, &data)
         },
     );
-    for _ in 3..TESTS {
+    t.run(
+        "without sync_file: the tdrv crate says FenceFdsUnsupported",
+        || -> R {
+            use tdrv::{Device, Job, Tensor};
+            let d = Device::open(path).map_err(|err| format!("open: {err}"))?;
+            expect_eq("supports_fence_fds", d.supports_fence_fds(), false)?;
+            let a =
+                Tensor::allocate_on(&d, 0, 4096, None).map_err(|err| format!("alloc: {err}"))?;
+            let b =
+                Tensor::allocate_on(&d, 0, 4096, None).map_err(|err| format!("alloc: {err}"))?;
+            match Job::new()
+                .copy_all(&a, &b)
+                .map(|j| j.with_out_fence())
+                .and_then(|j| j.submit())
+            {
+                Err(tdrv::Error::Sys(tdrv::SysError::FenceFdsUnsupported { .. })) => Ok(()),
+                r => Err(format!("submit: {r:?}, want FenceFdsUnsupported")),
+            }
+        },
+    );
+    for _ in 4..TESTS {
         t.skip(
             "fence fd test",
             "kernel without CONFIG_SYNC_FILE (TDRV_FEAT_FENCE_FD unset)",
@@ -156,7 +176,7 @@ fn main() {
     let mut t = Tap::new(TESTS);
     if version.features & TDRV_FEAT_FENCE_FD as u64 == 0 {
         t.note("TDRV_FEAT_FENCE_FD is not set: fence fds must be refused");
-        unsupported(&mut t, &dev);
+        unsupported(&mut t, &dev, &path);
         t.finish();
     }
     if !Timeline::available() {
@@ -623,6 +643,17 @@ fn main() {
         },
     );
 
+    sw_sync(
+        &mut t,
+        "userlib: in_fence, fence_fd and awaiting a JobHandle without a runtime",
+        &|tl| userlib_test(&path, size as usize, tl),
+    );
+    sw_sync(
+        &mut t,
+        "userlib: awaiting a failed job is JobFailed; a handle without a fence awaits too",
+        &|tl| userlib_errors(&path, tl),
+    );
+
     // The last tests remove the device or the module: no file of ours may
     // stay open.
     drop(dev);
@@ -653,6 +684,126 @@ fn main() {
         );
     }
     t.finish();
+}
+
+/// A minimal executor: polls `fut` on this thread, parking between
+/// wake-ups, for at most `limit`.
+fn block_on<F: std::future::Future>(fut: F, limit: Duration) -> Result<F::Output, String> {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(thread::Thread, std::sync::atomic::AtomicUsize);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.0.unpark();
+        }
+    }
+    let unpark = Arc::new(Unpark(thread::current(), 0.into()));
+    let waker = Waker::from(unpark.clone());
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    let start = Instant::now();
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return Ok(v);
+        }
+        if start.elapsed() > limit {
+            return Err(format!("future not ready after {limit:?}"));
+        }
+        thread::park_timeout(Duration::from_millis(500));
+    }
+}
+
+/// The tdrv crate's side: a job waits for a sw_sync fence (`in_fence`),
+/// hands out its out-fence (`fence_fd`), a second job waits for that, and
+/// both handles are awaited by a plain executor whose only wake-ups come
+/// from the library.
+fn userlib_test(path: &str, size: usize, tl: &Timeline) -> R {
+    use tdrv::{Device, Job, Tensor};
+    let e = |what: &str, r: tdrv::Result<()>| r.map_err(|err| format!("{what}: {err}"));
+    let dev = Device::open(path).map_err(|err| format!("open: {err}"))?;
+    expect_eq("supports_fence_fds", dev.supports_fence_fds(), true)?;
+    let t = |name: &str| {
+        Tensor::allocate_on(&dev, 0, size, Some(name)).map_err(|err| format!("alloc: {err}"))
+    };
+    let (a, b, c) = (t("a")?, t("b")?, t("c")?);
+    let data = pattern(size, 21);
+    e("write", a.write(0, &data))?;
+    let gate = ok("sw_sync fence", tl.fence(1))?;
+    let first = Job::new()
+        .copy_all(&a, &b)
+        .and_then(|j| j.in_fence(&gate))
+        .map(|j| j.with_out_fence())
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit first: {err}"))?;
+    drop(gate);
+    let fence = first.fence_fd().ok_or("no fence_fd with with_out_fence")?;
+    expect_eq("fence pending", status(fence.as_raw_fd())?, 0)?;
+    let second = Job::new()
+        .copy_all(&b, &c)
+        .and_then(|j| j.in_fence(fence))
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit second: {err}"))?;
+    expect_eq("second has no fence", second.fence_fd().is_none(), true)?;
+    // Signal from another thread after a while: the executor sleeps until
+    // the library wakes it.
+    let signaller = thread::scope(|s| {
+        let h = s.spawn(|| {
+            thread::sleep(Duration::from_millis(300));
+            tl.inc(1)
+        });
+        let r = block_on(first, Duration::from_secs(60));
+        (h.join(), r)
+    });
+    ok(
+        "sw_sync inc",
+        signaller.0.map_err(|_| libc::EIO).and_then(|r| r),
+    )?;
+    e("await first", signaller.1?)?;
+    e("await second", block_on(second, Duration::from_secs(60))?)?;
+    let out = c.to_vec().map_err(|err| format!("read: {err}"))?;
+    expect_eq("data through both jobs", out == data, true)
+}
+
+fn userlib_errors(path: &str, tl: &Timeline) -> R {
+    use tdrv::{Device, Job, Tensor};
+    let dev = Device::open(path).map_err(|err| format!("open: {err}"))?;
+    let t = |name: &str| {
+        Tensor::allocate_on(&dev, 0, 4096, Some(name)).map_err(|err| format!("alloc: {err}"))
+    };
+    let (a, b) = (t("a")?, t("b")?);
+    // A job whose file goes away while it is gated fails with ECANCELED;
+    // its out-fence says so; a job gated on that fence fails with it.
+    let other = Dev::open(path).map_err(|err| format!("open: errno {err}"))?;
+    let (x, y, _) = pair(&other, 4096, 22)?;
+    let gate = ok("sw_sync fence", tl.fence(1))?;
+    let (_, fd) = ok(
+        "submit gated",
+        other.submit_fences(
+            &[desc(x.handle, 0, y.handle, 0, 4096)],
+            &[gate.as_raw_fd()],
+            true,
+        ),
+    )?;
+    let cancelled = owned(fd)?;
+    let gated = Job::new()
+        .copy_all(&a, &b)
+        .and_then(|j| j.in_fence(&cancelled))
+        .map(|j| j.with_out_fence())
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit: {err}"))?;
+    drop(other);
+    match block_on(gated, Duration::from_secs(60))? {
+        Err(tdrv::Error::JobFailed { errno, .. }) if errno == libc::ECANCELED => {}
+        r => return Err(format!("await: {r:?}, want JobFailed(ECANCELED)")),
+    }
+    ok("sw_sync inc", tl.inc(1))?;
+    // Without an out-fence, awaiting still works (a JOB_WAIT thread).
+    let plain = Job::new()
+        .copy_all(&a, &b)
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit: {err}"))?;
+    block_on(plain, Duration::from_secs(60))?.map_err(|err| format!("await plain: {err}"))
 }
 
 /// The PCI address of the edu device bound to tdrv.
