@@ -625,7 +625,7 @@ impl TdrvFile {
             let fds = &mut fds[..a.in_fence_count as usize];
             let mut reader = UserSlice::new(
                 UserPtr::from_addr(a.in_fences as usize),
-                fds.len() * core::mem::size_of::<i32>(),
+                core::mem::size_of_val(fds),
             )
             .reader();
             for fd in fds.iter_mut() {

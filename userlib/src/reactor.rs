@@ -106,12 +106,6 @@ impl Reactor {
         drop(removed);
     }
 
-    /// Number of live registrations (tests).
-    #[cfg(test)]
-    pub(crate) fn pending(&self) -> usize {
-        self.lock().len()
-    }
-
     fn interrupt(&self) {
         // A full pipe already has the thread's attention: EAGAIN is fine.
         // SAFETY: writes one byte from a local to our own pipe.

@@ -162,9 +162,9 @@ fn unsupported(t: &mut Tap, dev: &Dev, path: &str) {
             }
         },
     );
-    for _ in 4..TESTS {
+    for i in 4..TESTS {
         t.skip(
-            "fence fd test",
+            &format!("fence fd test {}", i + 1),
             "kernel without CONFIG_SYNC_FILE (TDRV_FEAT_FENCE_FD unset)",
         );
     }
