@@ -40,7 +40,7 @@ pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
 pub(crate) const FEAT_COMPLETION: u64 = 1 << 2;
 pub(crate) const FEAT_IRQ: u64 = 1 << 3;
 pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
-pub(crate) const FEAT_FENCE_FD: u64 = 1 << 5;
+pub(crate) const FEAT_FENCE_FD: u64 = 1 << 6;
 
 pub(crate) const SUBMIT_OUT_FENCE: u32 = 1 << 0;
 pub(crate) const MAX_IN_FENCES: u32 = 64;

@@ -82,7 +82,7 @@
 #define TDRV_FEAT_COMPLETION	(1ULL << 2) /* completion counters */
 #define TDRV_FEAT_IRQ		(1ULL << 3) /* completions signalled by interrupt */
 #define TDRV_FEAT_ERROR_LATCH	(1ULL << 4) /* failed jobs latch tdrv_buf_info.error (1.1) */
-#define TDRV_FEAT_FENCE_FD	(1ULL << 5) /* SUBMIT takes and returns sync_file fds (1.2);
+#define TDRV_FEAT_FENCE_FD	(1ULL << 6) /* SUBMIT takes and returns sync_file fds (1.2);
 					     * absent on kernels without CONFIG_SYNC_FILE */
 
 /* tdrv_version.device_kind */
