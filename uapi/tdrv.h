@@ -235,8 +235,8 @@ struct tdrv_copy {
  *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
- * with a zero count, or an in-fence fd that is not a sync_file; EBADF for an in-fence that is not an open
- * fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
+ * with a zero count, or an in-fence fd that is not a sync_file; EBADF
+ * for an in-fence that is not an open fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
  * TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file
  * support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the
  * out-fence; EAGAIN, EXDEV, ERANGE, ENOENT, ENOMEM, ENODEV as documented
