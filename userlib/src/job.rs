@@ -378,7 +378,14 @@ impl Future for JobHandle {
     type Output = Result<()>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let this = self.get_mut();
+        self.get_mut().poll_wait(cx)
+    }
+}
+
+impl JobHandle {
+    /// The `Future` implementation, also behind `wait_async`.
+    fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = self;
         match this.poll() {
             Ok(JobState::Done) => return Poll::Ready(Ok(())),
             Err(e) => return Poll::Ready(Err(e)),
@@ -397,9 +404,52 @@ impl Future for JobHandle {
             Ok(JobState::Pending) => Poll::Pending,
         }
     }
-}
 
-impl JobHandle {
+    /// Waits for the job inside a tokio runtime (feature `tokio`): a
+    /// handle with an out-fence ([`Job::with_out_fence`]) registers it
+    /// with tokio's reactor through `AsyncFd`, costing no thread; without
+    /// one, or outside a runtime, this is awaiting the handle itself
+    /// (see `impl Future for JobHandle`). `Ok(())` when the job
+    /// succeeded, [`Error::JobFailed`] when it failed.
+    #[cfg(feature = "tokio")]
+    pub async fn wait_async(&mut self) -> Result<()> {
+        use tokio::io::{unix::AsyncFd, Interest};
+        let afd = match (&self.fence, tokio::runtime::Handle::try_current()) {
+            (Some(fence), Ok(_)) => {
+                let fence = fence.clone();
+                // tokio panics (rather than failing) in a runtime built
+                // without `enable_io`: that is a fall-back, not a crash.
+                std::panic::catch_unwind(move || {
+                    // SAFETY: the `Arc<OwnedFd>` keeps the fence fd open,
+                    // and its `as_raw_fd` returns that same fd, for as long
+                    // as the `AsyncFd` owns it.
+                    unsafe { AsyncFd::register_with_interest(fence, Interest::READABLE) }
+                })
+                .ok()
+                .and_then(|r| r.ok())
+            }
+            _ => None,
+        };
+        if let Some(afd) = afd {
+            let io_err = |e: std::io::Error| -> Error {
+                SysError::from_errno("AsyncFd", e.raw_os_error().unwrap_or(libc::EIO)).into()
+            };
+            loop {
+                if self.poll()? == JobState::Done {
+                    return Ok(());
+                }
+                // Readable means signalled, which comes after JOB_WAIT
+                // learnt the outcome: the next look finds the job done.
+                let mut guard = afd.readable().await.map_err(io_err)?;
+                if self.poll()? == JobState::Done {
+                    return Ok(());
+                }
+                guard.clear_ready();
+            }
+        }
+        std::future::poll_fn(|cx| self.poll_wait(cx)).await
+    }
+
     /// Without a fence: one thread per handle blocks in JOB_WAIT and wakes
     /// the latest waker when the job ends.
     fn wake_from_thread(&mut self, waker: &Waker) {

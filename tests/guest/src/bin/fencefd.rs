@@ -30,7 +30,7 @@ use tdrv_uapi::*;
 type R = Result<(), String>;
 
 const PCI_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
-const TESTS: usize = 13;
+const TESTS: usize = 14;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -650,6 +650,11 @@ fn main() {
     );
     sw_sync(
         &mut t,
+        "userlib (feature tokio): wait_async on tokio's reactor, with and without a fence",
+        &|tl| tokio_test(&path, tl),
+    );
+    sw_sync(
+        &mut t,
         "userlib: awaiting a failed job is JobFailed; a handle without a fence awaits too",
         &|tl| userlib_errors(&path, tl),
     );
@@ -761,6 +766,47 @@ fn userlib_test(path: &str, size: usize, tl: &Timeline) -> R {
     )?;
     e("await first", signaller.1?)?;
     e("await second", block_on(second, Duration::from_secs(60))?)?;
+    let out = c.to_vec().map_err(|err| format!("read: {err}"))?;
+    expect_eq("data through both jobs", out == data, true)
+}
+
+fn tokio_test(path: &str, tl: &Timeline) -> R {
+    use tdrv::{Device, Job, Tensor};
+    let dev = Device::open(path).map_err(|err| format!("open: {err}"))?;
+    let t = |name: &str| {
+        Tensor::allocate_on(&dev, 0, 4096, Some(name)).map_err(|err| format!("alloc: {err}"))
+    };
+    let (a, b, c) = (t("a")?, t("b")?, t("c")?);
+    let data = pattern(4096, 23);
+    a.write(0, &data).map_err(|err| format!("write: {err}"))?;
+    let gate = ok("sw_sync fence", tl.fence(1))?;
+    let mut fenced = Job::new()
+        .copy_all(&a, &b)
+        .and_then(|j| j.in_fence(&gate))
+        .map(|j| j.with_out_fence())
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit: {err}"))?;
+    let mut plain = Job::new()
+        .copy_all(&b, &c)
+        .and_then(|j| j.submit())
+        .map_err(|err| format!("submit: {err}"))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(|err| format!("runtime: {err}"))?;
+    let r = thread::scope(|s| {
+        let h = s.spawn(|| {
+            thread::sleep(Duration::from_millis(300));
+            tl.inc(1)
+        });
+        let r = rt.block_on(async {
+            fenced.wait_async().await?;
+            plain.wait_async().await
+        });
+        (h.join(), r)
+    });
+    ok("sw_sync inc", r.0.map_err(|_| libc::EIO).and_then(|r| r))?;
+    r.1.map_err(|err| format!("wait_async: {err}"))?;
     let out = c.to_vec().map_err(|err| format!("read: {err}"))?;
     expect_eq("data through both jobs", out == data, true)
 }
