@@ -18,6 +18,7 @@
 #include <linux/rcupdate.h>
 #include <linux/slab.h>
 #include <linux/sync_file.h>
+#include <linux/workqueue.h>
 
 #include "fence_fd.h"
 
@@ -282,11 +283,33 @@ void tdrv_deps_free(struct tdrv_deps *deps)
 
 #endif /* CONFIG_SYNC_FILE */
 
-/* Module exit, after every device is gone (so every out-fence was
- * signalled and every in-fence callback removed): waits for RCU readers
- * that may still be inside tdrv_fence_driver_name/timeline_name, or using
- * the strings they returned, before the module's text and data go. */
+/* The queue of the files' dispatch work items (queued by in-fence
+ * callbacks), owned by the module so that exit can drain it. */
+static struct workqueue_struct *tdrv_dispatch_wq;
+
+int tdrv_fence_module_init(void)
+{
+	tdrv_dispatch_wq = alloc_workqueue("tdrv-dispatch", WQ_UNBOUND, 0);
+	return tdrv_dispatch_wq ? 0 : -ENOMEM;
+}
+
+struct workqueue_struct *tdrv_dispatch_queue(void)
+{
+	return tdrv_dispatch_wq;
+}
+
+/*
+ * Module exit, after every device is gone (so every out-fence was
+ * signalled and every in-fence callback removed, though a callback's
+ * dispatch work may still be pending): runs what is left of the dispatch
+ * work and frees its queue, then waits for RCU readers that may still be
+ * inside tdrv_fence_driver_name/timeline_name, or using the strings they
+ * returned, before the module's text and data go.
+ */
 void tdrv_fence_module_exit(void)
 {
+	if (tdrv_dispatch_wq)
+		destroy_workqueue(tdrv_dispatch_wq);
+	tdrv_dispatch_wq = NULL;
 	synchronize_rcu();
 }

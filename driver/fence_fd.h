@@ -11,6 +11,7 @@
 struct dma_fence;
 struct file;
 struct tdrv_deps;
+struct workqueue_struct;
 
 bool tdrv_fence_fd_supported(void);
 
@@ -21,6 +22,8 @@ void tdrv_fence_put(struct dma_fence *fence);
 int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep);
 void tdrv_fence_fd_install(int fd, struct file *file);
 void tdrv_fence_fd_discard(int fd, struct file *file);
+int tdrv_fence_module_init(void);
+struct workqueue_struct *tdrv_dispatch_queue(void);
 void tdrv_fence_module_exit(void);
 
 /* In-fences: the sync_files a job waits for before it may start. */

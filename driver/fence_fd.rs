@@ -56,7 +56,11 @@
 //!   `rcu_read_lock` (`dma_fence_driver_name`), and the strings they return
 //!   are only used inside that section; module exit calls
 //!   `synchronize_rcu` (`tdrv_fence_module_exit`) after the devices are
-//!   gone, so no such call can still be running in freed text.
+//!   gone, so no such call can still be running in freed text;
+//! - an in-fence callback may queue its file's dispatch work just before
+//!   its job ends, after the file was released; that work runs on a queue
+//!   the module owns (`dispatch_queue`), which module exit drains and
+//!   destroys before the text goes.
 //!
 //! Kernels without `CONFIG_SYNC_FILE` (Debian's cloud kernel) build and
 //! load the module: [`supported`] is false, `TDRV_FEAT_FENCE_FD` is not
@@ -91,6 +95,8 @@ mod ffi {
         pub(super) fn tdrv_fence_fd_reserve(fence: *mut c_void, filep: *mut *mut c_void) -> c_int;
         pub(super) fn tdrv_fence_fd_install(fd: c_int, file: *mut c_void);
         pub(super) fn tdrv_fence_fd_discard(fd: c_int, file: *mut c_void);
+        pub(super) fn tdrv_fence_module_init() -> c_int;
+        pub(super) fn tdrv_dispatch_queue() -> *mut kernel::bindings::workqueue_struct;
         pub(super) fn tdrv_fence_module_exit();
         pub(super) fn tdrv_deps_new(fds: *const i32, count: u32, depsp: *mut *mut c_void) -> c_int;
         pub(super) fn tdrv_deps_arm(deps: *mut c_void, ctx: *mut c_void) -> bool;
@@ -105,12 +111,37 @@ pub(crate) fn supported() -> bool {
     unsafe { ffi::tdrv_fence_fd_supported() }
 }
 
-/// Module exit: see the module documentation. Call after every device is
-/// gone.
-pub(crate) fn module_exit() {
-    // SAFETY: `synchronize_rcu` from process context without locks held
-    // (module exit).
-    unsafe { ffi::tdrv_fence_module_exit() }
+/// Module init: creates the dispatch queue. Call before any device
+/// exists; [`FenceModule`]'s drop undoes it.
+pub(crate) struct FenceModule(());
+
+impl FenceModule {
+    pub(crate) fn init() -> Result<Self> {
+        // SAFETY: Module init, before anything uses the queue.
+        to_result(unsafe { ffi::tdrv_fence_module_init() })?;
+        Ok(Self(()))
+    }
+}
+
+impl Drop for FenceModule {
+    /// Module exit, after every device is gone: drains the dispatch queue
+    /// and waits for RCU readers (see the module documentation).
+    fn drop(&mut self) {
+        // SAFETY: Process context without locks held (module exit or a
+        // failed init); no file or device exists any more, so nothing
+        // queues dispatch work now.
+        unsafe { ffi::tdrv_fence_module_exit() }
+    }
+}
+
+/// The queue of the files' dispatch work (`JobTracker`), which in-fence
+/// callbacks queue and module exit drains: a work item queued by a
+/// callback may outlive the file, and must not outlive the module.
+pub(crate) fn dispatch_queue() -> &'static kernel::workqueue::Queue {
+    // SAFETY: The queue exists from module init (`FenceModule::init`,
+    // before any device) until module exit (after every device and file
+    // is gone), which covers every user.
+    unsafe { kernel::workqueue::Queue::from_raw(ffi::tdrv_dispatch_queue()) }
 }
 
 /// The out-fence of a job: one reference to an unsignalled tdrv

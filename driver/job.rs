@@ -65,12 +65,10 @@ use crate::{
         Limits,
         TdrvDevice, //
     },
-    engine::{
-        fail_all,
-        queue, //
-    },
+    engine::fail_all,
     fence::Timeout,
     fence_fd::{
+        dispatch_queue,
         InFences,
         OutFence, //
     },
@@ -320,7 +318,7 @@ unsafe extern "C" fn tdrv_deps_ready(ctx: *mut core::ffi::c_void) {
     job.deps_ready.store(true, Release);
     // Fails only if the work is already queued, and that run will see the
     // job ready.
-    let _ = queue().enqueue(job.tracker.clone());
+    let _ = dispatch_queue().enqueue(job.tracker.clone());
 }
 
 struct TrackerState {
@@ -467,7 +465,7 @@ impl JobTracker {
             if !state.held.is_empty() || !job.deps_ready() {
                 if !state.held.is_empty() && job.deps_ready() {
                     // Behind a held job: the dispatch work takes it along.
-                    let _ = queue().enqueue(self.clone());
+                    let _ = dispatch_queue().enqueue(self.clone());
                 }
                 state.held.push_back(job);
                 return Ok(());

@@ -161,17 +161,7 @@ struct TdrvModule {
     // The devices' debugfs entries live inside it.
     _debugfs: stats::RootGuard,
     // Dropped last, once every device is gone: see `fence_fd.rs`.
-    _fences: FenceExit,
-}
-
-/// Waits, at module exit, for RCU readers that may still call the
-/// out-fences' name ops (see `fence_fd.rs`).
-struct FenceExit;
-
-impl Drop for FenceExit {
-    fn drop(&mut self) {
-        fence_fd::module_exit();
-    }
+    _fences: fence_fd::FenceModule,
 }
 
 impl InPlaceModule for TdrvModule {
@@ -179,6 +169,8 @@ impl InPlaceModule for TdrvModule {
         const _: () = assert!(MAX_SOFT_DEVICES as usize <= MAX_DEVICES);
         pin_init::pin_init_scope(move || {
             let p = params()?;
+            // First: devices' files queue work on it.
+            let fences = fence_fd::FenceModule::init()?;
             stats::init_root();
             let root = stats::RootGuard;
             let mut soft = KVec::with_capacity(p.soft_devices as usize, GFP_KERNEL)?;
@@ -195,7 +187,7 @@ impl InPlaceModule for TdrvModule {
                 _pci <- driver::Registration::new(c"tdrv", module),
                 soft,
                 _debugfs: root,
-                _fences: FenceExit,
+                _fences: fences,
             }))
         })
     }

@@ -20,7 +20,7 @@
 use std::{
     collections::BTreeMap,
     ffi::CString,
-    os::fd::{FromRawFd, OwnedFd},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     time::Duration,
 };
 
@@ -33,6 +33,13 @@ use tdrv_guest_tests::{
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
+
+/// Number of open descriptors of this process.
+fn open_fds() -> Result<usize, String> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .map_err(|e| format!("/proc/self/fd: {e}"))
+}
 
 /// Injection points tried per operation before giving up: no tdrv call
 /// comes near this many allocations, so reaching it means the call keeps
@@ -305,7 +312,7 @@ fn main() {
     let dev = &dev_owned;
     // A touch of a mapping that dies of SIGBUS says where.
     install_fatal_handlers();
-    let mut t = Tap::new(23);
+    let mut t = Tap::new(24);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
@@ -556,6 +563,53 @@ fn main() {
             Ok((r.map(drop), inj))
         }),
     );
+
+    if version.features & u64::from(TDRV_FEAT_FENCE_FD) != 0 {
+        report(
+            &mut t,
+            "SUBMIT with an in-fence and an out-fence",
+            sweep(|n| {
+                let data = pattern(JOB as usize, n as u8);
+                ok("copy_in", dev.copy_in(a, 0, &data))?;
+                ok("memset", dev.memset(b, 0, JOB, 0))?;
+                // A signalled in-fence: an earlier job's out-fence.
+                let (id0, fd0) = ok(
+                    "submit (in-fence)",
+                    dev.submit_fences(&[desc(a, 0, b, 0, 8)], &[], true),
+                )?;
+                // SAFETY: the driver just installed this descriptor for us.
+                let gate = unsafe { OwnedFd::from_raw_fd(fd0) };
+                wait_done(dev, id0)?;
+                let fds = open_fds()?;
+                let descs = [desc(a, 0, b, 0, JOB)];
+                let (r, inj) = inject(fail, n, || {
+                    dev.submit_fences(&descs, &[gate.as_raw_fd()], true)
+                })?;
+                match r {
+                    Ok((id, fd)) => {
+                        // SAFETY: as above.
+                        let out = unsafe { OwnedFd::from_raw_fd(fd) };
+                        wait_done(dev, id)?;
+                        expect_eq("job result", read_bytes(dev, b, 0, JOB as usize)?, data)?;
+                        expect_eq("fds after", open_fds()?, fds + 1)?;
+                        drop(out);
+                    }
+                    Err(_) => {
+                        // Nothing queued or leaked: no mark, no fd.
+                        ok("FENCE_WAIT src", dev.fence_wait(a, TDRV_FENCE_ALL, WAIT_US))?;
+                        ok("FENCE_WAIT dst", dev.fence_wait(b, TDRV_FENCE_ALL, WAIT_US))?;
+                        expect_eq("fds after a failure", open_fds()?, fds)?;
+                    }
+                }
+                Ok((r.map(drop), inj))
+            }),
+        );
+    } else {
+        t.skip(
+            "SUBMIT with an in-fence and an out-fence",
+            "kernel without CONFIG_SYNC_FILE (TDRV_FEAT_FENCE_FD unset)",
+        );
+    }
 
     report(
         &mut t,
