@@ -557,6 +557,27 @@ impl PyTensor {
         np.call_method1("asarray", (m,))
     }
 
+    /// numpy's conversion (`numpy.asarray(t)`): the read-only view of
+    /// `numpy()`, converted to `dtype` if given; `copy=True` returns a copy
+    /// that holds no mapping. numpy tries the buffer protocol first but
+    /// drops its errors; this reports them (`BusyError`, ...).
+    #[pyo3(signature = (dtype = None, copy = None))]
+    fn __array__<'py>(
+        &self,
+        py: Python<'py>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut a = self.numpy(py, false)?;
+        if let Some(d) = dtype.filter(|d| !d.is_none()) {
+            a = a.call_method1("astype", (d,))?;
+        }
+        if copy == Some(true) {
+            a = a.call_method0("copy")?;
+        }
+        Ok(a)
+    }
+
     /// Buffer protocol: a read mapping, or a write mapping when the
     /// consumer asks for a writable buffer; held until it releases it.
     unsafe fn __getbuffer__(
