@@ -1,7 +1,6 @@
-//! The `tdrv` Python module (PyO3; built and installed by maturin, see
-//! `python/README` in the project README): devices, host and device
-//! tensors, jobs, zero-copy numpy views through the buffer protocol, and
-//! DLPack.
+//! The `tdrv` Python module (PyO3; built and installed by maturin, see the
+//! project README's "Python" section): devices, host and device tensors,
+//! jobs, zero-copy numpy views through the buffer protocol, and DLPack.
 //!
 //! A Python `Tensor` is a handle of a crate `Tensor` view plus a dtype and
 //! a C-contiguous shape (the crate's tensors are bytes). Every byte a
