@@ -26,6 +26,9 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
+/// A test on an imported dma-heap buffer of the given length.
+type HeapTest = fn(&Dev, OwnedFd, usize) -> R;
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -308,7 +311,7 @@ fn main() {
     );
 
     // Foreign dma-bufs from the system heap.
-    let heap_tests: [(&str, fn(&Dev, OwnedFd, usize) -> R); 2] = [
+    let heap_tests: [(&str, HeapTest); 2] = [
         (
             "import from the system dma-heap: CPU access, BUF_INFO and mmap",
             heap_cpu,
