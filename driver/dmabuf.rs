@@ -51,6 +51,7 @@ use kernel::{
     bindings,
     error::from_err_ptr,
     mm::virt::VmaNew,
+    page::PAGE_SIZE,
     prelude::*,
     sync::{
         Arc,
@@ -170,7 +171,8 @@ pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
     if fd < 0 {
         return Err(Error::from_errno(fd));
     }
-    let size = buf.size();
+    // dma-bufs are whole pages (mmap and importers count in pages).
+    let size = buf.size().next_multiple_of(PAGE_SIZE);
     let raw = Arc::into_raw(buf);
     // SAFETY: `raw` is a buffer reference, which the dma-buf takes over on
     // success (and gives back through `tdrv_dmabuf_release_buffer`).
@@ -338,6 +340,10 @@ unsafe extern "C" fn tdrv_dmabuf_mmap_buffer(
 unsafe extern "C" fn tdrv_dmabuf_begin_cpu(buf: *const Buffer, write: bool) -> core::ffi::c_int {
     // SAFETY: The dma-buf holds a buffer reference during the call.
     let buf = unsafe { &*buf };
+    // After unbind there is no memory to access (its mappings fault).
+    if !buf.device().is_bound() {
+        return ENODEV.to_errno();
+    }
     let kind = if write { FENCE_ALL } else { FENCE_WRITES };
     match buf.fence.wait_until(Timeout::Forever, |c| c.idle(kind)) {
         Ok(_) => 0,

@@ -259,7 +259,8 @@ struct tdrv_completion_reset {
  * struct tdrv_export - TDRV_IOC_EXPORT: share a buffer as a dma-buf (ABI 1.2).
  * @handle: in: the buffer.
  * @flags: in: zero (no flags defined yet).
- * @fd: out: a new dma-buf fd, opened O_RDWR with O_CLOEXEC set.
+ * @fd: out: a new dma-buf fd, opened O_RDWR with O_CLOEXEC set. The
+ *	dma-buf's size is the buffer's size rounded up to pages.
  * @pad: in: zero.
  * @reserved: in: zero.
  *

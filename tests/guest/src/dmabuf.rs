@@ -62,8 +62,8 @@ pub fn heap_alloc(len: usize) -> Result<Option<OwnedFd>, String> {
     Ok(Some(unsafe { OwnedFd::from_raw_fd(a.fd as i32) }))
 }
 
-/// A UNIX socket pair for passing fds.
-pub fn socket_pair() -> Result<(OwnedFd, OwnedFd), String> {
+/// A UNIX socket pair for passing fds; the errno if there is none.
+pub fn socket_pair() -> Result<(OwnedFd, OwnedFd), Errno> {
     let mut sv = [0i32; 2];
     // SAFETY: `sv` has room for the two fds.
     if unsafe {
@@ -75,7 +75,7 @@ pub fn socket_pair() -> Result<(OwnedFd, OwnedFd), String> {
         )
     } < 0
     {
-        return Err(format!("socketpair: errno {}", errno()));
+        return Err(errno());
     }
     // SAFETY: both fds were just created and are ours.
     Ok(unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) })
@@ -140,6 +140,101 @@ pub fn recv_fd(sock: i32) -> Result<OwnedFd, Errno> {
         }
         let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<i32>());
         Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+/// Passes fds between a parent and a child process: over a UNIX socket
+/// with SCM_RIGHTS, or, on a kernel without AF_UNIX (the project's test
+/// kernel has no networking), by `pidfd_getfd` from the sender, which
+/// puts the same open file into the receiver's table just as SCM_RIGHTS
+/// does. Create it before forking; both processes use the same value.
+pub struct FdLink {
+    socket: Option<(OwnedFd, OwnedFd)>,
+    /// Pipes for the pidfd path: fd numbers one way, acks the other.
+    data: (i32, i32),
+    ack: (i32, i32),
+}
+
+fn pipe() -> Result<(i32, i32), String> {
+    let mut p = [0i32; 2];
+    // SAFETY: `p` has room for two fds.
+    if unsafe { libc::pipe(p.as_mut_ptr()) } < 0 {
+        return Err(format!("pipe: errno {}", errno()));
+    }
+    Ok((p[0], p[1]))
+}
+
+impl FdLink {
+    pub fn new() -> Result<FdLink, String> {
+        let socket = match socket_pair() {
+            Ok(s) => Some(s),
+            Err(e) if e == libc::ENOSYS || e == libc::EAFNOSUPPORT => None,
+            Err(e) => return Err(format!("socketpair: errno {e}")),
+        };
+        Ok(FdLink {
+            socket,
+            data: pipe()?,
+            ack: pipe()?,
+        })
+    }
+
+    /// How fds travel: "SCM_RIGHTS" or "pidfd_getfd".
+    pub fn method(&self) -> &'static str {
+        if self.socket.is_some() {
+            "SCM_RIGHTS"
+        } else {
+            "pidfd_getfd"
+        }
+    }
+
+    /// Sends `fd`; returns once the peer has it.
+    pub fn send(&self, fd: i32) -> Result<(), String> {
+        if let Some((a, _)) = &self.socket {
+            return send_fd(a.as_raw_fd(), fd).map_err(|e| format!("sendmsg: errno {e}"));
+        }
+        let n = fd.to_ne_bytes();
+        let mut b = [0u8; 1];
+        // SAFETY: our own pipe fds and buffers of the given sizes.
+        let ok = unsafe {
+            libc::write(self.data.1, n.as_ptr().cast(), 4) == 4
+                && libc::read(self.ack.0, b.as_mut_ptr().cast(), 1) == 1
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(format!("fd pipe: errno {}", errno()))
+        }
+    }
+
+    /// Receives an fd sent by process `from` with [`FdLink::send`].
+    pub fn recv(&self, from: libc::pid_t) -> Result<OwnedFd, String> {
+        if let Some((_, b)) = &self.socket {
+            return recv_fd(b.as_raw_fd()).map_err(|e| format!("recvmsg: errno {e}"));
+        }
+        let mut n = [0u8; 4];
+        // SAFETY: our own pipe fd and a 4-byte buffer.
+        if unsafe { libc::read(self.data.0, n.as_mut_ptr().cast(), 4) } != 4 {
+            return Err(format!("fd pipe: errno {}", errno()));
+        }
+        // SAFETY: plain syscalls with integer arguments.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, from, 0) } as i32;
+        if pidfd < 0 {
+            return Err(format!("pidfd_open: errno {}", errno()));
+        }
+        // SAFETY: as above.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, i32::from_ne_bytes(n), 0) } as i32;
+        let e = errno();
+        // SAFETY: our own fds and a 1-byte buffer.
+        unsafe {
+            libc::close(pidfd);
+            libc::write(self.ack.1, [1u8].as_ptr().cast(), 1);
+        }
+        if fd < 0 {
+            return Err(format!("pidfd_getfd: errno {e}"));
+        }
+        // SAFETY: pidfd_getfd installed a new fd for us (close-on-exec).
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 }
 

@@ -14,10 +14,7 @@ use std::{
 
 use tdrv_guest_tests::{
     desc,
-    dmabuf::{
-        child_ok, heap_alloc, in_child, recv_fd, send_fd, socket_pair, sync, SYNC_END, SYNC_READ,
-        SYNC_WRITE,
-    },
+    dmabuf::{child_ok, heap_alloc, in_child, sync, FdLink, SYNC_END, SYNC_READ, SYNC_WRITE},
     expect_eq, expect_err, ok, open_device_or_skip,
     raw::{errno, map_fd, page_size, Dev},
     Tap,
@@ -25,6 +22,11 @@ use tdrv_guest_tests::{
 use tdrv_uapi::*;
 
 type R = Result<(), String>;
+
+/// A TAP diagnostic line.
+fn t_note(msg: &str) {
+    println!("# {msg}");
+}
 
 /// A test on an imported dma-heap buffer of the given length.
 type HeapTest = fn(&Dev, OwnedFd, usize) -> R;
@@ -239,17 +241,19 @@ fn main() {
     );
 
     t.run(
-        "export to a second process over SCM_RIGHTS: writes both ways",
+        "export to a second process (SCM_RIGHTS): writes both ways",
         || -> R {
             let len = 2 * pg;
             let a = ok("alloc", dev.alloc(len as u64, 0))?;
             ok("copy_in", dev.copy_in(a.handle, 0, &pattern(len, 21)))?;
-            let fd = ok("export", dev.export(a.handle))?;
-            let (s0, s1) = socket_pair()?;
+            let link = FdLink::new()?;
+            t_note(&format!("fds travel by {}", link.method()));
+            // SAFETY: getpid has no preconditions.
+            let parent = unsafe { libc::getpid() };
             let node2 = node.clone();
-            let child_sock = s1.as_raw_fd();
-            let pid = in_child(move || {
-                let fd = ok("recv_fd", recv_fd(child_sock))?;
+            // Forked before the export: the child can only get it from us.
+            let pid = in_child(|| {
+                let fd = link.recv(parent)?;
                 let d = ok("open", Dev::open(&node2))?;
                 let i = ok("import", d.import(fd.as_raw_fd(), 0))?;
                 expect_eq(
@@ -263,8 +267,8 @@ fn main() {
                 m.as_mut_slice()[len - 1] = 0xEE;
                 Ok(())
             })?;
-            drop(s1);
-            ok("send_fd", send_fd(s0.as_raw_fd(), fd.as_raw_fd()))?;
+            let fd = ok("export", dev.export(a.handle))?;
+            link.send(fd.as_raw_fd())?;
             child_ok(pid)?;
             let mut want = pattern(len, 22);
             want[len - 1] = 0xEE;
@@ -281,20 +285,18 @@ fn main() {
         "an export outlives the exporter's FREE, close and exit",
         || -> R {
             let len = 2 * pg;
-            let (s0, s1) = socket_pair()?;
+            let link = FdLink::new()?;
             let node2 = node.clone();
-            let child_sock = s1.as_raw_fd();
-            let pid = in_child(move || {
+            let pid = in_child(|| {
                 let d = ok("open", Dev::open(&node2))?;
                 let a = ok("alloc", d.alloc(len as u64, 0))?;
                 ok("copy_in", d.copy_in(a.handle, 0, &pattern(len, 31)))?;
                 let fd = ok("export", d.export(a.handle))?;
                 ok("free", d.free(a.handle))?;
                 drop(d);
-                ok("send_fd", send_fd(child_sock, fd.as_raw_fd()))
+                link.send(fd.as_raw_fd())
             })?;
-            drop(s1);
-            let fd = ok("recv_fd", recv_fd(s0.as_raw_fd()))?;
+            let fd = link.recv(pid)?;
             child_ok(pid)?;
             let m = ok("mmap", map_fd(fd.as_raw_fd(), 0, len))?;
             expect_eq("mapped bytes", m.as_slice() == &pattern(len, 31)[..], true)?;
