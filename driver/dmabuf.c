@@ -153,6 +153,11 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 		ret = -EINVAL;
 		goto err_put;
 	}
+	/* No kernel mapping at all (dma_buf_vmap would say EINVAL). */
+	if (!dmabuf->ops->vmap) {
+		ret = -EOPNOTSUPP;
+		goto err_put;
+	}
 	imp = kzalloc(sizeof(*imp), GFP_KERNEL_ACCOUNT);
 	if (!imp) {
 		ret = -ENOMEM;

@@ -75,7 +75,7 @@ fn main() {
     let pg = page_size();
     // Edu moves ~4 KiB per 0.2 s of virtual time: keep its jobs small.
     let job_len = if edu { 2 * pg } else { 256 << 10 };
-    let mut t = Tap::new(13);
+    let mut t = Tap::new(14);
 
     t.run("export gives an O_RDWR, O_CLOEXEC dma-buf fd", || -> R {
         let a = ok("alloc", dev.alloc(5000, 0))?;
@@ -241,7 +241,7 @@ fn main() {
     );
 
     t.run(
-        "export to a second process (SCM_RIGHTS): writes both ways",
+        "export to a second process (SCM_RIGHTS, else pidfd_getfd): writes both ways",
         || -> R {
             let len = 2 * pg;
             let a = ok("alloc", dev.alloc(len as u64, 0))?;
@@ -355,6 +355,42 @@ fn main() {
             )?;
             ok("free", dev.free(i.handle))?;
             expect_err("freed", dev.buf_info(i.handle).map(drop), libc::ENOENT)
+        },
+    );
+
+    t.run(
+        "userlib: Tensor::export_dmabuf and Tensor::from_dmabuf share one buffer",
+        || -> R {
+            let d1 = tdrv::Device::open(&node).map_err(|e| e.to_string())?;
+            let d2 = tdrv::Device::open(&node).map_err(|e| e.to_string())?;
+            let t1 = tdrv::Tensor::allocate_on(&d1, 0, 3 * pg, Some("exported"))
+                .map_err(|e| e.to_string())?;
+            t1.write(0, &pattern(3 * pg, 61))
+                .map_err(|e| e.to_string())?;
+            let slice = t1.slice(pg, pg, None).map_err(|e| e.to_string())?;
+            let fd = slice.export_dmabuf().map_err(|e| e.to_string())?;
+            let t2 = tdrv::Tensor::from_dmabuf(&d2, &fd).map_err(|e| e.to_string())?;
+            drop(fd);
+            expect_eq("size (whole storage)", t2.size(), 3 * pg)?;
+            let mut got = vec![0u8; 3 * pg];
+            t2.read(0, &mut got).map_err(|e| e.to_string())?;
+            expect_eq("bytes", got == pattern(3 * pg, 61), true)?;
+            t2.write(pg, &[0xC3; 8]).map_err(|e| e.to_string())?;
+            let mut back = [0u8; 8];
+            slice.read(0, &mut back).map_err(|e| e.to_string())?;
+            expect_eq("written through the import", back, [0xC3; 8])?;
+            if let Some(heap) = heap_alloc(pg)? {
+                let h = tdrv::Tensor::from_dmabuf_on(&d1, 0, &heap, Some("heap"))
+                    .map_err(|e| e.to_string())?;
+                h.write(0, b"heap").map_err(|e| e.to_string())?;
+                let m = ok("heap mmap", map_fd(heap.as_raw_fd(), 0, pg))?;
+                expect_eq("heap bytes", &m.as_slice()[..4], b"heap")?;
+            }
+            let host = tdrv::Tensor::allocate_host(16, None).map_err(|e| e.to_string())?;
+            match host.export_dmabuf() {
+                Err(tdrv::Error::Unsupported { .. }) => Ok(()),
+                other => Err(format!("export of host memory: {other:?}")),
+            }
         },
     );
 
