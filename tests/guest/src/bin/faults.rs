@@ -20,13 +20,15 @@
 use std::{
     collections::BTreeMap,
     ffi::CString,
-    os::fd::{FromRawFd, OwnedFd},
+    fs,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     time::Duration,
 };
 
 use tdrv_guest_tests::{
-    channel_usage, desc, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers,
-    ok, open_device_or_skip,
+    channel_usage, desc, device_stat,
+    dmabuf::heap_alloc,
+    errno_name, expect_eq, expect_err, install_fatal_handlers, ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     skip_all, wait_usage, Tap,
 };
@@ -305,7 +307,7 @@ fn main() {
     let dev = &dev_owned;
     // A touch of a mapping that dies of SIGBUS says where.
     install_fatal_handlers();
-    let mut t = Tap::new(23);
+    let mut t = Tap::new(26);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
@@ -458,6 +460,75 @@ fn main() {
                     ok("BUF_INFO after failed BUF_INFO", dev.buf_info(a))?;
                 }
             }
+            Ok((r.map(drop), inj))
+        }),
+    );
+
+    // dma-buf export and import: a failure leaves no fd, handle or
+    // channel byte behind, and the call works again.
+    let fds = || {
+        fs::read_dir("/proc/self/fd")
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    report(
+        &mut t,
+        "EXPORT",
+        sweep(|n| {
+            let before = (usage0(dev)?, fds());
+            let (r, inj) = inject(fail, n, || dev.export(a))?;
+            let failed = r.is_err();
+            // Closes an exported fd: its buffer reference goes with it.
+            let r = r.map(drop);
+            expect_eq("usage and fds", (usage0(dev)?, fds()), before)?;
+            if failed {
+                ok("EXPORT after failed EXPORT", dev.export(a))?;
+            }
+            Ok((r, inj))
+        }),
+    );
+
+    report(
+        &mut t,
+        "IMPORT of an export",
+        sweep(|n| {
+            let fd = ok("export", dev.export(a))?;
+            let (r, inj) = inject(fail, n, || dev.import(fd.as_raw_fd(), 0))?;
+            match &r {
+                Ok(i) => {
+                    expect_eq("size", i.size, XFER as u64)?;
+                    ok("free", dev.free(i.handle))?;
+                }
+                Err(_) => {
+                    let i = ok("IMPORT after failed IMPORT", dev.import(fd.as_raw_fd(), 0))?;
+                    ok("free", dev.free(i.handle))?;
+                }
+            }
+            Ok((r.map(drop), inj))
+        }),
+    );
+
+    report(
+        &mut t,
+        "IMPORT of a dma-heap buffer",
+        sweep(|n| {
+            let Some(heap) = heap_alloc(XFER.next_multiple_of(4096))? else {
+                // No heap: nothing to inject into.
+                return Ok((Ok(()), false));
+            };
+            let before = usage0(dev)?;
+            let (r, inj) = inject(fail, n, || dev.import(heap.as_raw_fd(), 0))?;
+            if let Ok(i) = &r {
+                ok("memset", dev.memset(i.handle, 0, 16, 1))?;
+                ok("free", dev.free(i.handle))?;
+            } else {
+                let i = ok(
+                    "IMPORT after failed IMPORT",
+                    dev.import(heap.as_raw_fd(), 0),
+                )?;
+                ok("free", dev.free(i.handle))?;
+            }
+            expect_eq("usage", usage0(dev)?, before)?;
             Ok((r.map(drop), inj))
         }),
     );
