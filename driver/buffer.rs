@@ -161,8 +161,8 @@ pub(crate) struct Buffer {
     /// What the channel is charged: `span` for tdrv's own memory, 0 for
     /// imports.
     charged: u64,
-    /// The address spaces of this buffer's live dma-buf exports, so that
-    /// unbind can zap their mappings (see `dmabuf.rs`).
+    /// This buffer's live dma-buf exports, so that unbind can zap their
+    /// mappings (see `dmabuf.rs`).
     #[pin]
     exports: Mutex<KVec<ExportMapping>>,
     channel: u32,
@@ -367,19 +367,19 @@ impl Buffer {
         Ok(())
     }
 
-    /// Forgets an export whose dma-buf is being released.
-    pub(crate) fn remove_export(&self, mapping: ExportMapping) {
+    /// Forgets the export `dmabuf`, which is being released; the caller
+    /// drops the record outside the lock.
+    pub(crate) fn remove_export(&self, dmabuf: *mut core::ffi::c_void) -> Option<ExportMapping> {
         let mut exports = self.exports.lock();
-        exports.retain(|m| *m != mapping);
+        let i = exports.iter().position(|m| m.is(dmabuf))?;
+        exports.remove(i).ok()
     }
 
     /// Unbind: removes the pages of every mapping of this buffer's
     /// exported dma-bufs (after [`Buffer::detach`], so none comes back).
     pub(crate) fn zap_exports(&self) {
         for m in self.exports.lock().iter() {
-            // SAFETY: A dma-buf is in the list until its release callback
-            // removes it under this lock, which we hold: it is alive.
-            unsafe { m.zap() };
+            m.zap();
         }
     }
 

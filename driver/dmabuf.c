@@ -13,6 +13,7 @@
 #include <linux/file.h>
 #include <linux/fs.h>
 #include <linux/iosys-map.h>
+#include <linux/mm.h>
 #include <linux/module.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
@@ -81,9 +82,23 @@ struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size)
 	return dma_buf_export(&info);
 }
 
-struct address_space *tdrv_dmabuf_mapping(struct dma_buf *dmabuf)
+struct inode *tdrv_dmabuf_hold_inode(struct dma_buf *dmabuf)
 {
-	return dmabuf->file->f_mapping;
+	struct inode *inode = file_inode(dmabuf->file);
+
+	ihold(inode);
+	return inode;
+}
+
+void tdrv_dmabuf_zap(struct inode *inode)
+{
+	/* Length 0: the whole file. */
+	unmap_mapping_range(inode->i_mapping, 0, 0, 1);
+}
+
+void tdrv_dmabuf_put_inode(struct inode *inode)
+{
+	iput(inode);
 }
 
 int tdrv_dmabuf_reserve_fd(void)

@@ -20,6 +20,7 @@
 struct address_space;
 struct device;
 struct dma_buf;
+struct inode;
 struct tdrv_import;
 struct vm_area_struct;
 
@@ -27,9 +28,14 @@ struct vm_area_struct;
  * now owns that reference, or an ERR_PTR; on failure the reference is
  * still the caller's. */
 struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size);
-/* The address space every mmap of @dmabuf hangs off (for unmap at
- * unbind). Valid until tdrv_dmabuf_release_buffer() runs for it. */
-struct address_space *tdrv_dmabuf_mapping(struct dma_buf *dmabuf);
+/* A reference to the inode of @dmabuf's file (every mmap of the dma-buf
+ * hangs off its address space), for unmap at unbind; the caller holds
+ * @dmabuf. */
+struct inode *tdrv_dmabuf_hold_inode(struct dma_buf *dmabuf);
+/* Unmaps every user mapping of the file of @inode. */
+void tdrv_dmabuf_zap(struct inode *inode);
+/* Drops a reference from tdrv_dmabuf_hold_inode(). */
+void tdrv_dmabuf_put_inode(struct inode *inode);
 /* Reserves an fd (O_CLOEXEC) for a dma-buf; -errno on failure. */
 int tdrv_dmabuf_reserve_fd(void);
 /* Installs @dmabuf at the reserved @fd: consumes the caller's dma-buf

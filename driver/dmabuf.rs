@@ -81,7 +81,9 @@ mod ffi {
             buf: *const core::ffi::c_void,
             size: usize,
         ) -> *mut Opaque;
-        pub(super) fn tdrv_dmabuf_mapping(dmabuf: *mut Opaque) -> *mut Opaque;
+        pub(super) fn tdrv_dmabuf_hold_inode(dmabuf: *mut Opaque) -> *mut Opaque;
+        pub(super) fn tdrv_dmabuf_zap(inode: *mut Opaque);
+        pub(super) fn tdrv_dmabuf_put_inode(inode: *mut Opaque);
         pub(super) fn tdrv_dmabuf_reserve_fd() -> core::ffi::c_int;
         pub(super) fn tdrv_dmabuf_install(dmabuf: *mut Opaque, fd: core::ffi::c_int);
         pub(super) fn tdrv_dmabuf_unreserve_fd(fd: core::ffi::c_int);
@@ -102,29 +104,54 @@ mod ffi {
     }
 }
 
-/// The address space of an exported dma-buf's file: every mmap of the
-/// dma-buf hangs off it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ExportMapping(*mut Opaque);
+/// A live export, as its buffer records it: the dma-buf (only as a key,
+/// never dereferenced) and a reference to the inode of its file, whose
+/// address space every mmap of the dma-buf hangs off.
+///
+/// The inode reference is needed because the dma-buf core releases the
+/// dma-buf (our release callback) when its dentry dies, after the dentry
+/// has let go of the inode: without our reference the address space could
+/// be gone while unbind still finds the export in the list.
+pub(crate) struct ExportMapping {
+    dmabuf: *mut Opaque,
+    inode: *mut Opaque,
+}
 
-// SAFETY: Only passed to `unmap_mapping_range` while the dma-buf is alive
-// (see `Buffer::zap_exports`); the pointer itself may move between
-// threads.
+// SAFETY: The inode reference may be used and dropped from any thread;
+// the dma-buf pointer is only compared.
 unsafe impl Send for ExportMapping {}
-// SAFETY: As above.
+// SAFETY: `zap` may run concurrently from several threads.
 unsafe impl Sync for ExportMapping {}
 
 impl ExportMapping {
-    /// Removes every user page table entry of the dma-buf's mappings.
+    /// Takes a reference to the inode of `dmabuf`'s file.
     ///
     /// # Safety
     ///
-    /// The dma-buf is alive: its release callback has not run yet.
-    pub(crate) unsafe fn zap(self) {
-        // SAFETY: The dma-buf's inode, and with it its address space, lives
-        // until after its release callback (the caller's guarantee).
-        // Length 0 covers the whole file.
-        unsafe { bindings::unmap_mapping_range(self.0.cast(), 0, 0, 1) };
+    /// The caller holds a reference to `dmabuf`.
+    unsafe fn new(dmabuf: *mut Opaque) -> Self {
+        // SAFETY: `dmabuf` and its file are alive (the caller's reference).
+        let inode = unsafe { ffi::tdrv_dmabuf_hold_inode(dmabuf) };
+        Self { dmabuf, inode }
+    }
+
+    /// Whether this records the export `dmabuf`.
+    pub(crate) fn is(&self, dmabuf: *mut Opaque) -> bool {
+        self.dmabuf == dmabuf
+    }
+
+    /// Removes every user page table entry of the dma-buf's mappings.
+    pub(crate) fn zap(&self) {
+        // SAFETY: We hold a reference to the inode, so its address space
+        // is alive.
+        unsafe { ffi::tdrv_dmabuf_zap(self.inode) };
+    }
+}
+
+impl Drop for ExportMapping {
+    fn drop(&mut self) {
+        // SAFETY: The reference taken in `new`, given back once.
+        unsafe { ffi::tdrv_dmabuf_put_inode(self.inode) };
     }
 }
 
@@ -187,10 +214,11 @@ pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
         }
     };
     let pending = PendingExport { dmabuf, fd };
-    // SAFETY: We hold a reference to the dma-buf, whose file is alive.
-    let mapping = ExportMapping(unsafe { ffi::tdrv_dmabuf_mapping(dmabuf) });
+    // SAFETY: `pending` holds a reference to the dma-buf.
+    let mapping = unsafe { ExportMapping::new(dmabuf) };
     // SAFETY: The dma-buf holds the reference `raw` came from until its
-    // release, which cannot run while `pending` holds the dma-buf.
+    // release, which cannot run while `pending` holds the dma-buf. (On
+    // failure `mapping` is dropped, then `pending`.)
     unsafe { &*raw }.add_export(mapping)?;
     Ok(pending)
 }
@@ -294,11 +322,10 @@ impl Drop for Import {
 /// `export` gave the dma-buf.
 #[no_mangle]
 unsafe extern "C" fn tdrv_dmabuf_release_buffer(buf: *const Buffer, dmabuf: *mut Opaque) {
-    // SAFETY: The dma-buf's inode is still alive during its release.
-    let mapping = ExportMapping(unsafe { ffi::tdrv_dmabuf_mapping(dmabuf) });
     // SAFETY: The reference `export` moved into the dma-buf.
     let buf = unsafe { Arc::from_raw(buf) };
-    buf.remove_export(mapping);
+    // (`dmabuf` is only compared: its file may be gone by now.)
+    drop(buf.remove_export(dmabuf));
     drop(buf);
 }
 
