@@ -44,6 +44,12 @@
 //! releases every import before the device goes away; the handle stays, as
 //! an empty shell, like every buffer's.
 //!
+//! When the exporter cannot make the kernel mapping (out of memory), IMPORT
+//! fails with its error (ENOMEM), and the dma-buf core logs a warning of
+//! its own (`dma_buf_vmap` WARNs once on an exporter's vmap failure);
+//! tdrv has no other way to reach a foreign dma-buf's bytes with the CPU
+//! (the pages of an importer's scatterlist are off limits).
+//!
 //! tdrv neither waits for nor adds fences in a dma-buf's reservation
 //! object: its users order device work with tdrv's own fence waits.
 
