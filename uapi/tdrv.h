@@ -324,10 +324,11 @@ struct tdrv_export {
  * (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a
  * kernel mapping in system memory), ENOSPC (this file's buffer or byte
  * limit), ENOMEM (also when the exporter cannot map the dma-buf into the
- * kernel; the dma-buf core then logs a warning once), ENODEV (device removed), or the exporter's error when
- * mapping the dma-buf for the device (EIO when its pages are beyond the
- * device's DMA mask: edu's default mask is 28 bits, so load tdrv with
- * edu_dma_bits=32 for QEMU's -device edu,dma_mask=0xffffffff).
+ * kernel; the dma-buf core then logs a warning once), ENODEV (device
+ * removed), or the exporter's error when mapping the dma-buf for the
+ * device (EIO when its pages are beyond the device's DMA mask: edu's
+ * default mask is 28 bits, so load tdrv with edu_dma_bits=32 for QEMU's
+ * -device edu,dma_mask=0xffffffff).
  */
 struct tdrv_import {
 	__s32 fd;
