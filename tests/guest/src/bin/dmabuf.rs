@@ -75,7 +75,7 @@ fn main() {
     let pg = page_size();
     // Edu moves ~4 KiB per 0.2 s of virtual time: keep its jobs small.
     let job_len = if edu { 2 * pg } else { 256 << 10 };
-    let mut t = Tap::new(14);
+    let mut t = Tap::new(15);
 
     t.run("export gives an O_RDWR, O_CLOEXEC dma-buf fd", || -> R {
         let a = ok("alloc", dev.alloc(5000, 0))?;
@@ -326,6 +326,29 @@ fn main() {
             Ok(None) => t.skip(name, "no /dev/dma_heap/system"),
             Err(e) => t.check(name, Err::<(), String>(e)),
         }
+    }
+
+    let other_node = fs::read_dir("/dev").ok().and_then(|d| {
+        d.filter_map(|e| e.ok())
+            .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+            .filter(|p| p.starts_with("/dev/tdrv") && *p != node)
+            .find(|p| Dev::open(p).and_then(|d| d.version()).is_ok())
+    });
+    match &other_node {
+        None => t.skip(
+            "a tdrv export of another device is EXDEV",
+            "one tdrv device",
+        ),
+        Some(other) => t.run("a tdrv export of another device is EXDEV", || -> R {
+            let d = ok("open other", Dev::open(other))?;
+            let a = ok("alloc", d.alloc(4096, 0))?;
+            let fd = ok("export", d.export(a.handle))?;
+            expect_err(
+                "import",
+                dev.import(fd.as_raw_fd(), 0).map(drop),
+                libc::EXDEV,
+            )
+        }),
     }
 
     t.run("a foreign import needs a valid channel", || -> R {
