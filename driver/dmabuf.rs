@@ -18,17 +18,20 @@
 //!
 //! - mmap of the dma-buf fd maps the buffer like tdrv's own mmap (shared,
 //!   not executable, pages inserted at fault time, SIGBUS after unbind).
-//!   Unbind zaps these mappings too (every buffer keeps the address spaces
-//!   of its live exports).
+//!   Unbind zaps these mappings too: every buffer lists its live exports,
+//!   each with a reference to its file's inode (see [`ExportMapping`]).
+//!   The dma-buf's size is the buffer's, rounded up to pages.
 //! - `DMA_BUF_IOCTL_SYNC` with `DMA_BUF_SYNC_START` waits, like COPY_OUT
 //!   (read) or COPY_IN (write), for the device writes (read) or all device
 //!   accesses (write) pending on the buffer; a signal interrupts it. It does
 //!   not hold jobs off until `SYNC_END` (which does nothing): the kernel
 //!   cannot rely on userspace pairing the two, and a forgotten END must not
-//!   block other users of the buffer. The error latch does not fail SYNC.
+//!   block other users of the buffer. The error latch does not fail SYNC;
+//!   after unbind it is ENODEV.
 //! - No other device may attach (`map_dma_buf`): its DMA mapping of tdrv
 //!   memory could not be revoked when tdrv's device is unbound and the
-//!   memory freed.
+//!   memory freed. (Serving revocable importers, `dma_buf_attach_revocable`
+//!   and `dma_buf_invalidate_mappings`, would lift this; not done yet.)
 //!
 //! # Import of foreign dma-bufs
 //!
