@@ -68,7 +68,10 @@ impl Bar {
     }
 
     fn at<T>(&self, off: usize) -> *mut T {
-        assert!(off % std::mem::size_of::<T>() == 0 && off + std::mem::size_of::<T>() <= self.len);
+        assert!(
+            off.is_multiple_of(std::mem::size_of::<T>())
+                && off + std::mem::size_of::<T>() <= self.len
+        );
         // SAFETY: in bounds of the mapping (asserted).
         unsafe { self.ptr.add(off).cast() }
     }
@@ -389,7 +392,7 @@ fn main() {
             && dev.entries.is_power_of_two()
             && (16..=512).contains(&dev.entries)
             && (1..=16).contains(&dev.channels)
-            && dev.channel_size % (2 << 20) == 0
+            && dev.channel_size.is_multiple_of(2 << 20)
             && dev.hbm as u64 + dev.channels as u64 * dev.channel_size <= bar2_len as u64,
     );
     t.run("every queue resets to zero indices", || {
