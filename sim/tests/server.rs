@@ -3,6 +3,7 @@
 //! received shared memory, doorbell and interrupt eventfds, then hang-up;
 //! and the `tdrv-sim` binary's lifecycle (socket, SIGTERM, statistics).
 #![cfg(not(miri))] // sockets, memfds, eventfds and processes: not in Miri
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 use std::io::Read;
 use std::os::fd::AsFd;
