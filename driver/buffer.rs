@@ -1,9 +1,12 @@
 // SPDX-License-Identifier: GPL-2.0
 
-//! A device buffer: DMA-coherent memory in pieces, channel accounting and
-//! its fence.
+//! A device buffer: memory in pieces, channel accounting and its fence.
 //!
 //! # Memory
+//!
+//! What holds a buffer's memory is its [`Backing`]; the rest of the driver
+//! sees only the pieces' CPU and bus addresses and, for mmap, page frames.
+//! Today every backing is tdrv's own DMA-coherent allocation.
 //!
 //! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
 //! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
@@ -82,13 +85,40 @@ unsafe impl Send for PieceAddr {}
 // SAFETY: As above.
 unsafe impl Sync for PieceAddr {}
 
+/// What holds a buffer's memory; dropping it gives the memory back.
+///
+/// Each kind provides the pieces' addresses when the buffer is built (see
+/// [`Buffer::from_backing`]) and the page frames that mmap inserts.
+enum Backing {
+    /// DMA-coherent pieces tdrv allocated for the device (held to be freed
+    /// on drop; the pieces' addresses are in [`Buffer`]).
+    Coherent { _pieces: KVec<Coherent<[u8]>> },
+}
+
+impl Backing {
+    /// The page frame of a page of this memory, given its piece address,
+    /// or `None` if it cannot be mapped into userspace.
+    ///
+    /// # Safety
+    ///
+    /// The memory is live, and `page.cpu` is a page-aligned address inside
+    /// it.
+    unsafe fn pfn(&self, page: PieceAddr) -> Option<usize> {
+        match self {
+            // SAFETY: Coherent memory is in the kernel's direct map (see
+            // `glue::kaddr_to_pfn`), live by the caller's guarantee.
+            Self::Coherent { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+        }
+    }
+}
+
 /// Where a buffer's memory is.
 enum MemState {
     /// Allocated and reachable.
-    Live(KVec<Coherent<[u8]>>),
+    Live(Backing),
     /// Unbind in progress: still allocated, but the fault handler maps no
     /// more of it; freed once user mappings have been zapped.
-    Detached(KVec<Coherent<[u8]>>),
+    Detached(Backing),
     /// Freed at unbind.
     Gone,
 }
@@ -97,8 +127,8 @@ enum MemState {
 ///
 /// # Invariants
 ///
-/// `pieces[i]` describes the `i`-th allocation held by `mem` for as long as
-/// `mem` is `Live` or `Detached`. `mem` leaves those states only in
+/// `pieces[i]` describes the `i`-th piece of the memory held by `mem` for
+/// as long as `mem` is `Live` or `Detached`. `mem` leaves those states only in
 /// [`Buffer::release_memory`], whose caller guarantees that the device is
 /// unbound, its engine stopped, no active guard exists and no user mapping
 /// maps the memory. So code holding an [`ActiveGuard`] of the device, and
@@ -120,6 +150,19 @@ pub(crate) struct Buffer {
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
+}
+
+/// How a backing's memory is laid out, for [`Buffer::from_backing`].
+struct Layout {
+    /// The pieces' addresses, in order.
+    pieces: KVec<PieceAddr>,
+    /// Every piece but the last is `1 << shift` bytes.
+    shift: u32,
+    /// The buffer's size in bytes.
+    size: usize,
+    /// Bytes charged to `channel` (the pieces' total).
+    charged: u64,
+    channel: u32,
 }
 
 /// Allocates `size` bytes (a multiple of pages) as pieces of `1 << shift`
@@ -179,10 +222,36 @@ impl Buffer {
             }
             Ok(pieces)
         };
-        let (pieces, registry_key) = match addrs()
-            .and_then(|pieces| Ok((pieces, device.register_buffer()?)))
-        {
-            Ok(ok) => ok,
+        let pieces = match addrs() {
+            Ok(pieces) => pieces,
+            Err(e) => {
+                device.channels.release(channel, charged);
+                return Err(e);
+            }
+        };
+        let layout = Layout {
+            pieces,
+            shift,
+            size,
+            charged,
+            channel,
+        };
+        Self::from_backing(device, Backing::Coherent { _pieces: mem }, layout)
+    }
+
+    /// Builds a buffer around `backing`, whose `charged` bytes are already
+    /// charged to `channel`: on failure the charge is given back and the
+    /// memory dropped.
+    fn from_backing(device: &Arc<TdrvDevice>, backing: Backing, layout: Layout) -> Result<Arc<Self>> {
+        let Layout {
+            pieces,
+            shift,
+            size,
+            charged,
+            channel,
+        } = layout;
+        let registry_key = match device.register_buffer() {
+            Ok(key) => key,
             Err(e) => {
                 device.channels.release(channel, charged);
                 return Err(e);
@@ -190,7 +259,7 @@ impl Buffer {
         };
         let buf = Arc::pin_init(
             try_pin_init!(Self {
-                mem <- new_mutex!(MemState::Live(mem), "Buffer::mem"),
+                mem <- new_mutex!(MemState::Live(backing), "Buffer::mem"),
                 pieces,
                 shift,
                 size,
@@ -208,8 +277,9 @@ impl Buffer {
                 Ok(buf)
             }
             Err(e) => {
-                // `mem` was dropped by the initializer, but `PinnedDrop`
-                // never runs for an unbuilt value: undo the rest by hand.
+                // The backing was dropped by the initializer, but
+                // `PinnedDrop` never runs for an unbuilt value: undo the
+                // rest by hand.
                 device.unregister_buffer(registry_key);
                 device.channels.release(channel, charged);
                 Err(e)
@@ -271,7 +341,10 @@ impl Buffer {
     ) -> bool {
         let mem = self.mem.lock();
         let pages = self.charged as usize / PAGE_SIZE;
-        if !matches!(*mem, MemState::Live(_)) || first >= pages {
+        let MemState::Live(backing) = &*mem else {
+            return false;
+        };
+        if first >= pages {
             return false;
         }
         for index in first..pages.min(first.saturating_add(count)) {
@@ -279,7 +352,9 @@ impl Buffer {
             // SAFETY: The memory is live (checked under the lock that
             // `detach` takes, held until we return) and `p.cpu` lies inside
             // it, page-aligned.
-            let pfn = unsafe { glue::kaddr_to_pfn(p.cpu) };
+            let Some(pfn) = (unsafe { backing.pfn(p) }) else {
+                return index > first;
+            };
             if !f(pfn) {
                 break;
             }
