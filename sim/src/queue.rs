@@ -300,8 +300,7 @@ pub fn write_header(bar: &crate::shm::Region, l: &Layout) {
 /// polls reset and fault commands every `poll` (so that neither needs a
 /// doorbell), until `stop`.
 pub fn run(mut e: Engine, bell: &dyn Doorbell, irq: &dyn Irq, stop: &AtomicBool, poll: Duration) {
-    // A doorbell may have rung before the thread started.
-    e.service(irq);
+    // A doorbell rung before the thread started is still in the counter.
     while !stop.load(Acquire) {
         if bell.wait(poll) {
             if stop.load(Acquire) {
@@ -719,6 +718,34 @@ mod tests {
         t.join().unwrap();
         assert_eq!(stats.descs.load(Relaxed), total);
         assert_eq!(irqs.count() as u64, total);
+    }
+
+    #[test]
+    fn engine_thread_runs_descriptors_only_after_a_doorbell() {
+        let (drv, e, stats) = Drv::new(16);
+        let irqs = Arc::new(Irqs::default());
+        let bell = Arc::new(Bell::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
+            std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
+        };
+        drv.post(h2d(1, 1));
+        // Several idle polls pass without executing it.
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(drv.reap().is_empty());
+        bell.ring();
+        let mut got = vec![];
+        while got.is_empty() {
+            got = drv.reap();
+            std::thread::yield_now();
+        }
+        assert_eq!(got, vec![(1, 0, 1)]);
+        stop.store(true, Release);
+        bell.ring();
+        t.join().unwrap();
+        // The stop ring is not counted as a doorbell.
+        assert_eq!(stats.doorbells.load(Relaxed), 1);
     }
 
     #[test]
