@@ -107,6 +107,9 @@ pub struct Engine {
     fail_next: bool,
     lose_irq: bool,
     stalled: bool,
+    /// Bytes per second the engine copies at most (None: as fast as the
+    /// host copies).
+    rate: Option<u64>,
 }
 
 impl Engine {
@@ -126,6 +129,7 @@ impl Engine {
             fail_next: false,
             lose_irq: false,
             stalled: false,
+            rate: None,
         };
         e.set_status(qstatus::IDLE);
         e
@@ -137,6 +141,13 @@ impl Engine {
 
     fn set_status(&self, s: u32) {
         self.field(qb::STATUS).store(s, Release);
+    }
+
+    /// Limits the engine to `rate` bytes per second (None or 0: no limit):
+    /// a descriptor's completion is written no earlier than len / rate
+    /// after it started, like a DMA engine of that bandwidth.
+    pub fn set_rate(&mut self, rate: Option<u64>) {
+        self.rate = rate.filter(|&r| r > 0);
     }
 
     /// Whether the queue is stalled.
@@ -234,12 +245,19 @@ impl Engine {
             }
             self.set_status(qstatus::BUSY);
             let d = self.read_desc(self.sq_head);
+            let started = std::time::Instant::now();
             let (status, len_done) = if self.fail_next {
                 self.fail_next = false;
                 (Status::Fault, 0)
             } else {
                 self.mem.execute(&d)
             };
+            if let Some(rate) = self.rate {
+                let due = Duration::from_secs_f64(f64::from(len_done) / rate as f64);
+                if let Some(rest) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(rest);
+                }
+            }
             self.complete(&d, status, len_done, irq);
             done += 1;
         }
@@ -651,6 +669,27 @@ mod tests {
         e.service(&irqs);
         assert_eq!(drv.reap(), vec![(1, 0, 1)]);
         assert_eq!(irqs.count(), 1);
+    }
+
+    #[test]
+    fn a_rate_limit_paces_the_copies() {
+        let (drv, mut e, _) = Drv::new(16);
+        // 64 KiB at 1 MiB/s: at least 62.5 ms.
+        e.set_rate(Some(1 << 20));
+        drv.post(h2d(1, 32 << 10));
+        drv.post(h2d(2, 32 << 10));
+        let t0 = std::time::Instant::now();
+        assert_eq!(e.service(&Irqs::default()), 2);
+        assert!(
+            t0.elapsed() >= Duration::from_micros(62_500),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(drv.reap(), vec![(1, 0, 32 << 10), (2, 0, 32 << 10)]);
+        // No limit again.
+        e.set_rate(Some(0));
+        drv.post(h2d(3, 32 << 10));
+        assert_eq!(e.service(&Irqs::default()), 1);
     }
 
     #[test]
