@@ -486,7 +486,7 @@ fn main() {
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
-        for bad in ["fail_job", "stall 99", "lose_irq x", "stall 0 1", ""] {
+        for bad in ["fail_job", "stall 99", "lose_irq x", "stall 0 1", "\n"] {
             if inject(&path, bad).is_ok() {
                 return Err(format!("inject {bad:?} accepted"));
             }
@@ -556,6 +556,7 @@ fn unbind_under_load(path: &str) -> R {
     let b = ok("alloc", dev.alloc(4 << 20, 0))?;
     let mut m = ok("mmap", dev.map(&a))?;
     m.as_mut_slice()[0] = 1;
+    let child = MappedChild::spawn(&dev, &a)?;
     let stop = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     for w in 0..3 {
@@ -596,19 +597,9 @@ fn unbind_under_load(path: &str) -> R {
         dev.alloc(4096, 0).map(drop),
         Err(libc::ENODEV),
     )?;
-    // The mapping's pages are gone: touching it would SIGBUS. Check in a
-    // child so that we survive.
-    // SAFETY: the child only reads the mapping and exits.
-    let pid = unsafe { libc::fork() };
-    if pid == 0 {
-        // SAFETY: a volatile read of a (revoked) mapping of ours.
-        let _ = unsafe { std::ptr::read_volatile(m.as_slice().as_ptr()) };
-        // SAFETY: leaves the child at once.
-        unsafe { libc::_exit(0) };
-    }
-    let mut status = 0;
-    // SAFETY: reaps our child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
+    // The mapping's pages are gone: touching it raises SIGBUS (in a
+    // child with its own mapping, so that we survive).
+    let status = child.touch_and_wait()?;
     if !(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS) {
         return Err(format!(
             "touching a revoked mapping: status {status:#x}, want SIGBUS"
@@ -636,4 +627,63 @@ fn rebind() -> R {
     expect_eq("data", read_all(&dev, b.handle, 100_000)? == data, true)?;
     ok("free", dev.free(a.handle))?;
     ok("free", dev.free(b.handle))
+}
+
+/// A child process holding its own mapping of a buffer (mappings are not
+/// inherited: DONTCOPY). On request it reads the mapping and exits 0; if
+/// the pages are gone it dies of SIGBUS instead.
+struct MappedChild {
+    pid: libc::pid_t,
+    go: i32,
+}
+
+impl MappedChild {
+    fn spawn(dev: &Dev, buf: &tdrv_alloc) -> Result<Self, String> {
+        let (mut ready, mut go) = ([0; 2], [0; 2]);
+        // SAFETY: pipe(2) into local arrays.
+        if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0
+            || unsafe { libc::pipe(go.as_mut_ptr()) } != 0
+        {
+            return Err("pipe".into());
+        }
+        // SAFETY: the child runs only the code below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let m = dev.map(buf);
+            let mut byte = 0u8;
+            // SAFETY: one-byte reads and writes on our pipe ends.
+            unsafe {
+                libc::write(ready[1], b"r".as_ptr().cast(), 1);
+                libc::read(go[0], (&mut byte as *mut u8).cast(), 1);
+            }
+            let code = match m {
+                Ok(m) => {
+                    // SAFETY: a volatile read of our own (maybe revoked)
+                    // mapping; revoked pages raise SIGBUS here.
+                    let _ = unsafe { std::ptr::read_volatile(m.as_slice().as_ptr()) };
+                    0
+                }
+                Err(_) => 3,
+            };
+            // SAFETY: leaves the child without running the parent's cleanup.
+            unsafe { libc::_exit(code) };
+        }
+        let mut byte = 0u8;
+        // SAFETY: waits for the child to have mapped the buffer.
+        unsafe { libc::read(ready[0], (&mut byte as *mut u8).cast(), 1) };
+        Ok(MappedChild { pid, go: go[1] })
+    }
+
+    /// Lets the child touch its mapping; returns its wait status.
+    fn touch_and_wait(&self) -> Result<i32, String> {
+        let mut status = 0;
+        // SAFETY: a one-byte write on our pipe end, then reaping our child.
+        unsafe {
+            libc::write(self.go, b"g".as_ptr().cast(), 1);
+            if libc::waitpid(self.pid, &mut status, 0) != self.pid {
+                return Err("waitpid".into());
+            }
+        }
+        Ok(status)
+    }
 }
