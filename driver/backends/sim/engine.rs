@@ -14,7 +14,7 @@
 //! buffer, one of the two writing it) with no earlier pending job and with
 //! running jobs on at most one queue; then it goes to that queue (whose
 //! FIFO order finishes the earlier job first), or else to the least loaded
-//! queue. Independent jobs thus run on different queues and may complete
+//! queue, as long as that queue has fewer than `QUEUE_DEPTH` jobs. Independent jobs thus run on different queues and may complete
 //! out of order; dependent ones complete in order.
 //!
 //! Synchronous transfers (COPY_IN, COPY_OUT, MEMSET, COPY, zeroing) are
@@ -40,7 +40,8 @@
 //! its running op fails with ETIMEDOUT, the ops behind it with EIO, and
 //! the queue serves new work afterwards. Debugfs `inject` takes
 //! `fail_desc`, `stall` and `lose_irq`, each optionally followed by a
-//! queue number; without one the fault goes to the queue of the next op.
+//! queue number; without one the fault goes to the queue of the next op
+//! (job or transfer). `fail_job` fails the next job's first descriptor.
 
 use kernel::{
     bindings,
@@ -132,6 +133,10 @@ const USER_CHUNK: usize = 1 << 20;
 const FILL_PATTERN: usize = 64 << 10;
 /// Pending jobs the scheduler looks at per pass.
 const SCAN_LIMIT: usize = 64;
+/// Jobs dispatched to one queue at a time. The rest wait in the pending
+/// list, where closing their file cancels them at once (descriptors in a
+/// ring can only end by running or by a reset).
+const QUEUE_DEPTH: usize = 4;
 
 /// The buffers a job touches, sorted by address, with whether it writes
 /// them.
@@ -213,6 +218,8 @@ pub(crate) struct SimEngine {
     next_queue: Atomic<u32>,
     /// A fault for the queue of the next op (`INJECT_*`), or 0.
     inject_next: Atomic<u32>,
+    /// `INJECT_FAIL_NEXT` for the queue of the next job, or 0.
+    inject_next_job: Atomic<u32>,
     polled: Atomic<u64>,
     spurious_irqs: Atomic<u64>,
     watchdog_timeouts: Atomic<u64>,
@@ -269,6 +276,7 @@ impl SimEngine {
                 timeout: Delta::from_millis(timeout_ms.into()),
                 next_queue: Atomic::new(0),
                 inject_next: Atomic::new(0),
+                inject_next_job: Atomic::new(0),
                 polled: Atomic::new(0),
                 spurious_irqs: Atomic::new(0),
                 watchdog_timeouts: Atomic::new(0),
@@ -392,14 +400,14 @@ impl SimEngine {
         }
     }
 
-    /// The least loaded usable queue.
-    fn least_loaded(&self) -> u32 {
-        let mut best = 0;
+    /// The least loaded usable queue that `room` accepts.
+    fn least_loaded(&self, room: impl Fn(u32) -> bool) -> Option<u32> {
+        let mut best = None;
         let mut best_load = u32::MAX;
         for q in self.queues.iter() {
             let l = q.load.load(Relaxed);
-            if l < best_load && q.usable() {
-                best = q.index;
+            if l < best_load && room(q.index) && q.usable() {
+                best = Some(q.index);
                 best_load = l;
             }
         }
@@ -448,7 +456,16 @@ impl SimEngine {
                         _ => {}
                     }
                 }
-                if multi {
+                let depth = |q: u32| {
+                    running.iter().filter(|r| r.queue == q).count()
+                        + ready.iter().filter(|(_, _, _, rq)| *rq == q).count()
+                };
+                let queue = match queue {
+                    Some(q) if depth(q) < QUEUE_DEPTH => Some(q),
+                    Some(_) => None,
+                    None => self.least_loaded(|q| depth(q) < QUEUE_DEPTH),
+                };
+                if multi || queue.is_none() {
                     if earlier.push(set, GFP_KERNEL).is_err() {
                         break;
                     }
@@ -467,7 +484,9 @@ impl SimEngine {
                 if ready.reserve(1, GFP_KERNEL).is_err() {
                     break;
                 }
-                let q = queue.unwrap_or_else(|| self.least_loaded());
+                let Some(q) = queue else {
+                    break;
+                };
                 // The op holds the job now; the list's reference goes.
                 drop(next.remove());
                 let _ = ready.push((op, job, set, q), GFP_KERNEL);
@@ -490,6 +509,10 @@ impl SimEngine {
                 GFP_KERNEL,
             );
             job.start();
+            let cmd = self.inject_next_job.xchg(0, Relaxed);
+            if cmd != 0 {
+                let _ = self.inject(q, cmd);
+            }
             self.push(q, op);
         }
     }
@@ -846,7 +869,16 @@ impl Engine for SimBackend {
     fn inject(&self, cmd: &[u8]) -> Result {
         let e = &self.0;
         let mut words = cmd.split(|b| *b == b' ').filter(|w| !w.is_empty());
-        let code = match words.next() {
+        let word = words.next();
+        if word == Some(b"fail_job".as_slice()) {
+            // The next job fails (EIO), like the software engine's.
+            if words.next().is_some() {
+                return Err(EINVAL);
+            }
+            e.inject_next_job.store(INJECT_FAIL_NEXT, Relaxed);
+            return Ok(());
+        }
+        let code = match word {
             Some(b"fail_desc") => INJECT_FAIL_NEXT,
             Some(b"stall") => INJECT_STALL,
             Some(b"lose_irq") => INJECT_LOSE_IRQ,

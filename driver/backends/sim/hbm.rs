@@ -12,6 +12,11 @@
 //! with its free neighbours, so that freeing everything always gives back
 //! one range. Fragmentation can still refuse an allocation that the
 //! channel's byte accounting would allow: that is ENOMEM.
+//!
+//! The first page of channel 0 is never given out: device address 0 would
+//! read as "no address" in the ABI (`dma_addr` is 0 for callers without
+//! CAP_SYS_RAWIO). So every channel offers its size less one page (the
+//! channel limit in `mod.rs`), the same for all channels.
 
 use kernel::{
     new_mutex,
@@ -151,8 +156,14 @@ pub(crate) struct Hbm {
 impl Hbm {
     pub(crate) fn new(count: u32, channel_size: u64) -> Result<Arc<Self>> {
         let mut channels = KVec::with_capacity(count as usize, GFP_KERNEL)?;
-        for _ in 0..count {
-            channels.push(RangeAlloc::new(channel_size, PAGE_SIZE as u64)?, GFP_KERNEL)?;
+        for c in 0..count {
+            let mut a = RangeAlloc::new(channel_size, PAGE_SIZE as u64)?;
+            if c == 0 {
+                // Device address 0 stays unused (see the module docs); the
+                // first allocation of an empty range is at its start.
+                a.alloc(PAGE_SIZE as u64)?;
+            }
+            channels.push(a, GFP_KERNEL)?;
         }
         Arc::pin_init(
             pin_init!(Self {
@@ -306,6 +317,11 @@ mod tests {
         assert_eq!(a.dev_addr(), 16 * P);
         assert_eq!(a.len(), 3 * P);
         assert_eq!(hbm.alloc(2, P).err(), Some(EINVAL));
+        // Device address 0 is never given out.
+        let z = hbm.alloc(0, P)?;
+        assert_eq!(z.dev_addr(), P);
+        assert_eq!(hbm.usage(0), (14 * P, 14 * P));
+        drop(z);
         assert_eq!(hbm.usage(1), (13 * P, 13 * P));
         drop(a);
         assert_eq!(hbm.usage(1), (16 * P, 16 * P));

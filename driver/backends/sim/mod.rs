@@ -44,7 +44,10 @@ use kernel::{
         Mmio,
         MmioRaw, //
     },
-    page::PAGE_SHIFT,
+    page::{
+        PAGE_SHIFT,
+        PAGE_SIZE, //
+    },
     pci,
     prelude::*,
     sync::{
@@ -409,7 +412,8 @@ impl pci::Driver for SimDriver {
             let engine = SimEngine::new(hw, queues, hbm, params.sim_timeout_ms)?;
             let mut p = params;
             p.channels = layout.channels;
-            p.channel_limit = layout.channel_size.min(params.channel_limit);
+            // Every channel offers its size less one page (see `hbm.rs`).
+            p.channel_limit = (layout.channel_size - PAGE_SIZE as u64).min(params.channel_limit);
             let backend: KBox<dyn Engine> = KBox::new(SimBackend(engine.clone()), GFP_KERNEL)?;
             let device = TdrvDevice::new(pdev.as_ref(), DEVICE_SIM, DeviceIndex::take()?, &p, backend)?;
             let debugfs = DeviceDebugfs::new(&device)?;

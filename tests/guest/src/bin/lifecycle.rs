@@ -115,6 +115,10 @@ mod sig {
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let edu = version.device_kind == TDRV_DEVICE_EDU;
+    // The sim device's DMA runs in host threads, faster than any job the
+    // tests can queue: where a test needs a busy engine, its queues are
+    // stalled (fault injection) until the watchdog resets them.
+    let sim = version.device_kind == TDRV_DEVICE_SIM;
     let page = page_size() as u64;
     let mut t = Tap::new(13);
 
@@ -255,6 +259,22 @@ fn main() {
     t.run(
         "the per-file job cap answers EAGAIN and nothing is lost",
         || -> R {
+            let start = ok("channel_info", dev.channel_info(0))?.used_bytes;
+            // Sim: waits until the stalled queues were reset (their jobs
+            // failed, the rest cancelled) and the memory came back.
+            let settle = || -> R {
+                let t0 = Instant::now();
+                while ok("channel_info", dev.channel_info(0))?.used_bytes != start {
+                    if t0.elapsed() > Duration::from_secs(20) {
+                        return Err("memory not back after the stalled queues' reset".into());
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Ok(())
+            };
+            if sim {
+                stall_queues(&path)?;
+            }
             let d = busy_file(&path, if edu { 1 } else { 48 })?;
             let a = ok("alloc", d.alloc(page, 0))?;
             let b = ok("alloc", d.alloc(page, 0))?;
@@ -273,6 +293,10 @@ fn main() {
             drop(d);
             // A job that would take a busy file past the in-flight byte cap
             // (file_max_inflight_mib, 1 GiB) waits; alone, it would run.
+            if sim {
+                settle()?;
+                stall_queues(&path)?;
+            }
             let d = busy_file(&path, if edu { 1 } else { 48 })?;
             let big = ok("alloc", d.alloc(8 << 20, 0))?;
             let big2 = ok("alloc", d.alloc(8 << 20, 0))?;
@@ -286,7 +310,12 @@ fn main() {
             let many: Vec<_> = (0..200)
                 .map(|_| desc(c.handle, 0, e.handle, 0, 8 << 20))
                 .collect();
-            ok("the same job alone", lone.submit(&many)).map(drop)
+            ok("the same job alone", lone.submit(&many))?;
+            if sim {
+                drop((d, lone));
+                settle()?;
+            }
+            Ok(())
         },
     );
 
@@ -666,6 +695,21 @@ fn main() {
     );
 
     t.finish();
+}
+
+/// Stalls every queue of a sim device (its watchdog resets them).
+fn stall_queues(path: &str) -> R {
+    let dir = format!(
+        "/sys/kernel/debug/tdrv/{}",
+        path.trim_start_matches("/dev/")
+    );
+    let stats = fs::read_to_string(format!("{dir}/stats")).map_err(|e| e.to_string())?;
+    let queues = stats.lines().filter(|l| l.starts_with("queue")).count();
+    for q in 0..queues {
+        fs::write(format!("{dir}/inject"), format!("stall {q}"))
+            .map_err(|e| format!("inject stall {q}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// `request` with its size field replaced.

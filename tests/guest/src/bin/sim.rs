@@ -114,7 +114,6 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
     let mut t = Tap::new(14);
-    let limit = dev.channel_info(0).map(|c| c.limit_bytes).unwrap_or(0);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -502,11 +501,17 @@ fn main() {
             if info.used_bytes != 0 {
                 return Err(format!("channel {ch} not empty: {} bytes", info.used_bytes));
             }
-            let piece = info.limit_bytes / 8;
+            let page = 4096;
+            let piece = info.limit_bytes / 8 / page * page;
             let bufs: Vec<tdrv_alloc> = (0..8)
                 .map(|_| ok("alloc", dev.alloc(piece, ch)))
                 .collect::<Result<_, _>>()?;
-            expect_err("alloc in a full channel", dev.alloc(4096, ch), libc::ENOSPC)?;
+            let rest = info.limit_bytes - 8 * piece;
+            expect_err(
+                "alloc past the channel's limit",
+                dev.alloc(rest + page, ch),
+                libc::ENOSPC,
+            )?;
             // Every other piece back: half the channel is free, in holes of
             // one piece, so two pieces do not fit anywhere.
             for b in bufs.iter().step_by(2) {
@@ -539,7 +544,6 @@ fn main() {
         },
     );
 
-    let _ = limit;
     drop(dev);
     t.run(
         "unbind under load fails work with ENODEV and revokes mappings",
