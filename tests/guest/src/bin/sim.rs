@@ -485,7 +485,7 @@ fn main() {
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
-        for bad in ["fail_job", "stall 99", "lose_irq x", "stall 0 1", "\n"] {
+        for bad in ["fail_jobs", "stall 99", "lose_irq x", "stall 0 1", "\n"] {
             if inject(&path, bad).is_ok() {
                 return Err(format!("inject {bad:?} accepted"));
             }
