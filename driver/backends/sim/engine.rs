@@ -19,7 +19,7 @@
 //!
 //! Synchronous transfers (COPY_IN, COPY_OUT, MEMSET, COPY, zeroing) are
 //! ordered against jobs by the fences (`Fence::cpu_begin`), and go to the
-//! queues round robin.
+//! least loaded queue.
 //!
 //! # Host pages
 //!
@@ -215,7 +215,6 @@ pub(crate) struct SimEngine {
     #[pin]
     watchdog: DelayedWork<SimEngine, 1>,
     timeout: Delta,
-    next_queue: Atomic<u32>,
     /// A fault for the queue of the next op (`INJECT_*`), or 0.
     inject_next: Atomic<u32>,
     /// `INJECT_FAIL_NEXT` for the queue of the next job, or 0.
@@ -274,7 +273,6 @@ impl SimEngine {
                 defer_work <- new_work!("SimEngine::defer_work"),
                 watchdog <- new_delayed_work!("SimEngine::watchdog"),
                 timeout: Delta::from_millis(timeout_ms.into()),
-                next_queue: Atomic::new(0),
                 inject_next: Atomic::new(0),
                 inject_next_job: Atomic::new(0),
                 polled: Atomic::new(0),
@@ -284,6 +282,23 @@ impl SimEngine {
             }),
             GFP_KERNEL,
         )
+    }
+
+    /// Waits until neither work item is queued or running. Once the
+    /// engine is stopped and no ioctl section is left (unbind drained
+    /// them), nothing queues them again.
+    pub(crate) fn flush(&self) {
+        // SAFETY: `watchdog` is an initialised, pinned delayed work that
+        // lives as long as the engine; a stopped engine's watchdog does not
+        // queue itself again.
+        unsafe {
+            bindings::flush_delayed_work(
+                DelayedWork::<SimEngine, 1>::raw_as_work(&raw const self.watchdog)
+                    .cast::<bindings::delayed_work>(),
+            )
+        };
+        // SAFETY: As above, for the deferred-ops work item.
+        unsafe { bindings::flush_work(Work::<SimEngine>::raw_get(&raw const self.defer_work)) };
     }
 
     fn arm_watchdog(self: &Arc<Self>) {
@@ -414,16 +429,11 @@ impl SimEngine {
         best
     }
 
-    /// The next queue for a synchronous transfer (round robin).
+    /// The queue for a synchronous transfer: the least loaded, so that it
+    /// does not wait behind jobs (or behind a stuck queue's work) when
+    /// another queue is free.
     fn next_sync_queue(&self) -> u32 {
-        let n = self.queues.len() as u32;
-        for _ in 0..n {
-            let q = self.next_queue.fetch_add(1, Relaxed) % n;
-            if self.queues[q as usize].usable() {
-                return q;
-            }
-        }
-        0
+        self.least_loaded(|_| true).unwrap_or(0)
     }
 
     /// Dispatches the pending jobs that may run now (see the module docs).
@@ -795,8 +805,15 @@ impl Engine for SimBackend {
         if !e.queues.iter().any(|q| q.usable()) {
             return Err(EIO);
         }
+        // A job behind other pending ones waits for the next pass, which
+        // every completion (and the watchdog) makes; only a job arriving at
+        // an empty list is dispatched from here. That keeps SUBMIT O(1)
+        // however many jobs wait.
+        let was_empty = s.pending.is_empty();
         s.pending.push_back(job);
-        e.schedule(&mut s);
+        if was_empty {
+            e.schedule(&mut s);
+        }
         Ok(())
     }
 
@@ -822,17 +839,7 @@ impl Engine for SimBackend {
         for q in e.queues.iter() {
             q.stop(&e.hw, &mut ops);
         }
-        // SAFETY: `watchdog` is an initialised, pinned delayed work that
-        // lives as long as the engine; once `stopped` is set it does not
-        // queue itself again.
-        unsafe {
-            bindings::flush_delayed_work(
-                DelayedWork::<SimEngine, 1>::raw_as_work(&raw const e.watchdog)
-                    .cast::<bindings::delayed_work>(),
-            )
-        };
-        // SAFETY: As above for the deferred-ops work item.
-        unsafe { bindings::flush_work(Work::<SimEngine>::raw_get(&raw const e.defer_work)) };
+        e.flush();
         // The queues were reset: the device no longer touches memory.
         stopped();
         while let Some(op) = ops.pop_front() {

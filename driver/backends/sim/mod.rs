@@ -355,6 +355,7 @@ pub(crate) struct SimDevice {
     #[pin]
     node: DeviceNode,
     _debugfs: DeviceDebugfs,
+    engine: Arc<SimEngine>,
 }
 
 pub(crate) struct SimDriver;
@@ -439,6 +440,7 @@ impl pci::Driver for SimDriver {
                 irqs,
                 node <- DeviceNode::new(device),
                 _debugfs: debugfs,
+                engine,
             }))
         })
     }
@@ -449,6 +451,10 @@ impl pci::Driver for SimDriver {
             // bus-master bit may be cleared.
             unsafe { bindings::pci_clear_master(raw_pci(pdev)) };
         });
+        // An ioctl racing with unbind may have queued a work item after
+        // the engine's shutdown flushed them; none can be queued now that
+        // the sections are drained. None may run after the module is gone.
+        this.engine.flush();
     }
 }
 
