@@ -5,6 +5,8 @@
 //! disconnects or on SIGTERM/SIGINT/SIGHUP, printing per-queue statistics
 //! to stderr.
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 use clap::Parser;
 use std::io;
 use std::os::fd::AsFd;

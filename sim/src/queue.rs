@@ -304,6 +304,9 @@ pub fn run(mut e: Engine, bell: &dyn Doorbell, irq: &dyn Irq, stop: &AtomicBool,
     e.service(irq);
     while !stop.load(Acquire) {
         if bell.wait(poll) {
+            if stop.load(Acquire) {
+                break;
+            }
             QueueStats::add(&e.stats.doorbells, 1);
             e.service(irq);
         } else {
