@@ -384,15 +384,16 @@ impl SimEngine {
     }
 
     fn watch(self: &Arc<Self>) {
-        {
+        let mut busy = {
             let mut s = self.sched.lock();
             if s.stopped {
                 return;
             }
-            // Jobs left pending by a failed allocation get another chance.
+            // Jobs left pending by a failed allocation get another chance;
+            // with nothing running, no completion would give them one.
             self.schedule(&mut s);
-        }
-        let mut busy = false;
+            !s.pending.is_empty() && s.running.is_empty()
+        };
         for q in self.queues.iter() {
             let mut done = List::new();
             match q.check(&self.hw, self.timeout, &mut done, &self.polled) {
@@ -453,6 +454,8 @@ impl SimEngine {
                 }
                 scanned += 1;
                 let Ok(set) = BufSet::of(&next.arc()) else {
+                    // Out of memory: the watchdog tries again.
+                    self.arm_watchdog();
                     break;
                 };
                 let blocked = earlier.iter().any(|e| e.conflicts(&set))
@@ -477,6 +480,7 @@ impl SimEngine {
                 };
                 if multi || queue.is_none() {
                     if earlier.push(set, GFP_KERNEL).is_err() {
+                        self.arm_watchdog();
                         break;
                     }
                     cursor.move_next();
@@ -485,15 +489,12 @@ impl SimEngine {
                 // Everything the dispatch needs is allocated before the job
                 // leaves the pending list: nothing can fail after that.
                 let job: Arc<Job> = next.arc().into();
-                let Ok(descs) = job_descs(&job) else {
+                let op = job_descs(&job).and_then(|d| Op::new(OpKind::Job(job.clone()), d));
+                let Ok(op) = op.and_then(|op| Ok((op, ready.reserve(1, GFP_KERNEL)?))) else {
+                    self.arm_watchdog();
                     break;
                 };
-                let Ok(op) = Op::new(OpKind::Job(job.clone()), descs) else {
-                    break;
-                };
-                if ready.reserve(1, GFP_KERNEL).is_err() {
-                    break;
-                }
+                let (op, ()) = op;
                 let Some(q) = queue else {
                     break;
                 };
