@@ -105,7 +105,10 @@ use super::{
     SimMemory, //
 };
 use crate::{
-    buffer::DeviceMemory,
+    buffer::{
+        Buffer,
+        DeviceMemory, //
+    },
     device::{
         raw_device,
         TdrvDevice, //
@@ -144,22 +147,25 @@ struct BufSet(KVec<(usize, bool)>);
 
 impl BufSet {
     fn of(job: &Job) -> Result<Self> {
-        let mut v = KVec::with_capacity(job.transfers.len() * 2, GFP_KERNEL)?;
-        for t in &job.transfers {
-            v.push((Arc::as_ptr(&t.src) as usize, false), GFP_KERNEL)?;
-            v.push((Arc::as_ptr(&t.dst) as usize, true), GFP_KERNEL)?;
-        }
-        v.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        // Keep one entry per buffer; writes sort first, so it says whether
-        // any transfer writes the buffer.
-        let mut kept = 0;
-        for i in 0..v.len() {
-            if kept == 0 || v[kept - 1].0 != v[i].0 {
-                v[kept] = v[i];
-                kept += 1;
+        let mut v: KVec<(usize, bool)> = KVec::new();
+        let mut add = |buf: &Arc<Buffer>, write: bool| -> Result {
+            let key = Arc::as_ptr(buf) as usize;
+            // Jobs name few distinct buffers: a linear search, and an
+            // insertion that keeps the set sorted.
+            match v.iter().position(|e| e.0 >= key) {
+                Some(i) if v[i].0 == key => v[i].1 |= write,
+                Some(i) => {
+                    v.reserve(1, GFP_KERNEL)?;
+                    let _ = v.insert_within_capacity(i, (key, write));
+                }
+                None => v.push((key, write), GFP_KERNEL)?,
             }
+            Ok(())
+        };
+        for t in &job.transfers {
+            add(&t.src, false)?;
+            add(&t.dst, true)?;
         }
-        v.truncate(kept);
         Ok(Self(v))
     }
 
@@ -868,8 +874,8 @@ impl Engine for SimBackend {
             q.describe(&e.hw, f)?;
         }
         for ch in 0..e.hbm.channels() {
-            let (free, largest) = e.hbm.usage(ch);
-            writeln!(f, "hbm{ch}: free {free} largest_free {largest}")?;
+            let (free, largest, ranges) = e.hbm.usage(ch);
+            writeln!(f, "hbm{ch}: free {free} largest_free {largest} free_ranges {ranges}")?;
         }
         Ok(())
     }

@@ -193,12 +193,13 @@ impl Hbm {
         self.channels.lock().len() as u32
     }
 
-    /// `(free bytes, largest free range)` of `channel`, for debugfs.
-    pub(crate) fn usage(&self, channel: u32) -> (u64, u64) {
+    /// `(free bytes, largest free range, free ranges)` of `channel`, for
+    /// debugfs.
+    pub(crate) fn usage(&self, channel: u32) -> (u64, u64, usize) {
         self.channels
             .lock()
             .get(channel as usize)
-            .map_or((0, 0), |a| (a.free_bytes(), a.largest_free()))
+            .map_or((0, 0, 0), |a| (a.free_bytes(), a.largest_free(), a.free_ranges()))
     }
 }
 
@@ -215,11 +216,6 @@ impl HbmRange {
     /// The device address of byte 0 (offset in HBM).
     pub(crate) fn dev_addr(&self) -> u64 {
         u64::from(self.channel) * self.hbm.channel_size + self.start
-    }
-
-    /// Bytes of the range.
-    pub(crate) fn len(&self) -> u64 {
-        self.len
     }
 }
 
@@ -315,16 +311,15 @@ mod tests {
         let hbm = Hbm::new(2, 16 * P)?;
         let a = hbm.alloc(1, 3 * P)?;
         assert_eq!(a.dev_addr(), 16 * P);
-        assert_eq!(a.len(), 3 * P);
         assert_eq!(hbm.alloc(2, P).err(), Some(EINVAL));
         // Device address 0 is never given out.
         let z = hbm.alloc(0, P)?;
         assert_eq!(z.dev_addr(), P);
-        assert_eq!(hbm.usage(0), (14 * P, 14 * P));
+        assert_eq!(hbm.usage(0), (14 * P, 14 * P, 1));
         drop(z);
-        assert_eq!(hbm.usage(1), (13 * P, 13 * P));
+        assert_eq!(hbm.usage(1), (13 * P, 13 * P, 1));
         drop(a);
-        assert_eq!(hbm.usage(1), (16 * P, 16 * P));
+        assert_eq!(hbm.usage(1), (16 * P, 16 * P, 1));
         Ok(())
     }
 }
