@@ -958,3 +958,34 @@ impl Engine for SimBackend {
         self.0.run_sync(descs)
     }
 }
+
+#[kunit_tests(tdrv_sim_sched)]
+mod tests {
+    use super::*;
+
+    fn set(entries: &[(usize, bool)]) -> Result<BufSet> {
+        let mut v = KVec::new();
+        for e in entries {
+            v.push(*e, GFP_KERNEL)?;
+        }
+        Ok(BufSet(v))
+    }
+
+    #[test]
+    fn conflicts_need_a_shared_buffer_and_a_write() -> Result {
+        let reads_a = set(&[(0x100, false), (0x300, true)])?;
+        let reads_a_too = set(&[(0x100, false), (0x400, true)])?;
+        let writes_a = set(&[(0x100, true)])?;
+        let elsewhere = set(&[(0x200, true), (0x500, false)])?;
+        // Two readers of a buffer run in parallel.
+        assert!(!reads_a.conflicts(&reads_a_too));
+        // A writer waits for a reader and the other way round.
+        assert!(reads_a.conflicts(&writes_a));
+        assert!(writes_a.conflicts(&reads_a));
+        // Writers of one buffer are ordered.
+        assert!(writes_a.conflicts(&writes_a));
+        assert!(!writes_a.conflicts(&elsewhere));
+        assert!(!set(&[])?.conflicts(&writes_a));
+        Ok(())
+    }
+}
