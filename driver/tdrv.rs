@@ -85,7 +85,7 @@ module! {
             description: "Watchdog: time one edu DMA chunk may take before its job fails (200-600000; a chunk takes about 100 ms)",
         },
         sim_timeout_ms: u32 {
-            default: 1000,
+            default: 2000,
             description: "Watchdog of sim devices: time a queue may make no progress before it is reset and its jobs fail (100-600000)",
         },
         file_max_buffers: u32 {
