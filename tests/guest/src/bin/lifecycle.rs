@@ -158,7 +158,7 @@ fn main() {
             // Sim: the jobs' queue is stalled (all 32 go to one queue: they
             // write the same buffer), so that they are still
             // queued at close; the running ones end at the watchdog's
-            // reset (sim_timeout_ms, 1 s), hence the longer wait.
+            // reset (sim_timeout_ms, 2 s), hence the longer wait.
             let ids = queue_jobs(&victim, size, jobs, sim.then_some(path.as_str()))?;
             drop(victim);
             let took = wait_usage(
@@ -167,7 +167,7 @@ fn main() {
                 Duration::from_millis(if edu {
                     1500
                 } else if sim {
-                    3000
+                    5000
                 } else {
                     1000
                 }),
