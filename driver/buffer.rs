@@ -622,10 +622,11 @@ impl Buffer {
         src_range: ByteRange,
     ) -> Result {
         if self.on_device || src.on_device {
-            // Both on the same device (same file): the device copies.
-            let dst = self.dma_addr() + dst_offset as u64;
-            let from = src.dma_addr() + src_range.start as u64;
-            return self.device.engine().dma_copy(&self.device, dst, from, src_range.len);
+            // Device memory is moved by the device.
+            return self
+                .device
+                .engine()
+                .dma_copy(&self.device, self, dst_offset, src, src_range);
         }
         let mut done = 0;
         while done < src_range.len {

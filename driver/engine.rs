@@ -28,12 +28,16 @@ use kernel::{
 };
 
 use crate::{
-    buffer::DeviceMemory,
+    buffer::{
+        Buffer,
+        DeviceMemory, //
+    },
     device::TdrvDevice,
     job::{
         Job,
         JobTracker, //
-    }, //
+    },
+    range::ByteRange, //
 };
 
 /// The workqueue every tdrv work item runs on: the unbound default queue
@@ -121,9 +125,17 @@ pub(crate) trait Engine: Send + Sync {
         Err(EINVAL)
     }
 
-    /// Copies `len` bytes from device address `src` to `dst` by DMA (the
-    /// ranges do not overlap).
-    fn dma_copy(&self, _device: &TdrvDevice, _dst: u64, _src: u64, _len: usize) -> Result {
+    /// Copies `src_range` of `src` to `dst_offset` of `dst` by DMA, for
+    /// buffers of which at least one is in device memory (the ranges do not
+    /// overlap).
+    fn dma_copy(
+        &self,
+        _device: &TdrvDevice,
+        _dst: &Buffer,
+        _dst_offset: usize,
+        _src: &Buffer,
+        _src_range: ByteRange,
+    ) -> Result {
         Err(EINVAL)
     }
 

@@ -125,6 +125,7 @@ use crate::{
         Job,
         JobTracker, //
     },
+    range::ByteRange,
     uapi::ecanceled, //
 };
 
@@ -637,30 +638,50 @@ impl SimEngine {
     }
 }
 
-/// The descriptors of a job: device to device, split at `DESC_MAX_LEN`.
+/// Where byte `offset` of `buf` is for the device, and how many bytes are
+/// contiguous from there: HBM for device memory, else the bus address of
+/// host memory (a buffer imported from elsewhere).
+fn locate(buf: &Buffer, offset: usize) -> (u64, usize, bool) {
+    if buf.on_device() {
+        (buf.dma_addr() + offset as u64, buf.size() - offset, true)
+    } else {
+        let (bus, left) = buf.dma_span(offset);
+        (bus, left, false)
+    }
+}
+
+/// The descriptors of a job: one per run that is contiguous on both
+/// sides, at most `DESC_MAX_LEN` bytes; HBM to HBM for buffers in device
+/// memory.
 fn job_descs(job: &Job) -> Result<KVec<Desc>> {
     let mut descs = KVec::new();
     for t in &job.transfers {
-        device_copy_descs(
-            &mut descs,
-            t.dst.dma_addr() + t.dst_offset as u64,
-            t.src.dma_addr() + t.src_range.start as u64,
-            t.src_range.len,
-        )?;
+        transfer_descs(&mut descs, &t.dst, t.dst_offset, &t.src, t.src_range)?;
     }
     Ok(descs)
 }
 
-fn device_copy_descs(descs: &mut KVec<Desc>, dst: u64, src: u64, len: usize) -> Result {
+/// Appends the descriptors that copy `src_range` of `src` to `dst` at
+/// `dst_offset`.
+fn transfer_descs(
+    descs: &mut KVec<Desc>,
+    dst: &Buffer,
+    dst_offset: usize,
+    src: &Buffer,
+    src_range: ByteRange,
+) -> Result {
     let mut done = 0;
-    while done < len {
-        let n = (len - done).min(DESC_MAX_LEN);
+    while done < src_range.len {
+        let (from, src_left, src_dev) = locate(src, src_range.start + done);
+        let (to, dst_left, dst_dev) = locate(dst, dst_offset + done);
+        let n = (src_range.len - done).min(src_left).min(dst_left).min(DESC_MAX_LEN);
+        let flags = if src_dev { DESC_SRC_DEV } else { 0 } | if dst_dev { DESC_DST_DEV } else { 0 };
         descs.push(
             Desc {
-                src: src + done as u64,
-                dst: dst + done as u64,
+                src: from,
+                dst: to,
                 len: n as u32,
-                flags: DESC_SRC_DEV | DESC_DST_DEV,
+                flags,
             },
             GFP_KERNEL,
         )?;
@@ -668,6 +689,7 @@ fn device_copy_descs(descs: &mut KVec<Desc>, dst: u64, src: u64, len: usize) -> 
     }
     Ok(())
 }
+
 
 /// User pages pinned for DMA; unpinned (and marked dirty if the device
 /// wrote them) on drop.
@@ -951,10 +973,17 @@ impl Engine for SimBackend {
         self.0.fill(device, dst, len, value)
     }
 
-    fn dma_copy(&self, device: &TdrvDevice, dst: u64, src: u64, len: usize) -> Result {
+    fn dma_copy(
+        &self,
+        device: &TdrvDevice,
+        dst: &Buffer,
+        dst_offset: usize,
+        src: &Buffer,
+        src_range: ByteRange,
+    ) -> Result {
         let _active = device.enter()?;
         let mut descs = KVec::new();
-        device_copy_descs(&mut descs, dst, src, len)?;
+        transfer_descs(&mut descs, dst, dst_offset, src, src_range)?;
         self.0.run_sync(descs)
     }
 }
