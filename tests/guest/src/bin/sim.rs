@@ -351,13 +351,14 @@ fn main() {
                     ))
                 })
                 .collect::<Result<_, String>>()?;
+            // Each job copies its 2 MiB 32 times (64 MiB): long enough
+            // that the next ones arrive while it runs, so that the least
+            // loaded queue is another one.
             let ids: Vec<u64> = bufs
                 .iter()
                 .map(|(s, d)| {
-                    ok(
-                        "submit",
-                        dev.submit(&[desc(s.handle, 0, d.handle, 0, 2 << 20)]),
-                    )
+                    let descs = vec![desc(s.handle, 0, d.handle, 0, 2 << 20); 32];
+                    ok("submit", dev.submit(&descs))
                 })
                 .collect::<Result<_, _>>()?;
             for id in ids {
