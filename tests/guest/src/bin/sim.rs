@@ -113,7 +113,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(14);
+    let mut t = Tap::new(15);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -333,6 +333,58 @@ fn main() {
             }
             for x in [a, b, c, d] {
                 ok("free", dev.free(x.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "a job that depends on jobs on two queues waits for both",
+        || -> R {
+            let bufs: Vec<tdrv_alloc> = (0..4)
+                .map(|_| ok("alloc", dev.alloc(64 << 10, 0)))
+                .collect::<Result<_, _>>()?;
+            let [a, b, c, d] = [0, 1, 2, 3].map(|i| bufs[i].handle);
+            ok("copy_in", dev.copy_in(c, 0, &[0x77; 64 << 10]))?;
+            // First: a -> b, stuck on a stalled queue. Second: c -> d on
+            // another queue. Third: b -> d reads what the first writes and
+            // writes what the second writes: it may run only after both.
+            inject(&path, "stall")?;
+            let first = ok("submit", dev.submit(&[desc(a, 0, b, 0, 64 << 10)]))?;
+            let second = ok("submit", dev.submit(&[desc(c, 0, d, 0, 64 << 10)]))?;
+            let third = ok("submit", dev.submit(&[desc(b, 0, d, 0, 4096)]))?;
+            expect_eq(
+                "second",
+                ok("wait", dev.job_wait(second, 10_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            thread::sleep(Duration::from_millis(100));
+            expect_eq(
+                "third while the first is stuck",
+                ok("poll", dev.job_wait(third, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            expect_eq(
+                "first",
+                ok("wait", dev.job_wait(first, 30_000_000))?,
+                (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+            )?;
+            expect_eq(
+                "third",
+                ok("wait", dev.job_wait(third, 30_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            // It ran after the second: its 4 KiB of b (never written: the
+            // first failed) over the second's 0x77.
+            let out = read_all(&dev, d, 64 << 10)?;
+            expect_eq("third's bytes", out[..4096].iter().all(|x| *x == 0), true)?;
+            expect_eq(
+                "second's bytes",
+                out[4096..].iter().all(|x| *x == 0x77),
+                true,
+            )?;
+            for h in [a, b, c, d] {
+                ok("free", dev.free(h))?;
             }
             Ok(())
         },
