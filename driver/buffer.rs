@@ -6,9 +6,10 @@
 //!
 //! What holds a buffer's memory is its [`Backing`]; the rest of the driver
 //! sees only the pieces' CPU and bus addresses and, for mmap, page frames.
-//! Two kinds exist: tdrv's own DMA-coherent allocation in host memory,
-//! and device memory (HBM behind a PCI BAR) that a backend allocated, see
-//! [`DeviceMemory`].
+//! Three kinds exist: tdrv's own DMA-coherent allocation in host memory;
+//! an imported foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in
+//! pieces of one page each with their bus addresses; and device memory
+//! (HBM behind a PCI BAR) that a backend allocated, see [`DeviceMemory`].
 //!
 //! # Device memory
 //!
@@ -46,6 +47,7 @@
 //! userfaultfd or FUSE, and unbind waits for every guard).
 
 use kernel::{
+    alloc::KVVec,
     bindings,
     device::{
         Bound,
@@ -63,13 +65,18 @@ use kernel::{
 };
 
 use crate::{
+    dmabuf::{
+        ExportMapping,
+        Import, //
+    },
     device::{
         ActiveGuard,
         TdrvDevice, //
     },
     fence::Fence,
     glue,
-    range::ByteRange, //
+    range::ByteRange,
+    uapi::MAX_BUFFER_SIZE, //
 };
 
 /// Largest piece: 4 MiB, the x86 page allocator's largest block.
@@ -104,6 +111,9 @@ enum Backing {
     /// DMA-coherent pieces tdrv allocated for the device (held to be freed
     /// on drop; the pieces' addresses are in [`Buffer`]).
     Coherent { _pieces: KVec<Coherent<[u8]>> },
+    /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
+    /// device.
+    Imported { _import: Import },
     /// Device memory allocated by the backend; the piece's `dma` is its
     /// device address, its `cpu` address is null.
     Device(KBox<dyn DeviceMemory>),
@@ -133,6 +143,10 @@ impl Backing {
             // SAFETY: Coherent memory is in the kernel's direct map (see
             // `glue::kaddr_to_pfn`), live by the caller's guarantee.
             Self::Coherent { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            // SAFETY: The import's kernel mapping is a vmap of system
+            // memory (`dmabuf.c` refuses I/O memory), live by the caller's
+            // guarantee.
+            Self::Imported { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
             Self::Device(mem) => Some(mem.pfn(page.dma)),
         }
     }
@@ -163,12 +177,19 @@ enum MemState {
 pub(crate) struct Buffer {
     #[pin]
     mem: Mutex<MemState>,
-    pieces: KVec<PieceAddr>,
+    pieces: KVVec<PieceAddr>,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     size: usize,
-    /// What the channel is charged: the size rounded up to pages.
+    /// Bytes of the pieces: the size rounded up to pages.
+    span: usize,
+    /// What the channel is charged: `span` for tdrv's own memory, 0 for
+    /// imports.
     charged: u64,
+    /// This buffer's live dma-buf exports, so that unbind can zap their
+    /// mappings (see `dmabuf.rs`).
+    #[pin]
+    exports: Mutex<KVec<ExportMapping>>,
     channel: u32,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
@@ -183,12 +204,14 @@ pub(crate) struct Buffer {
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
     /// The pieces' addresses, in order.
-    pieces: KVec<PieceAddr>,
+    pieces: KVVec<PieceAddr>,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     /// The buffer's size in bytes.
     size: usize,
-    /// Bytes charged to `channel` (the pieces' total).
+    /// Bytes of the pieces (the size rounded up to pages).
+    span: usize,
+    /// Bytes charged to `channel`.
     charged: u64,
     channel: u32,
 }
@@ -240,8 +263,8 @@ impl Buffer {
                 }
             }
         };
-        let addrs = || -> Result<KVec<PieceAddr>> {
-            let mut pieces = KVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
+        let addrs = || -> Result<KVVec<PieceAddr>> {
+            let mut pieces = KVVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
             for m in mem.iter() {
                 pieces.push(
                     PieceAddr {
@@ -264,6 +287,7 @@ impl Buffer {
             pieces,
             shift,
             size,
+            span: rounded,
             charged,
             channel,
         };
@@ -280,7 +304,7 @@ impl Buffer {
     ) -> Result<Arc<Self>> {
         let charged = size.next_multiple_of(PAGE_SIZE) as u64;
         let built = mem.and_then(|mem| {
-            let mut pieces = KVec::with_capacity(1, GFP_KERNEL_ACCOUNT)?;
+            let mut pieces = KVVec::with_capacity(1, GFP_KERNEL_ACCOUNT)?;
             pieces.push(
                 PieceAddr {
                     cpu: core::ptr::null_mut(),
@@ -305,6 +329,7 @@ impl Buffer {
             // One piece covers the whole buffer.
             shift: (charged as usize).next_power_of_two().trailing_zeros(),
             size,
+            span: charged as usize,
             charged,
             channel,
         };
@@ -324,6 +349,7 @@ impl Buffer {
             pieces,
             shift,
             size,
+            span,
             charged,
             channel,
         } = layout;
@@ -341,8 +367,10 @@ impl Buffer {
                 pieces,
                 shift,
                 size,
+                span,
                 charged,
                 channel,
+                exports <- new_mutex!(KVec::new(), "Buffer::exports"),
                 device: device.clone(),
                 registry_key,
                 on_device,
@@ -363,6 +391,74 @@ impl Buffer {
                 device.channels.release(channel, charged);
                 Err(e)
             }
+        }
+    }
+
+    /// Wraps an imported foreign dma-buf, placed on `channel` but not
+    /// charged to it. The caller holds an active guard of `device` (so
+    /// that unbind finds the buffer registered and releases the import).
+    pub(crate) fn import(
+        device: &Arc<TdrvDevice>,
+        _active: &ActiveGuard<'_>,
+        import: Import,
+        channel: u32,
+    ) -> Result<Arc<Self>> {
+        let size = import.size();
+        if size == 0 || size as u64 > MAX_BUFFER_SIZE {
+            return Err(EINVAL);
+        }
+        let pages = size / PAGE_SIZE;
+        let mut dma = KVVec::<u64>::new();
+        dma.resize(pages, 0, GFP_KERNEL_ACCOUNT)?;
+        import.dma_pages(&mut dma);
+        let mut pieces = KVVec::with_capacity(pages, GFP_KERNEL_ACCOUNT)?;
+        let base = import.vaddr();
+        for (i, dma) in dma.iter().enumerate() {
+            pieces.push(
+                PieceAddr {
+                    cpu: base.wrapping_add(i * PAGE_SIZE),
+                    dma: *dma,
+                },
+                GFP_KERNEL_ACCOUNT,
+            )?;
+        }
+        drop(dma);
+        device.channels.reserve(channel, 0)?;
+        let layout = Layout {
+            pieces,
+            shift: PAGE_SIZE.trailing_zeros(),
+            size,
+            span: size,
+            charged: 0,
+            channel,
+        };
+        Self::from_backing(device, Backing::Imported { _import: import }, layout)
+    }
+
+    /// The device the buffer belongs to.
+    pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
+        &self.device
+    }
+
+    /// Records a live dma-buf export of this buffer.
+    pub(crate) fn add_export(&self, mapping: ExportMapping) -> Result {
+        self.exports.lock().push(mapping, GFP_KERNEL)?;
+        Ok(())
+    }
+
+    /// Forgets the export `dmabuf`, which is being released; the caller
+    /// drops the record outside the lock.
+    pub(crate) fn remove_export(&self, dmabuf: *mut core::ffi::c_void) -> Option<ExportMapping> {
+        let mut exports = self.exports.lock();
+        let i = exports.iter().position(|m| m.is(dmabuf))?;
+        exports.remove(i).ok()
+    }
+
+    /// Unbind: removes the pages of every mapping of this buffer's
+    /// exported dma-bufs (after [`Buffer::detach`], so none comes back).
+    pub(crate) fn zap_exports(&self) {
+        for m in self.exports.lock().iter() {
+            m.zap();
         }
     }
 
@@ -389,7 +485,7 @@ impl Buffer {
         let i = offset >> self.shift;
         let within = offset & ((1 << self.shift) - 1);
         let piece = self.pieces[i];
-        let piece_len = (self.charged as usize - (i << self.shift)).min(1 << self.shift);
+        let piece_len = (self.span - (i << self.shift)).min(1 << self.shift);
         let cpu = piece.cpu.wrapping_add(within);
         let dma = piece.dma + within as u64;
         (PieceAddr { cpu, dma }, piece_len - within)
@@ -419,7 +515,7 @@ impl Buffer {
         mut f: impl FnMut(usize) -> bool,
     ) -> bool {
         let mem = self.mem.lock();
-        let pages = self.charged as usize / PAGE_SIZE;
+        let pages = self.span / PAGE_SIZE;
         let MemState::Live(backing) = &*mem else {
             return false;
         };

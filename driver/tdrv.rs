@@ -20,6 +20,7 @@
 //!   in a work item) and `edu.rs` (QEMU edu's DMA engine, advanced by its
 //!   MSI completion interrupt) and `sim/` (the tdrv sim device: HBM
 //!   behind a BAR, several DMA queues with descriptor rings and MSI-X);
+//! - `dmabuf.rs` (with `dmabuf.c`): dma-buf export and import;
 //! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
 //!   helpers 7.2's Rust bindings lack.
@@ -35,6 +36,7 @@ mod backends;
 mod buffer;
 mod channel;
 mod device;
+mod dmabuf;
 mod engine;
 mod fence;
 mod file;
