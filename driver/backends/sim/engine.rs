@@ -879,6 +879,10 @@ impl Engine for SimBackend {
         fail_all(pending, ENODEV);
     }
 
+    fn does_dma(&self) -> bool {
+        true
+    }
+
     fn counters(&self) -> EngineCounters {
         let e = &self.0;
         EngineCounters {
