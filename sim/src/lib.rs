@@ -49,6 +49,9 @@ pub struct Options {
     pub poll: Duration,
     /// The peer id given to QEMU.
     pub client_id: u16,
+    /// Bandwidth of each queue's engine in bytes per second (None: as fast
+    /// as the host copies).
+    pub engine_rate: Option<u64>,
 }
 
 impl Default for Options {
@@ -56,6 +59,7 @@ impl Default for Options {
         Options {
             poll: Duration::from_millis(1),
             client_id: 0,
+            engine_rate: None,
         }
     }
 }
@@ -128,12 +132,13 @@ impl Device {
         let stop = AtomicBool::new(false);
         std::thread::scope(|s| {
             for (i, bell) in doorbells.iter().enumerate() {
-                let e = Engine::new(
+                let mut e = Engine::new(
                     i as u32,
                     self.layout,
                     self.mem.clone(),
                     self.stats[i].clone(),
                 );
+                e.set_rate(opts.engine_rate);
                 let (vectors, stop) = (&vectors, &stop);
                 std::thread::Builder::new()
                     .name(format!("tdrv-sim-q{i}"))

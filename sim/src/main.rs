@@ -70,6 +70,10 @@ struct Args {
     /// How often (microseconds) an idle queue checks reset and inject.
     #[arg(long, default_value_t = 1000)]
     poll_us: u64,
+    /// Bandwidth of each queue's DMA engine in MiB/s (0: as fast as the host
+    /// copies). With a limit, queues scale like independent engines.
+    #[arg(long, default_value_t = 0)]
+    engine_mib_s: u64,
 }
 
 /// Blocks the stop signals in every thread (the queue threads inherit the
@@ -118,6 +122,7 @@ fn run(args: &Args) -> io::Result<()> {
     let opts = Options {
         poll: Duration::from_micros(args.poll_us.max(100)),
         client_id: if args.peer_id == 0 { 1 } else { 0 },
+        engine_rate: Some(args.engine_mib_s.saturating_mul(1 << 20)),
     };
 
     // A socket left by an earlier run is replaced; any other file is not.

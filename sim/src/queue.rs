@@ -107,6 +107,9 @@ pub struct Engine {
     fail_next: bool,
     lose_irq: bool,
     stalled: bool,
+    /// Bytes per second the engine copies at most (None: as fast as the
+    /// host copies).
+    rate: Option<u64>,
 }
 
 impl Engine {
@@ -126,6 +129,7 @@ impl Engine {
             fail_next: false,
             lose_irq: false,
             stalled: false,
+            rate: None,
         };
         e.set_status(qstatus::IDLE);
         e
@@ -137,6 +141,13 @@ impl Engine {
 
     fn set_status(&self, s: u32) {
         self.field(qb::STATUS).store(s, Release);
+    }
+
+    /// Limits the engine to `rate` bytes per second (None or 0: no limit):
+    /// a descriptor's completion is written no earlier than len / rate
+    /// after it started, like a DMA engine of that bandwidth.
+    pub fn set_rate(&mut self, rate: Option<u64>) {
+        self.rate = rate.filter(|&r| r > 0);
     }
 
     /// Whether the queue is stalled.
@@ -234,12 +245,19 @@ impl Engine {
             }
             self.set_status(qstatus::BUSY);
             let d = self.read_desc(self.sq_head);
+            let started = std::time::Instant::now();
             let (status, len_done) = if self.fail_next {
                 self.fail_next = false;
                 (Status::Fault, 0)
             } else {
                 self.mem.execute(&d)
             };
+            if let Some(rate) = self.rate {
+                let due = Duration::from_secs_f64(f64::from(len_done) / rate as f64);
+                if let Some(rest) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(rest);
+                }
+            }
             self.complete(&d, status, len_done, irq);
             done += 1;
         }
@@ -300,8 +318,7 @@ pub fn write_header(bar: &crate::shm::Region, l: &Layout) {
 /// polls reset and fault commands every `poll` (so that neither needs a
 /// doorbell), until `stop`.
 pub fn run(mut e: Engine, bell: &dyn Doorbell, irq: &dyn Irq, stop: &AtomicBool, poll: Duration) {
-    // A doorbell may have rung before the thread started.
-    e.service(irq);
+    // A doorbell rung before the thread started is still in the counter.
     while !stop.load(Acquire) {
         if bell.wait(poll) {
             if stop.load(Acquire) {
@@ -655,6 +672,27 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_limit_paces_the_copies() {
+        let (drv, mut e, _) = Drv::new(16);
+        // 64 KiB at 1 MiB/s: at least 62.5 ms.
+        e.set_rate(Some(1 << 20));
+        drv.post(h2d(1, 32 << 10));
+        drv.post(h2d(2, 32 << 10));
+        let t0 = std::time::Instant::now();
+        assert_eq!(e.service(&Irqs::default()), 2);
+        assert!(
+            t0.elapsed() >= Duration::from_micros(62_500),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(drv.reap(), vec![(1, 0, 32 << 10), (2, 0, 32 << 10)]);
+        // No limit again.
+        e.set_rate(Some(0));
+        drv.post(h2d(3, 32 << 10));
+        assert_eq!(e.service(&Irqs::default()), 1);
+    }
+
+    #[test]
     fn unknown_fault_commands_are_ignored() {
         let (drv, mut e, stats) = Drv::new(16);
         drv.inject(99);
@@ -719,6 +757,34 @@ mod tests {
         t.join().unwrap();
         assert_eq!(stats.descs.load(Relaxed), total);
         assert_eq!(irqs.count() as u64, total);
+    }
+
+    #[test]
+    fn engine_thread_runs_descriptors_only_after_a_doorbell() {
+        let (drv, e, stats) = Drv::new(16);
+        let irqs = Arc::new(Irqs::default());
+        let bell = Arc::new(Bell::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let t = {
+            let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
+            std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
+        };
+        drv.post(h2d(1, 1));
+        // Several idle polls pass without executing it.
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(drv.reap().is_empty());
+        bell.ring();
+        let mut got = vec![];
+        while got.is_empty() {
+            got = drv.reap();
+            std::thread::yield_now();
+        }
+        assert_eq!(got, vec![(1, 0, 1)]);
+        stop.store(true, Release);
+        bell.ring();
+        t.join().unwrap();
+        // The stop ring is not counted as a doorbell.
+        assert_eq!(stats.doorbells.load(Relaxed), 1);
     }
 
     #[test]
