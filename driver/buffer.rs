@@ -110,13 +110,56 @@ unsafe impl Sync for PieceAddr {}
 enum Backing {
     /// DMA-coherent pieces tdrv allocated for the device (held to be freed
     /// on drop; the pieces' addresses are in [`Buffer`]).
-    Coherent { _pieces: KVec<Coherent<[u8]>> },
+    Coherent { _pieces: CoherentPieces },
     /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
     /// device.
     Imported { _import: Import },
     /// Device memory allocated by the backend; the piece's `dma` is its
     /// device address, its `cpu` address is null.
     Device(KBox<dyn DeviceMemory>),
+}
+
+/// tdrv's own DMA-coherent allocations for one buffer: a buffer of one
+/// piece keeps it inline, so a small buffer costs no extra allocation.
+enum CoherentPieces {
+    One(Coherent<[u8]>),
+    Many(KVec<Coherent<[u8]>>),
+}
+
+/// The pieces' addresses, in order. As for [`CoherentPieces`], one piece is
+/// kept inline: most buffers have one, and an allocation per buffer costs
+/// more kernel memory (slab object, debug tracking) than the address.
+enum Pieces {
+    One(PieceAddr),
+    Many(KVVec<PieceAddr>),
+}
+
+impl Pieces {
+    /// Pieces from a list of addresses; a single one is moved inline.
+    fn from_vec(v: KVVec<PieceAddr>) -> Self {
+        match v.first() {
+            Some(&p) if v.len() == 1 => Self::One(p),
+            _ => Self::Many(v),
+        }
+    }
+
+    fn first(&self) -> Option<PieceAddr> {
+        match self {
+            Self::One(p) => Some(*p),
+            Self::Many(v) => v.first().copied(),
+        }
+    }
+
+    /// The address of piece `i`, which exists.
+    fn get(&self, i: usize) -> PieceAddr {
+        match self {
+            Self::One(p) => {
+                debug_assert_eq!(i, 0);
+                *p
+            }
+            Self::Many(v) => v[i],
+        }
+    }
 }
 
 /// A range of device memory that a backend allocated for a buffer; given
@@ -177,7 +220,7 @@ enum MemState {
 pub(crate) struct Buffer {
     #[pin]
     mem: Mutex<MemState>,
-    pieces: KVVec<PieceAddr>,
+    pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     size: usize,
@@ -204,7 +247,7 @@ pub(crate) struct Buffer {
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
     /// The pieces' addresses, in order.
-    pieces: KVVec<PieceAddr>,
+    pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     /// The buffer's size in bytes.
@@ -222,16 +265,19 @@ fn alloc_pieces(
     bound: &Device<Bound>,
     size: usize,
     shift: u32,
-) -> Result<KVec<Coherent<[u8]>>> {
+) -> Result<CoherentPieces> {
     let piece = 1usize << shift;
     let count = size.div_ceil(piece);
+    let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
+    if count == 1 {
+        return Ok(CoherentPieces::One(Coherent::<u8>::zeroed_slice(bound, size, flags)?));
+    }
     let mut mem = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
     for i in 0..count {
         let len = (size - i * piece).min(piece);
-        let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
         mem.push(Coherent::<u8>::zeroed_slice(bound, len, flags)?, GFP_KERNEL_ACCOUNT)?;
     }
-    Ok(mem)
+    Ok(CoherentPieces::Many(mem))
 }
 
 impl Buffer {
@@ -263,18 +309,20 @@ impl Buffer {
                 }
             }
         };
-        let addrs = || -> Result<KVVec<PieceAddr>> {
-            let mut pieces = KVVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
-            for m in mem.iter() {
-                pieces.push(
-                    PieceAddr {
-                        cpu: m.as_mut_ptr().cast(),
-                        dma: m.dma_handle(),
-                    },
-                    GFP_KERNEL_ACCOUNT,
-                )?;
+        let addr = |m: &Coherent<[u8]>| PieceAddr {
+            cpu: m.as_mut_ptr().cast(),
+            dma: m.dma_handle(),
+        };
+        let addrs = || -> Result<Pieces> {
+            let many = match &mem {
+                CoherentPieces::One(m) => return Ok(Pieces::One(addr(m))),
+                CoherentPieces::Many(many) => many,
+            };
+            let mut pieces = KVVec::with_capacity(many.len(), GFP_KERNEL_ACCOUNT)?;
+            for m in many.iter() {
+                pieces.push(addr(m), GFP_KERNEL_ACCOUNT)?;
             }
-            Ok(pieces)
+            Ok(Pieces::Many(pieces))
         };
         let pieces = match addrs() {
             Ok(pieces) => pieces,
@@ -303,16 +351,12 @@ impl Buffer {
         channel: u32,
     ) -> Result<Arc<Self>> {
         let charged = size.next_multiple_of(PAGE_SIZE) as u64;
-        let built = mem.and_then(|mem| {
-            let mut pieces = KVVec::with_capacity(1, GFP_KERNEL_ACCOUNT)?;
-            pieces.push(
-                PieceAddr {
-                    cpu: core::ptr::null_mut(),
-                    dma: mem.dev_addr(),
-                },
-                GFP_KERNEL_ACCOUNT,
-            )?;
-            Ok((mem, pieces))
+        let built = mem.map(|mem| {
+            let pieces = Pieces::One(PieceAddr {
+                cpu: core::ptr::null_mut(),
+                dma: mem.dev_addr(),
+            });
+            (mem, pieces)
         });
         let (mem, pieces) = match built {
             Ok(ok) => ok,
@@ -425,7 +469,7 @@ impl Buffer {
         drop(dma);
         device.channels.reserve(channel, 0)?;
         let layout = Layout {
-            pieces,
+            pieces: Pieces::from_vec(pieces),
             shift: PAGE_SIZE.trailing_zeros(),
             size,
             span: size,
@@ -484,7 +528,7 @@ impl Buffer {
     fn locate(&self, offset: usize) -> (PieceAddr, usize) {
         let i = offset >> self.shift;
         let within = offset & ((1 << self.shift) - 1);
-        let piece = self.pieces[i];
+        let piece = self.pieces.get(i);
         let piece_len = (self.span - (i << self.shift)).min(1 << self.shift);
         let cpu = piece.cpu.wrapping_add(within);
         let dma = piece.dma + within as u64;
