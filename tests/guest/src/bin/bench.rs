@@ -139,6 +139,20 @@ fn emit(fig: &str, case: &str, method: &str, unit: &str, s: &Summary, extra: &[(
     println!("{line}");
 }
 
+/// Prints the raw samples of one case (for the distribution plots), as
+/// figure `{fig}_samples`.
+fn emit_samples(fig: &str, case: &str, method: &str, unit: &str, v: &[f64]) {
+    let body: Vec<String> = v.iter().map(|x| jn(*x)).collect();
+    println!(
+        "BENCH {{\"fig\":{},\"case\":{},\"method\":{},\"unit\":{},\"samples\":[{}]}}",
+        js(&format!("{fig}_samples")),
+        js(case),
+        js(method),
+        js(unit),
+        body.join(",")
+    );
+}
+
 /// Prints one record of free-form string fields.
 fn emit_info(fig: &str, fields: &[(&str, String)]) {
     let body: Vec<String> = std::iter::once(format!("\"fig\":{}", js(fig)))
@@ -671,7 +685,10 @@ mod peer {
         pub fn create(&self, size: usize) -> Result<OwnedFd, String> {
             // SAFETY: the name is a NUL-terminated literal.
             let m = unsafe {
-                libc::memfd_create(c"udmabuf".as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC)
+                libc::memfd_create(
+                    c"udmabuf".as_ptr(),
+                    libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+                )
             };
             if m < 0 {
                 return Err(format!("memfd_create: {}", errno_str()));
@@ -767,7 +784,10 @@ fn peer_open<T>(peer: &str, r: Result<T, String>) -> Option<T> {
         Ok(p) => {
             emit_info(
                 "peer",
-                &[("peer", peer.to_owned()), ("status", "available".to_owned())],
+                &[
+                    ("peer", peer.to_owned()),
+                    ("status", "available".to_owned()),
+                ],
             );
             Some(p)
         }
@@ -1249,6 +1269,14 @@ fn fig4(c: &Ctx) {
     let handle = t.dma_handle().expect("Dma handle");
     let rawdev = ok("open", raw::Dev::open(&c.path));
     let null = open_rw("/dev/null");
+    // The closest peer: vgem's MAP_DUMB, a handle lookup that returns a
+    // GEM object's mmap offset.
+    let vgem = peer_open("vgem", peer::Vgem::open());
+    let vgem_handle = vgem.as_ref().and_then(|v| {
+        v.create(4096)
+            .map_err(|e| peer_missing("vgem MAP_DUMB", &e))
+            .ok()
+    });
     let unknown = (3u64 << 30) | (88 << 16) | (0xD7 << 8) | 0x7f;
     let dev = &c.dev;
     let enotty = |fd: i32| {
@@ -1284,7 +1312,19 @@ fn fig4(c: &Ctx) {
             }),
         ),
     ];
+    if let (Some(v), Some(h)) = (&vgem, vgem_handle) {
+        cases.push((
+            "vgem_map_dumb",
+            Box::new(move || {
+                black_box(v.map_offset(h).expect("vgem MAP_DUMB"));
+            }),
+        ));
+    }
     time_cases("4", "small ioctl", (2, 9, 20_000), &mut cases);
+    drop(cases);
+    if let (Some(v), Some(h)) = (&vgem, vgem_handle) {
+        v.close(h).expect("vgem close");
+    }
     if c.profile {
         profile_case("fig4 buf_info", false, 200, || {
             for _ in 0..2000 {
@@ -1395,15 +1435,16 @@ fn fig6(c: &Ctx) {
     let (fence, submit, after) = fence_wakes(&src, &dst, &mut done, WARM, N);
     let polled = polled_jobs(&src, &dst, WARM, N, true);
     let event = eventfd_wakes(WARM, N);
-    emit("6", "wake", "fence", "us", &summarize(fence), &[]);
-    emit("6", "wake", "eventfd", "us", &summarize(event), &[]);
+    let mut wakes = vec![("fence", fence), ("eventfd", event)];
     if let Some(sw) = peer_open("sw_sync", peer::SwSync::open()) {
-        let w = sw_sync_wakes(&sw, WARM, N);
-        emit("6", "wake", "sw_sync", "us", &summarize(w), &[]);
+        wakes.push(("sw_sync", sw_sync_wakes(&sw, WARM, N)));
     }
     if let Some(v) = peer_open("vgem", peer::Vgem::open()) {
-        let w = vgem_fence_wakes(&v, WARM, N);
-        emit("6", "wake", "vgem_fence", "us", &summarize(w), &[]);
+        wakes.push(("vgem_fence", vgem_fence_wakes(&v, WARM, N)));
+    }
+    for (method, w) in wakes {
+        emit_samples("6", "wake", method, "us", &w);
+        emit("6", "wake", method, "us", &summarize(w), &[]);
     }
     emit(
         "6",
