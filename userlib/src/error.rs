@@ -142,10 +142,12 @@ pub enum Error {
         errno: i32,
     },
     /// A host access overlaps bytes an open indexed accessor
-    /// ([`crate::accessor::TensorAccessor`], on any view of the same
-    /// storage) holds in a conflicting way: a write while one is open, or a
-    /// read while a read-write one is open. Drop the accessor first.
-    #[error("{op}: the bytes are held by an open accessor of the same storage")]
+    /// ([`crate::accessor::TensorAccessor`]) or mapping guard
+    /// ([`crate::Tensor::map_read`], `map_write`), on any view of the same
+    /// storage, holds in a conflicting way: a write while one is open, or a
+    /// read while a read-write one is open. Drop the accessor or guard
+    /// first.
+    #[error("{op}: the bytes are held by an open accessor or mapping of the same storage")]
     Busy {
         /// The operation refused.
         op: &'static str,

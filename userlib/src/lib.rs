@@ -99,7 +99,7 @@ pub use half;
 pub use io::{Fencing, RawReadOp, RawWriteOp, ReadOp, WriteOp};
 pub use job::{Job, JobHandle, JobState};
 pub use log::{set_heartbeat_interval, set_logger, Level, Logger};
-pub use map::{MappedBytes, MappedBytesMut};
+pub use map::{MappedBytes, MappedBytesMut, OwnedMappedBytes, OwnedMappedBytesMut};
 pub use set::TensorSet;
 pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};

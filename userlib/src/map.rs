@@ -195,6 +195,117 @@ impl Tensor {
     }
 }
 
+/// A [`MappedBytes`] that owns a handle of its tensor instead of
+/// borrowing it, so it can be kept anywhere (`'static`, `Send`): for
+/// owners that reference-count the view, such as Python's buffer protocol
+/// and DLPack capsules. Made by [`Tensor::map_read_owned`]; the same
+/// exclusion and pin hold until it is dropped.
+pub struct OwnedMappedBytes {
+    // Declared first, so dropped first: the span and pin are released
+    // while the handle still keeps their storage and device alive.
+    guard: MappedBytes<'static>,
+    _tensor: Tensor,
+}
+
+/// A [`MappedBytesMut`] that owns a handle of its tensor; see
+/// [`OwnedMappedBytes`]. Made by [`Tensor::map_write_owned`].
+pub struct OwnedMappedBytesMut {
+    guard: MappedBytesMut<'static>,
+    _tensor: Tensor,
+}
+
+// SAFETY: the guard is a pointer into storage its own handle keeps alive,
+// plus a span and a pin whose release locks the storage's and the device's
+// locks from whichever thread drops it (nothing in them is bound to the
+// thread that took them). Across threads it lends `&[u8]` only through
+// `&self` and `&mut [u8]` only through `&mut self`, as a `Vec<u8>` does.
+unsafe impl Send for OwnedMappedBytes {}
+// SAFETY: as above.
+unsafe impl Sync for OwnedMappedBytes {}
+// SAFETY: as above.
+unsafe impl Send for OwnedMappedBytesMut {}
+// SAFETY: as above.
+unsafe impl Sync for OwnedMappedBytesMut {}
+
+impl Deref for OwnedMappedBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.guard
+    }
+}
+
+impl Deref for OwnedMappedBytesMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.guard
+    }
+}
+
+impl DerefMut for OwnedMappedBytesMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.guard
+    }
+}
+
+impl std::fmt::Debug for OwnedMappedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedMappedBytes")
+            .field("len", &self.guard.len)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for OwnedMappedBytesMut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedMappedBytesMut")
+            .field("len", &self.guard.len)
+            .finish()
+    }
+}
+
+impl Tensor {
+    /// [`Tensor::map_read`] with a guard that holds its own handle of the
+    /// view (a quiet clone) rather than borrowing `self`.
+    ///
+    /// ```
+    /// let t = tdrv::Tensor::from_slice(&[1u8, 2, 3])?;
+    /// let bytes = t.map_read_owned(1..)?;
+    /// drop(t); // the guard keeps the view and its storage alive
+    /// assert_eq!(&*bytes, [2, 3]);
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn map_read_owned(&self, range: impl RangeBounds<usize>) -> Result<OwnedMappedBytes> {
+        let tensor = self.clone_quiet();
+        let guard = tensor.map_read(range)?;
+        // SAFETY: the guard's borrows point into heap blocks, never into
+        // the `tensor` handle itself: the view's `Arc<Storage>` (the span's
+        // `HostSync`, the bytes) and the storage's `Arc<Device>` (the pin).
+        // `tensor` moves into the result next to the guard and is dropped
+        // after it, so those blocks outlive the guard; no view handle can
+        // swap the storage meanwhile (`attach_buffer` needs the only
+        // handle, and `tensor` counts as one).
+        let guard = unsafe { std::mem::transmute::<MappedBytes<'_>, MappedBytes<'static>>(guard) };
+        Ok(OwnedMappedBytes {
+            guard,
+            _tensor: tensor,
+        })
+    }
+
+    /// [`Tensor::map_write`] with a guard that holds its own handle of the
+    /// view; see [`Tensor::map_read_owned`].
+    pub fn map_write_owned(&self, range: impl RangeBounds<usize>) -> Result<OwnedMappedBytesMut> {
+        let tensor = self.clone_quiet();
+        let guard = tensor.map_write(range)?;
+        // SAFETY: as in `map_read_owned`.
+        let guard =
+            unsafe { std::mem::transmute::<MappedBytesMut<'_>, MappedBytesMut<'static>>(guard) };
+        Ok(OwnedMappedBytesMut {
+            guard,
+            _tensor: tensor,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::{Error, Tensor};
@@ -234,6 +345,35 @@ mod tests {
         assert!(matches!(t.map_read(60..65), Err(Error::OutOfBounds { .. })));
         let f = Tensor::allocate_fake(8, None).unwrap();
         assert!(matches!(f.map_read(..), Err(Error::Unsupported { .. })));
+    }
+
+    #[test]
+    fn owned_guards_outlive_their_handle_and_keep_excluding() {
+        let t = Tensor::from_slice(&[3u8; 32]).unwrap();
+        let keep = t.clone();
+        let mut w = t.map_write_owned(8..16).unwrap();
+        drop(t);
+        w.fill(5);
+        // The guard still excludes conflicting access from other handles
+        // and other threads, and can move to another thread.
+        assert!(matches!(keep.write(10, &[1]), Err(Error::Busy { .. })));
+        let w = std::thread::spawn(move || {
+            assert_eq!(&w[..], [5; 8]);
+            w
+        })
+        .join()
+        .unwrap();
+        assert!(matches!(keep.map_read(..), Err(Error::Busy { .. })));
+        drop(w);
+        assert_eq!(
+            keep.to_vec().unwrap()[7..17],
+            [3, 5, 5, 5, 5, 5, 5, 5, 5, 3]
+        );
+        // A read guard alone keeps the storage alive.
+        let slice = keep.slice(4, 4, None).unwrap();
+        let r = slice.map_read_owned(..).unwrap();
+        drop((keep, slice));
+        assert_eq!(&*r, [3, 3, 3, 3]);
     }
 
     #[test]

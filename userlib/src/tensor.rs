@@ -116,10 +116,11 @@ const _: () = {
     assert!(std::mem::align_of::<ViewInner>() > QUIET);
 };
 
+#[inline]
 fn check_range(op: &'static str, offset: usize, size: usize, len: usize) -> Result<usize> {
-    let end = offset
-        .checked_add(size)
-        .ok_or(Error::Overflow { op, offset, size })?;
+    let Some(end) = offset.checked_add(size) else {
+        return Err(Error::Overflow { op, offset, size });
+    };
     if end > len {
         return Err(Error::OutOfBounds {
             op,
@@ -132,10 +133,18 @@ fn check_range(op: &'static str, offset: usize, size: usize, len: usize) -> Resu
 }
 
 /// The view's copy of its name, allocated fallibly.
+#[inline]
 fn owned_name(name: Option<&str>) -> Result<Option<Box<str>>> {
-    let Some(n) = name.filter(|n| *n != DEFAULT_NAME) else {
+    match name {
+        None => Ok(None),
+        Some(n) => copy_name(n),
+    }
+}
+
+fn copy_name(n: &str) -> Result<Option<Box<str>>> {
+    if n == DEFAULT_NAME {
         return Ok(None);
-    };
+    }
     let mut s = String::new();
     s.try_reserve_exact(n.len())
         .map_err(|_| Error::OutOfMemory(n.len()))?;
@@ -151,14 +160,102 @@ fn epoch_of(storage: &Storage) -> u64 {
         .map_or(0, |b| b.device.completion_epoch(b.handle))
 }
 
+/// Freed view blocks kept for reuse, so that a slice (or any new view)
+/// usually costs no heap allocation: each thread keeps up to
+/// [`pool::CAPACITY`] blocks of the views it dropped, and takes from them
+/// before asking the allocator. A block moves freely between threads (it is
+/// plain memory of `ViewInner`'s layout); the pool of a thread is freed
+/// when the thread exits.
+mod pool {
+    use super::ViewInner;
+    use std::alloc::Layout;
+    use std::cell::Cell;
+    use std::ptr::{self, NonNull};
+
+    /// Blocks a thread keeps at most: enough for the views a loop makes
+    /// and drops, small enough (`CAPACITY * size_of::<ViewInner>()`, under
+    /// 4 KiB) not to matter as idle memory.
+    pub(super) const CAPACITY: usize = 32;
+
+    struct Pool {
+        len: Cell<usize>,
+        /// `blocks[..len]` are unused blocks allocated with `ViewInner`'s
+        /// layout; the rest are null.
+        blocks: [Cell<*mut ViewInner>; CAPACITY],
+    }
+
+    impl Drop for Pool {
+        fn drop(&mut self) {
+            for b in &self.blocks[..self.len.get()] {
+                // SAFETY: every pooled block was allocated by the global
+                // allocator with this layout and is owned by the pool alone.
+                unsafe { std::alloc::dealloc(b.get().cast(), Layout::new::<ViewInner>()) };
+            }
+        }
+    }
+
+    thread_local! {
+        static POOL: Pool = const {
+            Pool {
+                len: Cell::new(0),
+                blocks: [const { Cell::new(ptr::null_mut()) }; CAPACITY],
+            }
+        };
+    }
+
+    /// An unused block, if this thread has one.
+    pub(super) fn take() -> Option<NonNull<ViewInner>> {
+        // `try_with` fails only while the thread's locals are being
+        // destroyed: then the allocator serves.
+        POOL.try_with(|p| {
+            let n = p.len.get().checked_sub(1)?;
+            p.len.set(n);
+            NonNull::new(p.blocks[n].replace(ptr::null_mut()))
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// Keeps `block`, which no handle uses any more, for reuse; frees it if
+    /// this thread's pool is full or gone.
+    pub(super) fn give(block: NonNull<ViewInner>) {
+        let kept = POOL
+            .try_with(|p| {
+                let n = p.len.get();
+                if n == CAPACITY {
+                    return false;
+                }
+                p.blocks[n].set(block.as_ptr());
+                p.len.set(n + 1);
+                true
+            })
+            .unwrap_or(false);
+        if !kept {
+            // SAFETY: the block came from the global allocator with this
+            // layout (directly, or through some thread's pool), and its
+            // owner gives it up here.
+            unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
+        }
+    }
+}
+
 impl Tensor {
-    /// Puts `view` on the heap with one handle, or fails cleanly.
+    /// Puts `view` in a block with one handle (from this thread's pool, or
+    /// the heap), or fails cleanly.
+    #[inline(always)]
     fn from_view(view: View) -> Result<Tensor> {
-        let layout = Layout::new::<ViewInner>();
-        // SAFETY: `ViewInner` is not zero-sized.
-        let raw = unsafe { std::alloc::alloc(layout) }.cast::<ViewInner>();
-        let ptr = NonNull::new(raw).ok_or(Error::OutOfMemory(layout.size()))?;
-        // SAFETY: `ptr` is a fresh allocation of `ViewInner`'s layout.
+        let ptr = match pool::take() {
+            Some(block) => block,
+            None => {
+                let layout = Layout::new::<ViewInner>();
+                // SAFETY: `ViewInner` is not zero-sized.
+                let raw = unsafe { std::alloc::alloc(layout) }.cast::<ViewInner>();
+                NonNull::new(raw).ok_or_else(|| Error::OutOfMemory(layout.size()))?
+            }
+        };
+        // SAFETY: `ptr` is an unused block of `ViewInner`'s layout: fresh
+        // from the allocator, or taken out of the pool (which holds only
+        // blocks no handle points to any more).
         unsafe {
             ptr.as_ptr().write(ViewInner {
                 refs: AtomicUsize::new(1),
@@ -168,6 +265,7 @@ impl Tensor {
         Ok(Tensor { ptr })
     }
 
+    #[inline(always)]
     fn new_view(
         name: Option<&str>,
         storage: Option<Arc<Storage>>,
@@ -267,12 +365,11 @@ impl Tensor {
         fence(Ordering::Acquire);
         let raw = self.ptr.as_ptr().map_addr(|a| a & !QUIET);
         // SAFETY: the count reached 0: this was the last handle, so nothing
-        // else can reach the block; it was allocated in `from_view` with
-        // this layout and is dropped and freed once, here.
-        unsafe {
-            std::ptr::drop_in_place(raw);
-            std::alloc::dealloc(raw.cast(), Layout::new::<ViewInner>());
-        }
+        // else can reach the block, and the view in it is dropped once, here.
+        unsafe { std::ptr::drop_in_place(raw) };
+        // SAFETY: `raw` is non-null (it came from a `NonNull`); the block is
+        // unused from now on.
+        pool::give(unsafe { NonNull::new_unchecked(raw) });
     }
 
     /// Allocates a tensor of `size` bytes. `Device` placement allocates on
@@ -375,8 +472,9 @@ impl Tensor {
     }
 
     /// A sub-view of `size` bytes at `offset` of this view, sharing its
-    /// storage: one allocation (two with a name other than the default) and
-    /// one atomic increment, no copy, no syscall. Offsets
+    /// storage: a view block (reused from this thread's recently dropped
+    /// views, so usually no allocation; one more for a name other than the
+    /// default) and one atomic increment, no copy, no syscall. Offsets
     /// compose (a slice of a slice addresses the storage directly) and the
     /// range is checked against this view, not the storage. The slice's
     /// output-completion count starts at 0. This view may be dropped before
@@ -612,6 +710,44 @@ mod tests {
         // Handle, Arc header and view together; the seed's view is 192 B.
         assert_eq!(std::mem::size_of::<Tensor>(), std::mem::size_of::<usize>());
         const { assert!(VIEW_HEAP_SIZE <= 128) };
+    }
+
+    #[test]
+    fn a_dropped_view_block_serves_the_next_view() {
+        let t = Tensor::allocate_host(256, None).unwrap();
+        let a = t.slice(0, 16, None).unwrap();
+        let addr = a.inner() as *const ViewInner;
+        drop(a);
+        let b = t.slice(16, 16, None).unwrap();
+        assert!(std::ptr::eq(b.inner(), addr), "the freed block is reused");
+        assert_eq!((b.offset(), b.size()), (16, 16));
+    }
+
+    #[test]
+    fn view_blocks_cross_threads_and_overflow_the_pool() {
+        // Views made on one thread and dropped on others, more than a pool
+        // holds: every block is reused or freed exactly once (Miri checks
+        // for leaks, double frees and races).
+        let t = Tensor::allocate_host(4096, None).unwrap();
+        let views: Vec<Tensor> = (0..3 * pool::CAPACITY)
+            .map(|i| t.slice(i, 1, None).unwrap())
+            .collect();
+        let mut it = views.into_iter();
+        let halves: [Vec<Tensor>; 2] =
+            [it.by_ref().take(pool::CAPACITY + 3).collect(), it.collect()];
+        std::thread::scope(|s| {
+            for half in halves {
+                let t = &t;
+                s.spawn(move || {
+                    drop(half);
+                    for i in 0..pool::CAPACITY {
+                        let v = t.slice(i, 2, None).unwrap();
+                        assert_eq!(v.offset(), i);
+                    }
+                });
+            }
+        });
+        assert_eq!(t.storage_ref_count(), 1);
     }
 
     #[test]

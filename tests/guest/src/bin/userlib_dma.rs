@@ -710,6 +710,62 @@ fn mapping_guards(c: &Ctx) -> R {
     same("second half", &back[4096..], &[0xC3; 4096])
 }
 
+/// The owned guards the Python module's views hold (buffer protocol,
+/// DLPack, `tdrv.Mapping`): they keep the buffer alive after every handle
+/// is gone, pin it against device writes like `map_read`, and release the
+/// pin from whichever thread drops them.
+fn owned_mapping_guards(c: &Ctx) -> R {
+    let size = 8192;
+    let before = usage(&c.dev, 0)?;
+    let src = c.alloc(size, "owned_src")?;
+    let t = c.alloc(size, "owned_t")?;
+    let data = pattern(size, 0x3c);
+    e("write", src.write(0, &data))?;
+    let h = e(
+        "submit",
+        Job::new().copy_all(&src, &t).and_then(|j| j.submit()),
+    )?;
+    // Waits for the job in flight, like `map_read`.
+    let g = e("map_read_owned", t.map_read_owned(..))?;
+    same("owned bytes", &g, &data)?;
+    let again = t.clone();
+    drop(t);
+    match Job::new().copy_all(&src, &again).and_then(|j| j.submit()) {
+        Err(Error::Sys(SysError::Pinned { .. })) => {}
+        other => return Err(format!("job into the pinned buffer: {:?}", other.map(drop))),
+    }
+    e("job", h.wait_timeout(JOB_WAIT))?;
+    // Released on another thread: device writes are allowed again.
+    std::thread::spawn(move || drop(g))
+        .join()
+        .map_err(|_| "guard drop panicked")?;
+    e(
+        "job after the guard",
+        Job::new()
+            .copy_all(&src, &again)
+            .and_then(|j| j.submit())
+            .and_then(|h| h.wait_timeout(JOB_WAIT)),
+    )?;
+    let mut w = e("map_write_owned", again.map_write_owned(4096..))?;
+    match again.write(5000, &[1]) {
+        Err(Error::Busy { .. }) => {}
+        other => return Err(format!("write under the owned guard: {other:?}")),
+    }
+    w.fill(0x11);
+    // The last handles go (the job's too); the guard alone keeps the
+    // buffer.
+    drop((again, src, h));
+    let held = usage(&c.dev, 0)?;
+    if held.1 != before.1 + 1 {
+        return Err(format!(
+            "buffers with only the guard left: {held:?}, before {before:?}"
+        ));
+    }
+    same("the guard's bytes", &w[..], &[0x11; 4096])?;
+    drop(w);
+    expect_eq("channel usage after the guard", usage(&c.dev, 0)?, before)
+}
+
 fn device_fences_and_misuse(c: &Ctx) -> R {
     let t = c.alloc(4096, "fences")?;
     e(
@@ -818,6 +874,10 @@ fn main() {
         (
             "map_read and map_write guards on a device buffer",
             mapping_guards,
+        ),
+        (
+            "owned guards (Python views) keep and pin a device buffer",
+            owned_mapping_guards,
         ),
     ];
     // +1 open, +1 cross channel, +1 failed job, +1 final accounting.

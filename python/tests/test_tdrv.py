@@ -1,0 +1,389 @@
+"""Host tests of the tdrv Python module (pytest; `make test` runs them).
+
+They use host tensors, and tensors over other libraries' memory
+(`from_dlpack`); the device tests at the end run only where a /dev/tdrv*
+node exists (the device path is covered in the guest through the Rust
+layer underneath: see the README's Python section).
+"""
+
+import ctypes
+import errno
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import tdrv
+
+
+def host(values, dtype="float32"):
+    return tdrv.from_buffer(np.asarray(values, dtype=dtype))
+
+
+# --- tensors -------------------------------------------------------------
+
+
+def test_empty_is_zeroed_host_memory_with_dtype_and_shape():
+    t = tdrv.empty((3, 4), "int32", name="x")
+    assert (t.kind, t.dtype, t.shape, t.nbytes, t.itemsize, t.ndim) == (
+        "malloc", "int32", (3, 4), 48, 4, 2)
+    assert t.name == "x" and len(t) == 3
+    assert t.to_bytes() == bytes(48)
+    assert t.device is None and t.channel is None
+    assert tdrv.empty(5).dtype == "uint8"
+    assert tdrv.empty(2, np.float64).dtype == "float64"
+    assert tdrv.empty(2, np.dtype("float16")).nbytes == 4
+
+
+def test_read_write_memset_and_copy_move_bytes():
+    t = tdrv.empty(16)
+    t.write(b"\x01\x02\x03", 4)
+    assert t.read(3, 5) == b"\x00\x01\x02\x03\x00"
+    t.memset(9, 10)
+    assert t.read(10) == b"\x09" * 6
+    u = tdrv.empty(16)
+    u.copy_from(t, src_offset=4, dst_offset=0, size=3)
+    assert u.read(0, 4) == b"\x01\x02\x03\x00"
+    # A numpy array is written as its bytes.
+    t.write(np.array([0x0605], dtype=np.uint16))
+    assert t.read(0, 2) == b"\x05\x06"
+
+
+def test_from_buffer_keeps_dtype_and_shape_for_every_format():
+    for name in tdrv.DTYPES:
+        if name == "bfloat16":
+            continue
+        a = (np.arange(12) % 2).astype(name).reshape(3, 4)
+        t = tdrv.from_buffer(a)
+        assert (t.dtype, t.shape) == (name, (3, 4)), name
+        assert np.array_equal(np.asarray(t), a), name
+    # Unknown formats come in as bytes.
+    t = tdrv.from_buffer(b"abc")
+    assert (t.dtype, t.shape) == ("uint8", (3,))
+
+
+def test_indexing_and_slices_are_views_of_the_same_storage():
+    t = host(np.arange(12).reshape(4, 3))
+    row = t[2]
+    assert row.shape == (3,) and row.offset == 24
+    assert np.array_equal(np.asarray(row), [6, 7, 8])
+    assert np.array_equal(np.asarray(t[-1]), [9, 10, 11])
+    rows = t[1:3]
+    assert rows.shape == (2, 3) and rows.shares_storage_with(t)
+    rows.write(np.array([100], np.float32), 0)
+    assert np.asarray(t)[1, 0] == 100
+    b = t.byte_slice(4, 8)
+    assert (b.dtype, b.shape, b.offset) == ("uint8", (4,), 4)
+    with pytest.raises(IndexError):
+        t[4]
+    with pytest.raises(IndexError):
+        t[::2]
+    with pytest.raises(tdrv.RangeError):
+        t.byte_slice(40, 60)
+
+
+def test_view_reinterprets_bytes_checked():
+    t = host(np.arange(4), "float32")
+    v = t.view("uint8")
+    assert v.shape == (16,)
+    assert t.view("int16", (2, 4)).shape == (2, 4)
+    with pytest.raises(ValueError):
+        t.view("float64", (3,))
+    with pytest.raises(ValueError):
+        tdrv.empty(3).view("int16")
+    with pytest.raises(ValueError):
+        t.view("float128")
+
+
+# --- buffer protocol -----------------------------------------------------
+
+
+def test_numpy_view_is_zero_copy_both_ways():
+    t = host(np.zeros((2, 4)))
+    a = t.numpy(writable=True)
+    assert a.ctypes.data == t.address and a.flags.writeable
+    a[1, 2] = 7.5
+    del a
+    assert np.frombuffer(t.read(), np.float32)[6] == 7.5
+    t.write(np.array([1.25], np.float32), 4)
+    r = np.asarray(t)
+    assert r.ctypes.data == t.address
+    assert r[0, 1] == 1.25 and r[1, 2] == 7.5
+
+
+def test_buffer_protocol_is_read_only_unless_asked():
+    t = host([[1, 2], [3, 4]], "int16")
+    m = memoryview(t)
+    assert m.readonly and (m.format, m.itemsize, m.shape) == ("h", 2, (2, 2))
+    assert m.tolist() == [[1, 2], [3, 4]]
+    m.release()
+    a = np.asarray(t)
+    assert not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0, 0] = 9
+    # bfloat16 has no buffer format: view it as uint16.
+    bf = tdrv.empty(4, "bfloat16")
+    with pytest.raises(BufferError):
+        memoryview(bf)
+    assert np.asarray(bf.view("uint16")).shape == (4,)
+
+
+def test_a_view_keeps_the_tensor_alive():
+    t = host(np.arange(1000))
+    a = t.numpy()
+    del t
+    gc.collect()
+    assert a[999] == 999
+    m = host([5, 6]).map_read()
+    gc.collect()
+    assert np.asarray(m).tolist() == [5, 6]
+
+
+def test_views_follow_the_crates_exclusion_rules():
+    t = host(np.zeros(8))
+    w = t.numpy(writable=True)
+    # A write mapping excludes every other host access to its bytes.
+    with pytest.raises(tdrv.BusyError) as e:
+        t.read()
+    assert e.value.errno == errno.EBUSY
+    with pytest.raises(tdrv.BusyError):
+        t.write(b"\x00")
+    # numpy.asarray goes through __array__, which reports the conflict
+    # (numpy drops buffer-protocol errors and would make an object array).
+    with pytest.raises(tdrv.BusyError):
+        np.asarray(t)
+    with pytest.raises(tdrv.BusyError):
+        memoryview(t)
+    del w
+    r = np.asarray(t)
+    # A read mapping lets readers in, refuses writers of its range.
+    assert t.read(0, 4) == bytes(4)
+    r2 = t.numpy()
+    with pytest.raises(tdrv.BusyError):
+        t.write(b"\x01", 4)
+    with pytest.raises(tdrv.BusyError):
+        t.numpy(writable=True)
+    del r, r2
+    t.write(b"\x01", 4)
+    # Disjoint ranges do not conflict.
+    first = t[0:4].numpy(writable=True)
+    t[4:8].write(np.ones(4, np.float32))
+    first[:] = 2
+    del first
+    assert np.array_equal(np.frombuffer(t.read(), np.float32), [2] * 4 + [1] * 4)
+
+
+def test_a_view_never_changes_under_a_writer_thread():
+    t = host(np.zeros(64), "uint32")
+    stop = threading.Event()
+    busy = [0]
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                t.write(np.full(64, i, np.uint32))
+            except tdrv.BusyError:
+                busy[0] += 1
+
+    th = threading.Thread(target=writer)
+    th.start()
+    try:
+        for _ in range(300):
+            a = t.numpy()
+            first = a[0]
+            assert (a == first).all()
+            del a
+    finally:
+        stop.set()
+        th.join()
+
+
+def test_mapping_context_and_release():
+    t = host(np.zeros(4))
+    with t.map_write() as m:
+        assert m.writable and m.nbytes == 16
+        a = np.asarray(m)
+        a[:] = 3
+    assert m.released
+    with pytest.raises(ValueError):
+        memoryview(m)
+    # The array still holds the guard; its death releases it.
+    with pytest.raises(tdrv.BusyError):
+        t.read()
+    del a
+    assert np.frombuffer(t.read(), np.float32).tolist() == [3] * 4
+    r = t.map_read()
+    # A consumer asking for a writable buffer is refused.
+    with pytest.raises((BufferError, TypeError)):
+        ctypes.c_char.from_buffer(r)
+    assert not r.writable and "read" in repr(r)
+
+
+# --- DLPack --------------------------------------------------------------
+
+
+def test_numpy_from_dlpack_sees_the_same_bytes_without_a_copy():
+    t = host(np.arange(6).reshape(2, 3))
+    assert t.__dlpack_device__() == (1, 0)
+    d = np.from_dlpack(t)
+    assert d.ctypes.data == t.address
+    assert (d.dtype, d.shape, d.flags.writeable) == (np.float32, (2, 3), True)
+    d[1, 1] = 40
+    # The capsule holds a write mapping until the array is gone.
+    with pytest.raises(tdrv.BusyError):
+        t.read()
+    del d
+    assert np.frombuffer(t.read(), np.float32)[4] == 40
+
+
+def test_one_mapping_exported_twice_shares_bytes():
+    t = host(np.zeros(8), "int64")
+    with t.map_write() as m:
+        through_buffer = np.asarray(m)
+        through_dlpack = np.from_dlpack(m)
+        through_buffer[3] = 12345
+        assert through_dlpack[3] == 12345
+        through_dlpack[5] = -1
+        assert through_buffer[5] == -1
+        assert through_buffer.ctypes.data == through_dlpack.ctypes.data == t.address
+    del through_buffer, through_dlpack
+    assert np.frombuffer(t.read(), np.int64)[[3, 5]].tolist() == [12345, -1]
+
+
+def test_dlpack_capsules_legacy_versioned_and_read_only():
+    t = host([1, 2])
+    assert "dltensor" in repr(t.__dlpack__())
+    assert "dltensor_versioned" in repr(t.__dlpack__(max_version=(1, 0)))
+    r = t.map_read()
+    # Read-only bytes only travel with DLPack 1.0's read-only flag.
+    with pytest.raises(BufferError):
+        r.__dlpack__()
+    ro = np.from_dlpack(r)
+    assert not ro.flags.writeable and ro.tolist() == [1, 2]
+    with pytest.raises(BufferError):
+        t.__dlpack__(dl_device=(2, 0))
+    with pytest.raises(BufferError):
+        t.__dlpack__(stream=7)
+    del ro, r
+    gc.collect()
+    t.write(b"\x00" * 8)  # every capsule above is gone, so is its guard
+
+
+def test_dlpack_copy_is_a_separate_buffer():
+    t = host([1, 2, 3])
+    c = np.from_dlpack(t, copy=True)
+    assert c.ctypes.data != t.address
+    c[0] = 99
+    assert np.frombuffer(t.read(), np.float32)[0] == 1
+    t.write(b"\x00" * 12)  # the copy holds no guard of t
+
+
+def test_from_dlpack_wraps_numpy_memory_without_a_copy():
+    n = np.arange(10, dtype=np.int64)
+    u = tdrv.from_dlpack(n, name="wrapped")
+    assert (u.kind, u.name, u.dtype, u.shape) == ("user", "wrapped", "int64", (10,))
+    assert u.address == n.ctypes.data
+    u.write(np.array([70], np.int64), 8 * 7)
+    assert n[7] == 70
+    n[2] = -2
+    assert np.frombuffer(u.read(16, 8), np.int64)[0] == -2
+    # The tensor keeps the producer's memory alive.
+    del n
+    gc.collect()
+    assert np.asarray(u)[7] == 70
+
+
+def test_from_dlpack_copies_read_only_and_refuses_strided_producers():
+    n = np.arange(4, dtype=np.float64)
+    n.setflags(write=False)
+    c = tdrv.from_dlpack(n)
+    assert c.kind == "malloc" and c.address != n.ctypes.data
+    assert np.asarray(c).tolist() == [0, 1, 2, 3]
+    with pytest.raises(BufferError):
+        tdrv.from_dlpack(n, copy=False)
+    with pytest.raises(BufferError):
+        tdrv.from_dlpack(np.zeros((4, 4))[:, ::2])
+    with pytest.raises(TypeError):
+        tdrv.from_dlpack(object())
+    assert tdrv.from_dlpack(np.zeros((4, 4)), copy=True).kind == "malloc"
+
+
+def test_from_dlpack_of_a_tdrv_tensor_holds_its_write_mapping():
+    t = host([1, 2, 3, 4])
+    alias = tdrv.from_dlpack(t)
+    assert alias.address == t.address and alias.shape == (4,)
+    alias.write(np.array([8], np.float32))
+    with pytest.raises(tdrv.BusyError):
+        t.read()
+    del alias
+    gc.collect()
+    assert np.frombuffer(t.read(), np.float32)[0] == 8
+
+
+# --- errors and jobs -----------------------------------------------------
+
+
+def test_errors_are_os_errors_with_the_crates_errno():
+    assert issubclass(tdrv.Error, OSError)
+    for cls in (tdrv.BusyError, tdrv.TimeoutError, tdrv.JobFailedError,
+                tdrv.DeviceWriteFailedError, tdrv.RangeError,
+                tdrv.UnsupportedError, tdrv.OutOfMemoryError,
+                tdrv.CrossChannelError, tdrv.InvalidArgumentError):
+        assert issubclass(cls, tdrv.Error)
+    with pytest.raises(tdrv.Error) as e:
+        tdrv.Device("/nonexistent/tdrv0")
+    assert e.value.errno == errno.ENOENT
+    with pytest.raises(tdrv.Error) as e:
+        tdrv.Device("/dev/null")
+    assert e.value.errno == errno.ENOTTY
+    t = tdrv.empty(8)
+    with pytest.raises(tdrv.RangeError) as e:
+        t.write(b"123", 6)
+    assert e.value.errno == errno.ERANGE and "8-byte" in str(e.value)
+    with pytest.raises(tdrv.UnsupportedError) as e:
+        tdrv.Job().copy(t, tdrv.empty(8))
+    assert e.value.errno == errno.EOPNOTSUPP
+    with pytest.raises(tdrv.InvalidArgumentError) as e:
+        tdrv.Job().submit()
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(ValueError):
+        t.wait_idle(timeout=-1)
+    with pytest.raises(tdrv.Error):
+        tdrv.empty(4, device="/nonexistent/tdrv0")
+
+
+def test_host_waits_return_at_once():
+    t = tdrv.empty(8)
+    t.wait_idle()
+    t.wait_idle(write=True, timeout=0)
+    assert t.output_completion_count() == 0
+    t.check_output_completion(0, timeout=0)
+    with pytest.raises(tdrv.TimeoutError) as e:
+        t.check_output_completion(1, timeout=0.01)
+    assert e.value.errno == errno.ETIMEDOUT
+
+
+# --- device (only where a tdrv node exists) ------------------------------
+
+# An empty list (no /dev/tdrv* node, as on the host) skips the test.
+@pytest.mark.parametrize("path", tdrv.devices())
+def test_device_tensors_jobs_and_views(path):
+    dev = tdrv.Device(path)
+    src = tdrv.from_buffer(np.arange(256, dtype=np.float32), device=dev)
+    dst = dev.empty(256, "float32")
+    assert (src.kind, dst.kind, dst.channel) == ("dma", "dma", 0)
+    tdrv.Job().copy(src, dst).submit().wait(timeout=60)
+    out = dst.numpy()
+    assert out.ctypes.data == dst.address
+    assert np.array_equal(out, np.arange(256))
+    # The read mapping pins the buffer against device writes.
+    with pytest.raises(tdrv.BusyError):
+        tdrv.Job().copy(src, dst).submit()
+    del out
+    d = np.from_dlpack(dst)
+    d[:] = 1
+    del d
+    assert np.frombuffer(dst.read(), np.float32).tolist() == [1.0] * 256
