@@ -550,14 +550,17 @@ mod peer {
     }
 
     impl Vgem {
-        /// The DRM card whose driver is vgem.
+        /// The DRM card of vgem: its device (a faux device since 6.15)
+        /// or its driver is named "vgem".
         pub fn open() -> Result<Vgem, String> {
             for n in 0..16 {
-                let link = format!("/sys/class/drm/card{n}/device/driver");
-                let Ok(target) = std::fs::read_link(&link) else {
-                    continue;
+                let named_vgem = |link: String| {
+                    std::fs::read_link(link)
+                        .is_ok_and(|t| t.file_name().is_some_and(|f| f == "vgem"))
                 };
-                if target.file_name().is_some_and(|f| f == "vgem") {
+                if named_vgem(format!("/sys/class/drm/card{n}/device"))
+                    || named_vgem(format!("/sys/class/drm/card{n}/device/driver"))
+                {
                     return Ok(Vgem {
                         fd: open(&format!("/dev/dri/card{n}"))?,
                     });
