@@ -1779,7 +1779,10 @@ fn fig7(c: &Ctx) {
     measure("live_10_after");
     drop(live);
 
-    // The dma-heap baseline of the per-buffer kernel memory.
+    // The dma-heap baseline of the per-buffer kernel memory. The frees
+    // above return memory in the background (RCU, workers): let them
+    // finish first, or MemFree rises during the measurement.
+    std::thread::sleep(Duration::from_secs(2));
     raise_nofile(16_384);
     let heap = open_rw(dma_heap::SYSTEM);
     let mut bufs = Vec::with_capacity(MANY);
