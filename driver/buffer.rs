@@ -6,7 +6,9 @@
 //!
 //! What holds a buffer's memory is its [`Backing`]; the rest of the driver
 //! sees only the pieces' CPU and bus addresses and, for mmap, page frames.
-//! Today every backing is tdrv's own DMA-coherent allocation.
+//! A backing is tdrv's own DMA-coherent allocation, or an imported
+//! foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in pieces of one
+//! page each with their bus addresses.
 //!
 //! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
 //! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
@@ -35,6 +37,7 @@
 //! userfaultfd or FUSE, and unbind waits for every guard).
 
 use kernel::{
+    alloc::KVVec,
     bindings,
     device::{
         Bound,
@@ -52,13 +55,18 @@ use kernel::{
 };
 
 use crate::{
+    dmabuf::{
+        ExportMapping,
+        Import, //
+    },
     device::{
         ActiveGuard,
         TdrvDevice, //
     },
     fence::Fence,
     glue,
-    range::ByteRange, //
+    range::ByteRange,
+    uapi::MAX_BUFFER_SIZE, //
 };
 
 /// Largest piece: 4 MiB, the x86 page allocator's largest block.
@@ -93,6 +101,9 @@ enum Backing {
     /// DMA-coherent pieces tdrv allocated for the device (held to be freed
     /// on drop; the pieces' addresses are in [`Buffer`]).
     Coherent { _pieces: KVec<Coherent<[u8]>> },
+    /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
+    /// device.
+    Imported { _import: Import },
 }
 
 impl Backing {
@@ -108,6 +119,10 @@ impl Backing {
             // SAFETY: Coherent memory is in the kernel's direct map (see
             // `glue::kaddr_to_pfn`), live by the caller's guarantee.
             Self::Coherent { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            // SAFETY: The import's kernel mapping is a vmap of system
+            // memory (`dmabuf.c` refuses I/O memory), live by the caller's
+            // guarantee.
+            Self::Imported { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
         }
     }
 }
@@ -137,12 +152,19 @@ enum MemState {
 pub(crate) struct Buffer {
     #[pin]
     mem: Mutex<MemState>,
-    pieces: KVec<PieceAddr>,
+    pieces: KVVec<PieceAddr>,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     size: usize,
-    /// What the channel is charged: the size rounded up to pages.
+    /// Bytes of the pieces: the size rounded up to pages.
+    span: usize,
+    /// What the channel is charged: `span` for tdrv's own memory, 0 for
+    /// imports.
     charged: u64,
+    /// This buffer's live dma-buf exports, so that unbind can zap their
+    /// mappings (see `dmabuf.rs`).
+    #[pin]
+    exports: Mutex<KVec<ExportMapping>>,
     channel: u32,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
@@ -155,12 +177,14 @@ pub(crate) struct Buffer {
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
     /// The pieces' addresses, in order.
-    pieces: KVec<PieceAddr>,
+    pieces: KVVec<PieceAddr>,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     /// The buffer's size in bytes.
     size: usize,
-    /// Bytes charged to `channel` (the pieces' total).
+    /// Bytes of the pieces (the size rounded up to pages).
+    span: usize,
+    /// Bytes charged to `channel`.
     charged: u64,
     channel: u32,
 }
@@ -209,8 +233,8 @@ impl Buffer {
                 }
             }
         };
-        let addrs = || -> Result<KVec<PieceAddr>> {
-            let mut pieces = KVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
+        let addrs = || -> Result<KVVec<PieceAddr>> {
+            let mut pieces = KVVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
             for m in mem.iter() {
                 pieces.push(
                     PieceAddr {
@@ -233,6 +257,7 @@ impl Buffer {
             pieces,
             shift,
             size,
+            span: rounded,
             charged,
             channel,
         };
@@ -247,6 +272,7 @@ impl Buffer {
             pieces,
             shift,
             size,
+            span,
             charged,
             channel,
         } = layout;
@@ -263,8 +289,10 @@ impl Buffer {
                 pieces,
                 shift,
                 size,
+                span,
                 charged,
                 channel,
+                exports <- new_mutex!(KVec::new(), "Buffer::exports"),
                 device: device.clone(),
                 registry_key,
                 fence <- Fence::new(),
@@ -284,6 +312,74 @@ impl Buffer {
                 device.channels.release(channel, charged);
                 Err(e)
             }
+        }
+    }
+
+    /// Wraps an imported foreign dma-buf, placed on `channel` but not
+    /// charged to it. The caller holds an active guard of `device` (so
+    /// that unbind finds the buffer registered and releases the import).
+    pub(crate) fn import(
+        device: &Arc<TdrvDevice>,
+        _active: &ActiveGuard<'_>,
+        import: Import,
+        channel: u32,
+    ) -> Result<Arc<Self>> {
+        let size = import.size();
+        if size == 0 || size as u64 > MAX_BUFFER_SIZE {
+            return Err(EINVAL);
+        }
+        let pages = size / PAGE_SIZE;
+        let mut dma = KVVec::<u64>::new();
+        dma.resize(pages, 0, GFP_KERNEL_ACCOUNT)?;
+        import.dma_pages(&mut dma);
+        let mut pieces = KVVec::with_capacity(pages, GFP_KERNEL_ACCOUNT)?;
+        let base = import.vaddr();
+        for (i, dma) in dma.iter().enumerate() {
+            pieces.push(
+                PieceAddr {
+                    cpu: base.wrapping_add(i * PAGE_SIZE),
+                    dma: *dma,
+                },
+                GFP_KERNEL_ACCOUNT,
+            )?;
+        }
+        drop(dma);
+        device.channels.reserve(channel, 0)?;
+        let layout = Layout {
+            pieces,
+            shift: PAGE_SIZE.trailing_zeros(),
+            size,
+            span: size,
+            charged: 0,
+            channel,
+        };
+        Self::from_backing(device, Backing::Imported { _import: import }, layout)
+    }
+
+    /// The device the buffer belongs to.
+    pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
+        &self.device
+    }
+
+    /// Records a live dma-buf export of this buffer.
+    pub(crate) fn add_export(&self, mapping: ExportMapping) -> Result {
+        self.exports.lock().push(mapping, GFP_KERNEL)?;
+        Ok(())
+    }
+
+    /// Forgets the export `dmabuf`, which is being released; the caller
+    /// drops the record outside the lock.
+    pub(crate) fn remove_export(&self, dmabuf: *mut core::ffi::c_void) -> Option<ExportMapping> {
+        let mut exports = self.exports.lock();
+        let i = exports.iter().position(|m| m.is(dmabuf))?;
+        exports.remove(i).ok()
+    }
+
+    /// Unbind: removes the pages of every mapping of this buffer's
+    /// exported dma-bufs (after [`Buffer::detach`], so none comes back).
+    pub(crate) fn zap_exports(&self) {
+        for m in self.exports.lock().iter() {
+            m.zap();
         }
     }
 
@@ -310,7 +406,7 @@ impl Buffer {
         let i = offset >> self.shift;
         let within = offset & ((1 << self.shift) - 1);
         let piece = self.pieces[i];
-        let piece_len = (self.charged as usize - (i << self.shift)).min(1 << self.shift);
+        let piece_len = (self.span - (i << self.shift)).min(1 << self.shift);
         let cpu = piece.cpu.wrapping_add(within);
         let dma = piece.dma + within as u64;
         (PieceAddr { cpu, dma }, piece_len - within)
@@ -340,7 +436,7 @@ impl Buffer {
         mut f: impl FnMut(usize) -> bool,
     ) -> bool {
         let mem = self.mem.lock();
-        let pages = self.charged as usize / PAGE_SIZE;
+        let pages = self.span / PAGE_SIZE;
         let MemState::Live(backing) = &*mem else {
             return false;
         };

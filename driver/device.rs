@@ -352,11 +352,13 @@ impl TdrvDevice {
         for (_, file) in self.files.lock().iter() {
             file.zap_mappings();
         }
+        self.for_each_buffer(|buf| buf.zap_exports());
         self.for_each_buffer(|buf| {
             // SAFETY: The device is unbound, its engine stopped (above), no
             // active guard exists (drained) or can be taken (`bound` is
             // false), the buffer was detached and then every mapping of
-            // every open file was zapped; files opened later cannot mmap
+            // every open file and of every live export was zapped (exports
+            // released earlier took their mappings with them); files opened later cannot mmap
             // (`enter` fails), and closed files' mappings were gone with
             // them.
             unsafe { buf.release_memory() };

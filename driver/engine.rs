@@ -65,6 +65,13 @@ pub(crate) trait Engine: Send + Sync {
     /// bus mastering there.
     fn shutdown(&self, stopped: &mut dyn FnMut());
 
+    /// True if the engine reaches buffers by DMA (bus addresses), so that
+    /// an imported dma-buf must be mapped for the device; false if it
+    /// copies with the CPU.
+    fn does_dma(&self) -> bool {
+        false
+    }
+
     /// Counters for debugfs.
     fn counters(&self) -> EngineCounters {
         EngineCounters::default()

@@ -37,9 +37,11 @@ use crate::{
     buffer::Buffer,
     device::{
         client_id,
+        raw_device,
         Client,
         TdrvDevice, //
     },
+    dmabuf,
     fence::Timeout,
     glue,
     handle::HandleTable,
@@ -253,6 +255,10 @@ impl MiscDevice for TdrvFile {
             me.completion_wait(&arg)
         } else if m(IOC_COMPLETION_RESET) {
             me.completion_reset(&arg)
+        } else if m(IOC_EXPORT) {
+            me.export(&arg)
+        } else if m(IOC_IMPORT) {
+            me.import(&arg)
         } else {
             Err(ENOTTY)
         };
@@ -316,7 +322,12 @@ impl TdrvFile {
         arg.write(&Version {
             abi_major: ABI_MAJOR,
             abi_minor: ABI_MINOR,
-            features: FEAT_MMAP | FEAT_SUBMIT | FEAT_COMPLETION | FEAT_ERROR_LATCH | irq,
+            features: FEAT_MMAP
+                | FEAT_SUBMIT
+                | FEAT_COMPLETION
+                | FEAT_ERROR_LATCH
+                | FEAT_DMABUF
+                | irq,
             device_kind: d.kind,
             num_channels: d.channels.count(),
             max_buffer_size: MAX_BUFFER_SIZE,
@@ -392,6 +403,94 @@ impl TdrvFile {
         };
         if let Err(e) = arg.write(&out) {
             // The caller cannot learn the handle: do not leak the buffer.
+            drop(self.remove_handle(handle));
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Adds `buf` (allocated or imported) to the table under the file's
+    /// limits; ENOSPC if they would be exceeded.
+    fn add_handle(&self, buf: Arc<Buffer>) -> Result<u64> {
+        let limits = &self.device.limits;
+        let charge = buf.charged();
+        let mut h = self.state.handles.lock();
+        if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+            return Err(ENOSPC);
+        }
+        let channel = buf.channel();
+        let handle = h.table.insert(buf)?;
+        h.charge(channel, charge);
+        Ok(handle)
+    }
+
+    fn export(&self, arg: &ArgBuf) -> Result {
+        let a: Export = arg.read()?;
+        if a.flags != 0 || a.fd != 0 || a.pad != 0 || a.pad2 != 0 || any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        let buf = self.buffer(a.handle)?;
+        let pending = {
+            // Exports of a device being unbound could escape its sweep.
+            let _active = self.device.enter()?;
+            dmabuf::export(buf)?
+        };
+        // The fd becomes visible only once the caller can learn it.
+        arg.write(&Export {
+            fd: pending.fd(),
+            ..a
+        })?;
+        pending.install();
+        Ok(())
+    }
+
+    fn import(&self, arg: &ArgBuf) -> Result {
+        let a: Import = arg.read()?;
+        if a.flags != 0
+            || a.pad != 0
+            || a.handle != 0
+            || a.size != 0
+            || a.mmap_offset != 0
+            || any_nonzero(&a.reserved)
+        {
+            return Err(EINVAL);
+        }
+        let buf = match dmabuf::lookup(a.fd)? {
+            dmabuf::Lookup::Own(buf) => {
+                if !Arc::ptr_eq(buf.device(), &self.device) {
+                    return Err(EXDEV);
+                }
+                buf
+            }
+            dmabuf::Lookup::Foreign(foreign) => {
+                if a.channel >= self.device.channels.count() {
+                    return Err(EINVAL);
+                }
+                let active = self.device.enter()?;
+                let dev = if self.device.engine().does_dma() {
+                    raw_device(self.device.bound_device(&active)).cast()
+                } else {
+                    core::ptr::null_mut()
+                };
+                // SAFETY: `dev` is null or the bound device; the active
+                // guard keeps it bound until the buffer is registered, and
+                // unbind releases every registered buffer's import before
+                // the device goes away.
+                let import = unsafe { dmabuf::Import::new(foreign, dev)? };
+                Buffer::import(&self.device, &active, import, a.channel)?
+            }
+        };
+        let size = buf.size() as u64;
+        let channel = buf.channel();
+        let handle = self.add_handle(buf)?;
+        let out = Import {
+            channel,
+            handle,
+            size,
+            mmap_offset: mmap::offset_of_handle(handle),
+            ..a
+        };
+        if let Err(e) = arg.write(&out) {
             drop(self.remove_handle(handle));
             return Err(e);
         }

@@ -19,6 +19,9 @@
 //! split or copy) takes another one, `close` drops one. So a buffer
 //! outlives FREE while it is mapped. Every mapping also holds its file, and
 //! with it the module (see `node.rs`), so `rmmod` fails while one exists.
+//! Mappings of an exported dma-buf (`dmabuf.rs`) use the same operations;
+//! their file is the dma-buf's, which pins the module through its owner,
+//! and their page offset is the page index in the buffer from the start.
 //!
 //! Pages are mapped with the VMA's default (cacheable) protection, which
 //! is right for cache-coherent DMA without memory encryption: every device

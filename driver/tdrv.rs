@@ -19,6 +19,7 @@
 //! - `backends/`: the devices, each with its engine: `soft.rs` (CPU copies
 //!   in a work item) and `edu.rs` (QEMU edu's DMA engine, advanced by its
 //!   MSI completion interrupt);
+//! - `dmabuf.rs` (with `dmabuf.c`): dma-buf export and import;
 //! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
 //!   helpers 7.2's Rust bindings lack.
@@ -34,6 +35,7 @@ mod backends;
 mod buffer;
 mod channel;
 mod device;
+mod dmabuf;
 mod engine;
 mod fence;
 mod file;

@@ -33,13 +33,14 @@ use kernel::{
 };
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 1;
+pub(crate) const ABI_MINOR: u32 = 2;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
 pub(crate) const FEAT_COMPLETION: u64 = 1 << 2;
 pub(crate) const FEAT_IRQ: u64 = 1 << 3;
 pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
+pub(crate) const FEAT_DMABUF: u64 = 1 << 5;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
 pub(crate) const DEVICE_EDU: u32 = 2;
@@ -215,6 +216,30 @@ uapi_struct!(
     /// `struct tdrv_completion_reset`
     CompletionReset { handle: u64, reserved: u64 }
 );
+uapi_struct!(
+    /// `struct tdrv_export`
+    Export {
+        handle: u64,
+        flags: u32,
+        fd: i32,
+        pad: u32,
+        pad2: u32,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_import`
+    Import {
+        fd: i32,
+        channel: u32,
+        flags: u32,
+        pad: u32,
+        handle: u64,
+        size: u64,
+        mmap_offset: u64,
+        reserved: [u64; 2],
+    }
+);
 
 macro_rules! const_assert_layout {
     ($ty:ident, $size:expr, { $($field:ident @ $off:expr),* $(,)? }) => {
@@ -267,6 +292,13 @@ const_assert_layout!(CompletionWait, 48, {
     handle @ 0, expected @ 8, timeout_us @ 16, count @ 24, reserved @ 32,
 });
 const_assert_layout!(CompletionReset, 16, { handle @ 0, reserved @ 8 });
+const_assert_layout!(Export, 40, {
+    handle @ 0, flags @ 8, fd @ 12, pad @ 16, pad2 @ 20, reserved @ 24,
+});
+const_assert_layout!(Import, 56, {
+    fd @ 0, channel @ 4, flags @ 8, pad @ 12, handle @ 16, size @ 24,
+    mmap_offset @ 32, reserved @ 40,
+});
 
 pub(crate) const MAGIC: u32 = 0xD7;
 
@@ -284,6 +316,8 @@ pub(crate) const IOC_JOB_WAIT: u32 = _IOWR::<JobWait>(MAGIC, 0x0A);
 pub(crate) const IOC_FENCE_WAIT: u32 = _IOW::<FenceWait>(MAGIC, 0x0B);
 pub(crate) const IOC_COMPLETION_WAIT: u32 = _IOWR::<CompletionWait>(MAGIC, 0x0C);
 pub(crate) const IOC_COMPLETION_RESET: u32 = _IOW::<CompletionReset>(MAGIC, 0x0D);
+pub(crate) const IOC_EXPORT: u32 = _IOWR::<Export>(MAGIC, 0x0E);
+pub(crate) const IOC_IMPORT: u32 = _IOWR::<Import>(MAGIC, 0x0F);
 
 // The numbers userspace pins (uapi/src/tests.rs), checked here as well.
 const _: () = {
@@ -349,6 +383,8 @@ first_size!(
     FenceWait,
     CompletionWait,
     CompletionReset,
+    Export,
+    Import,
 );
 
 /// Largest argument struct of this ABI (bounds the stack copy below).

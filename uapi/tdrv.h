@@ -13,7 +13,8 @@
  *    and are zeroed on output;
  *  - structs may grow at the end. The size encoded in the ioctl number is
  *    the caller's struct size: the driver accepts any size from the first
- *    published one (the sizes below, ABI 1.0) up to 4096 bytes. Input
+ *    published one (the sizes below: ABI 1.0, or the minor version that
+ *    introduced the struct) up to 4096 bytes. Input
  *    copies the smaller of the caller's and the driver's size and reads
  *    missing fields as zero; bytes the driver does not know must be zero
  *    (else E2BIG). Output is written back up to the smaller of the two
@@ -28,7 +29,10 @@
  *  ENOENT   no such buffer handle in this open file (or it was freed)
  *  ERANGE   offset + size outside the buffer, or overflows 64 bits
  *  EFAULT   a user pointer cannot be read or written
- *  EXDEV    a copy between buffers on different HBM channels
+ *  EXDEV    a copy between buffers on different HBM channels; IMPORT of a
+ *           tdrv dma-buf of another device
+ *  EBADF    IMPORT of an fd that is not open
+ *  EOPNOTSUPP IMPORT of a dma-buf tdrv cannot map (see struct tdrv_import)
  *  ENOMEM   no memory
  *  ENOSPC   the channel's byte limit, or this file's buffer or byte limit
  *           (module parameters file_max_buffers, file_max_mib), would be
@@ -70,7 +74,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 1
+#define TDRV_ABI_MINOR 2
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -78,6 +82,7 @@
 #define TDRV_FEAT_COMPLETION	(1ULL << 2) /* completion counters */
 #define TDRV_FEAT_IRQ		(1ULL << 3) /* completions signalled by interrupt */
 #define TDRV_FEAT_ERROR_LATCH	(1ULL << 4) /* failed jobs latch tdrv_buf_info.error (1.1) */
+#define TDRV_FEAT_DMABUF	(1ULL << 5) /* TDRV_IOC_EXPORT and TDRV_IOC_IMPORT (1.2) */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -250,6 +255,92 @@ struct tdrv_completion_reset {
 	__u64 reserved;		/* in: zero */
 };
 
+/**
+ * struct tdrv_export - TDRV_IOC_EXPORT: share a buffer as a dma-buf (ABI 1.2).
+ * @handle: in: the buffer.
+ * @flags: in: zero (no flags defined yet).
+ * @fd: out: a new dma-buf fd, opened O_RDWR with O_CLOEXEC set. The
+ *	dma-buf's size is the buffer's size rounded up to pages.
+ * @pad: in: zero.
+ * @reserved: in: zero.
+ *
+ * The dma-buf is the buffer itself: the same memory, fence and completion
+ * count. It outlives FREE, the exporter's close and exit, and keeps the
+ * module loaded (rmmod fails with EWOULDBLOCK/EBUSY while it exists).
+ * On the fd:
+ *  - mmap(2) (MAP_SHARED, not PROT_EXEC, within the size) maps the buffer
+ *    like tdrv's own mmap; after unbind its pages fault with SIGBUS.
+ *  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device
+ *    writes (DMA_BUF_SYNC_READ) or all pending device access (with
+ *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN; a signal interrupts
+ *    it (EINTR/restart), and after unbind it fails with ENODEV. It does not
+ *    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.
+ *  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the
+ *    same buffer.
+ *  - Other devices cannot attach to it (dma_buf_attach: EOPNOTSUPP).
+ *
+ * Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such
+ * handle), EMFILE (no free fd), ENOMEM, ENODEV (device removed).
+ */
+struct tdrv_export {
+	__u64 handle;
+	__u32 flags;
+	__s32 fd;
+	__u32 pad;
+	__u32 pad2;
+	__u64 reserved[2];
+};
+
+/**
+ * struct tdrv_import - TDRV_IOC_IMPORT: a handle for a dma-buf (ABI 1.2).
+ * @fd: in: a dma-buf fd.
+ * @channel: in: the HBM channel a foreign dma-buf is placed on (SUBMIT
+ *	and COPY need both buffers on one channel); out: the buffer's channel
+ *	(a tdrv buffer keeps the one it was allocated on).
+ * @flags: in: zero (no flags defined yet).
+ * @pad: in: zero.
+ * @handle: out: a handle in this file.
+ * @size: out: the buffer's size in bytes.
+ * @mmap_offset: out: offset to pass to mmap(2) of this file.
+ * @reserved: in: zero.
+ *
+ * A dma-buf exported by tdrv from a buffer of this device resolves to that
+ * buffer: the same memory, fence and completion count, no copy. It is
+ * charged to this file's limits (file_max_buffers, file_max_mib) as well.
+ *
+ * A foreign dma-buf (e.g. from /dev/dma_heap/system) is mapped into the
+ * kernel for CPU access and, on a device whose engine does DMA (edu), is
+ * attached and mapped for the device once, now; jobs, COPY_IN/OUT,
+ * MEMSET, BUF_INFO and mmap then work on it as on any buffer. It counts
+ * against file_max_buffers but is not charged to the channel or to
+ * file_max_mib (its exporter accounts the memory). tdrv does not take part
+ * in the dma-buf's reservation object (implicit fences): order device work
+ * with tdrv's fence waits. Unbind detaches and releases the import.
+ *
+ * Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;
+ * flags, pad or reserved not zero, out fields not zero; @channel out of
+ * range for a foreign dma-buf; its size is zero, not whole pages, above
+ * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages), EXDEV
+ * (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a
+ * kernel mapping in system memory), ENOSPC (this file's buffer or byte
+ * limit), ENOMEM (also when the exporter cannot map the dma-buf into the
+ * kernel; the dma-buf core then logs a warning once), ENODEV (device
+ * removed), or the exporter's error when mapping the dma-buf for the
+ * device (EIO when its pages are beyond the device's DMA mask: edu's
+ * default mask is 28 bits, so load tdrv with edu_dma_bits=32 for QEMU's
+ * -device edu,dma_mask=0xffffffff).
+ */
+struct tdrv_import {
+	__s32 fd;
+	__u32 channel;
+	__u32 flags;
+	__u32 pad;
+	__u64 handle;
+	__u64 size;
+	__u64 mmap_offset;
+	__u64 reserved[2];
+};
+
 #define TDRV_IOC_MAGIC 0xD7
 
 #define TDRV_IOC_VERSION	_IOR(TDRV_IOC_MAGIC, 0x00, struct tdrv_version)
@@ -266,5 +357,7 @@ struct tdrv_completion_reset {
 #define TDRV_IOC_FENCE_WAIT	_IOW(TDRV_IOC_MAGIC, 0x0B, struct tdrv_fence_wait)
 #define TDRV_IOC_COMPLETION_WAIT _IOWR(TDRV_IOC_MAGIC, 0x0C, struct tdrv_completion_wait)
 #define TDRV_IOC_COMPLETION_RESET _IOW(TDRV_IOC_MAGIC, 0x0D, struct tdrv_completion_reset)
+#define TDRV_IOC_EXPORT		_IOWR(TDRV_IOC_MAGIC, 0x0E, struct tdrv_export)
+#define TDRV_IOC_IMPORT		_IOWR(TDRV_IOC_MAGIC, 0x0F, struct tdrv_import)
 
 #endif /* _UAPI_TDRV_H */

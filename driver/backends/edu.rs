@@ -587,6 +587,10 @@ impl Engine for EduBackend {
         fail_all(queue, ENODEV);
     }
 
+    fn does_dma(&self) -> bool {
+        true
+    }
+
     fn counters(&self) -> EngineCounters {
         let e = &self.0;
         EngineCounters {

@@ -9,6 +9,7 @@ layer underneath: see the README's Python section).
 import ctypes
 import errno
 import gc
+import os
 import threading
 
 import numpy as np
@@ -387,3 +388,32 @@ def test_device_tensors_jobs_and_views(path):
     d[:] = 1
     del d
     assert np.frombuffer(dst.read(), np.float32).tolist() == [1.0] * 256
+
+
+@pytest.mark.parametrize("path", tdrv.devices())
+def test_a_failed_job_raises_with_its_errno(path):
+    # Each engine's fault injection (debugfs, root): edu's stuck chunk ends
+    # its job with ETIMEDOUT, the software engine's failure with EIO.
+    inject = "/sys/kernel/debug/tdrv/%s/inject" % path.rsplit("/", 1)[-1]
+    if not os.access(inject, os.W_OK):
+        pytest.skip("no fault injection here")
+    dev = tdrv.Device(path)
+    fault, want = ("stall", errno.ETIMEDOUT) if dev.kind == "edu" else ("fail_job", errno.EIO)
+    src = tdrv.from_buffer(np.arange(2048, dtype=np.float32), device=dev)
+    dst = dev.empty(2048, "float32")
+    with open(inject, "w") as f:
+        f.write(fault)
+    h = tdrv.Job().copy(src, dst).submit()
+    with pytest.raises(tdrv.JobFailedError) as e:
+        h.wait(timeout=300)
+    assert e.value.errno == want
+    # Every view and read of the buffer it wrote reports it: no stale bytes.
+    for view in (dst.numpy, lambda: np.asarray(dst), lambda: np.from_dlpack(dst), dst.read):
+        with pytest.raises(tdrv.DeviceWriteFailedError) as e:
+            view()
+        assert e.value.errno == want
+    with pytest.raises(tdrv.DeviceWriteFailedError):
+        dst.check_output_completion(1)
+    # A successful write clears it.
+    dst.write(np.zeros(2048, np.float32))
+    assert not dst.numpy().any()

@@ -3,12 +3,13 @@
 // Generated from uapi/tdrv.h by scripts/gen-uapi; do not edit.
 
 pub const TDRV_ABI_MAJOR: u32 = 1;
-pub const TDRV_ABI_MINOR: u32 = 1;
+pub const TDRV_ABI_MINOR: u32 = 2;
 pub const TDRV_FEAT_MMAP: u32 = 1;
 pub const TDRV_FEAT_SUBMIT: u32 = 2;
 pub const TDRV_FEAT_COMPLETION: u32 = 4;
 pub const TDRV_FEAT_IRQ: u32 = 8;
 pub const TDRV_FEAT_ERROR_LATCH: u32 = 16;
+pub const TDRV_FEAT_DMABUF: u32 = 32;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
 pub const TDRV_MAX_BUFFER_SIZE: u32 = 1073741824;
@@ -159,4 +160,28 @@ pub struct tdrv_completion_wait {
 pub struct tdrv_completion_reset {
     pub handle: __u64,
     pub reserved: __u64,
+}
+#[doc = " struct tdrv_export - TDRV_IOC_EXPORT: share a buffer as a dma-buf (ABI 1.2).\n @handle: in: the buffer.\n @flags: in: zero (no flags defined yet).\n @fd: out: a new dma-buf fd, opened O_RDWR with O_CLOEXEC set. The\n\tdma-buf's size is the buffer's size rounded up to pages.\n @pad: in: zero.\n @reserved: in: zero.\n\n The dma-buf is the buffer itself: the same memory, fence and completion\n count. It outlives FREE, the exporter's close and exit, and keeps the\n module loaded (rmmod fails with EWOULDBLOCK/EBUSY while it exists).\n On the fd:\n  - mmap(2) (MAP_SHARED, not PROT_EXEC, within the size) maps the buffer\n    like tdrv's own mmap; after unbind its pages fault with SIGBUS.\n  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device\n    writes (DMA_BUF_SYNC_READ) or all pending device access (with\n    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN; a signal interrupts\n    it (EINTR/restart), and after unbind it fails with ENODEV. It does not\n    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.\n  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the\n    same buffer.\n  - Other devices cannot attach to it (dma_buf_attach: EOPNOTSUPP).\n\n Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such\n handle), EMFILE (no free fd), ENOMEM, ENODEV (device removed)."]
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct tdrv_export {
+    pub handle: __u64,
+    pub flags: __u32,
+    pub fd: __s32,
+    pub pad: __u32,
+    pub pad2: __u32,
+    pub reserved: [__u64; 2usize],
+}
+#[doc = " struct tdrv_import - TDRV_IOC_IMPORT: a handle for a dma-buf (ABI 1.2).\n @fd: in: a dma-buf fd.\n @channel: in: the HBM channel a foreign dma-buf is placed on (SUBMIT\n\tand COPY need both buffers on one channel); out: the buffer's channel\n\t(a tdrv buffer keeps the one it was allocated on).\n @flags: in: zero (no flags defined yet).\n @pad: in: zero.\n @handle: out: a handle in this file.\n @size: out: the buffer's size in bytes.\n @mmap_offset: out: offset to pass to mmap(2) of this file.\n @reserved: in: zero.\n\n A dma-buf exported by tdrv from a buffer of this device resolves to that\n buffer: the same memory, fence and completion count, no copy. It is\n charged to this file's limits (file_max_buffers, file_max_mib) as well.\n\n A foreign dma-buf (e.g. from /dev/dma_heap/system) is mapped into the\n kernel for CPU access and, on a device whose engine does DMA (edu), is\n attached and mapped for the device once, now; jobs, COPY_IN/OUT,\n MEMSET, BUF_INFO and mmap then work on it as on any buffer. It counts\n against file_max_buffers but is not charged to the channel or to\n file_max_mib (its exporter accounts the memory). tdrv does not take part\n in the dma-buf's reservation object (implicit fences): order device work\n with tdrv's fence waits. Unbind detaches and releases the import.\n\n Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;\n flags, pad or reserved not zero, out fields not zero; @channel out of\n range for a foreign dma-buf; its size is zero, not whole pages, above\n TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages), EXDEV\n (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a\n kernel mapping in system memory), ENOSPC (this file's buffer or byte\n limit), ENOMEM (also when the exporter cannot map the dma-buf into the\n kernel; the dma-buf core then logs a warning once), ENODEV (device\n removed), or the exporter's error when mapping the dma-buf for the\n device (EIO when its pages are beyond the device's DMA mask: edu's\n default mask is 28 bits, so load tdrv with edu_dma_bits=32 for QEMU's\n -device edu,dma_mask=0xffffffff)."]
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct tdrv_import {
+    pub fd: __s32,
+    pub channel: __u32,
+    pub flags: __u32,
+    pub pad: __u32,
+    pub handle: __u64,
+    pub size: __u64,
+    pub mmap_offset: __u64,
+    pub reserved: [__u64; 2usize],
 }

@@ -59,6 +59,10 @@ requests! {
     TDRV_IOC_COMPLETION_WAIT = iorw(0x0C, tdrv_completion_wait);
     /// `_IOW(0xD7, 0x0D, struct tdrv_completion_reset)`
     TDRV_IOC_COMPLETION_RESET = iow(0x0D, tdrv_completion_reset);
+    /// `_IOWR(0xD7, 0x0E, struct tdrv_export)` (ABI 1.2)
+    TDRV_IOC_EXPORT = iorw(0x0E, tdrv_export);
+    /// `_IOWR(0xD7, 0x0F, struct tdrv_import)` (ABI 1.2)
+    TDRV_IOC_IMPORT = iorw(0x0F, tdrv_import);
 }
 
 /// Builds an ioctl number for `nr` with an explicit direction and size, for

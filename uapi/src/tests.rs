@@ -38,6 +38,8 @@ fn request_numbers_are_pinned() {
         ("TDRV_IOC_FENCE_WAIT", 0x4028_D70B),
         ("TDRV_IOC_COMPLETION_WAIT", 0xC030_D70C),
         ("TDRV_IOC_COMPLETION_RESET", 0x4010_D70D),
+        ("TDRV_IOC_EXPORT", 0xC028_D70E),
+        ("TDRV_IOC_IMPORT", 0xC038_D70F),
     ];
     assert_eq!(ALL_REQUESTS, pinned);
 }
@@ -92,6 +94,8 @@ fn c_compiler_agrees_with_rust() {
         tdrv_fence_wait { handle, timeout_us, kind, pad, reserved }
         tdrv_completion_wait { handle, expected, timeout_us, count, reserved }
         tdrv_completion_reset { handle, reserved }
+        tdrv_export { handle, flags, fd, pad, pad2, reserved }
+        tdrv_import { fd, channel, flags, pad, handle, size, mmap_offset, reserved }
     };
     for (name, value) in ALL_REQUESTS {
         body += &format!("P(\"{name}\", {name});\n");

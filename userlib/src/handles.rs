@@ -94,6 +94,12 @@ impl<T> HandleTable<T> {
         self.read().get(&token).map(f)
     }
 
+    /// The first `Some` that `f` returns for a live object (in no
+    /// particular order), under the read lock.
+    pub fn find_map<R>(&self, f: impl FnMut(&T) -> Option<R>) -> Option<R> {
+        self.read().values().find_map(f)
+    }
+
     /// Takes the object of `token` out; `None` when it is not live.
     pub fn remove(&self, token: usize) -> Option<T> {
         self.lock().remove(token)

@@ -194,6 +194,38 @@ impl Storage {
         Ok(Self::new(size, Memory::Dma(buf)))
     }
 
+    /// A device buffer for the dma-buf `fd` (`TDRV_IOC_IMPORT`), mapped
+    /// when the driver supports mmap. Its completion count may already be
+    /// non-zero (another owner's jobs), so it is always asked for.
+    pub(crate) fn from_dmabuf(
+        device: &Arc<Device>,
+        channel: u32,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Arc<Storage>> {
+        if !device.has_features(tdrv_uapi::TDRV_FEAT_DMABUF.into()) {
+            return Err(Error::invalid(format!(
+                "{} does not support dma-buf import (ABI 1.2)",
+                device.path().display()
+            )));
+        }
+        let i = device.import(fd, channel)?;
+        let size = usize::try_from(i.size).map_err(|_| Error::OutOfMemory(usize::MAX))?;
+        let mut buf = DmaBuffer {
+            device: device.clone(),
+            handle: i.handle,
+            channel: i.channel,
+            dma_addr: 0,
+            mapping: None,
+            counted: AtomicBool::new(true),
+        };
+        // On failure `buf` is dropped, which frees the handle.
+        buf.dma_addr = device.buf_info(i.handle)?.dma_addr;
+        if device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()) {
+            buf.mapping = Some(device.map(i.mmap_offset, i.size)?);
+        }
+        Ok(Self::new(size, Memory::Dma(buf)))
+    }
+
     pub(crate) fn kind(&self) -> StorageKind {
         match self.mem {
             Memory::Malloc(_) => StorageKind::Malloc,

@@ -775,6 +775,33 @@ impl Device {
         self.resets.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// `TDRV_IOC_EXPORT` (ABI 1.2): the buffer as a dma-buf fd (O_RDWR,
+    /// close-on-exec). The dma-buf is the same memory, fences and
+    /// completion count as the handle, and outlives it.
+    pub fn export(&self, handle: u64) -> Result<OwnedFd, SysError> {
+        let mut e = uapi::tdrv_export {
+            handle,
+            ..Default::default()
+        };
+        self.ioctl("EXPORT", uapi::TDRV_IOC_EXPORT, &mut e, true)?;
+        // SAFETY: on success the driver installed a new fd that nothing else
+        // owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(e.fd) })
+    }
+
+    /// `TDRV_IOC_IMPORT` (ABI 1.2): a new handle in this file for the
+    /// dma-buf `fd`. A tdrv export of this device resolves to its buffer;
+    /// a foreign dma-buf is placed on `channel`.
+    pub fn import(&self, fd: BorrowedFd<'_>, channel: u32) -> Result<uapi::tdrv_import, SysError> {
+        let mut i = uapi::tdrv_import {
+            fd: fd.as_raw_fd(),
+            channel,
+            ..Default::default()
+        };
+        self.ioctl("IMPORT", uapi::TDRV_IOC_IMPORT, &mut i, true)?;
+        Ok(i)
+    }
+
     /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |
     /// PROT_WRITE, MAP_SHARED, fd, mmap_offset)`.
     pub fn map(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {

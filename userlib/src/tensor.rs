@@ -613,6 +613,87 @@ impl Tensor {
         Some(b.handle)
     }
 
+    /// Shares the tensor's device buffer as a dma-buf: a new fd (O_RDWR,
+    /// close-on-exec) for the whole storage, whatever part of it this view
+    /// covers (the view starts at [`Tensor::offset`] in it). The dma-buf is
+    /// the same memory, fences and completion count, and outlives this
+    /// tensor; pass it to another process (e.g. over a UNIX socket) and
+    /// open it there with [`Tensor::from_dmabuf`], or give it to any
+    /// dma-buf user that maps it with the CPU. [`Error::Unsupported`] for
+    /// tensors that are not on a device.
+    ///
+    /// ```no_run
+    /// use tdrv::{Device, Tensor};
+    ///
+    /// let device = Device::open("/dev/tdrv0")?;
+    /// let t = Tensor::allocate_on(&device, 0, 4096, Some("shared"))?;
+    /// t.write(0, b"hello")?;
+    /// let fd = t.export_dmabuf()?;
+    /// // Here the same process; another one would receive `fd` first.
+    /// let same = Tensor::from_dmabuf(&device, &fd)?;
+    /// let mut buf = [0u8; 5];
+    /// same.read(0, &mut buf)?;
+    /// assert_eq!(&buf, b"hello");
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn export_dmabuf(&self) -> Result<std::os::fd::OwnedFd> {
+        let storage = self.storage_for("export_dmabuf")?;
+        let b = storage.dma().ok_or(Error::Unsupported {
+            op: "export_dmabuf",
+            kind: storage.kind(),
+        })?;
+        // Others may write the buffer from now on: completion baselines
+        // must be asked for.
+        b.counted.store(true, Ordering::Release);
+        Ok(b.device.export(b.handle)?)
+    }
+
+    /// A tensor over the dma-buf `fd` on `device` (`Dma` storage, the
+    /// whole dma-buf): a tdrv export of this device is the same buffer as
+    /// the exporter's (no copy); a foreign dma-buf (e.g. from
+    /// `/dev/dma_heap/system`) is placed on HBM channel 0. `fd` may be
+    /// closed afterwards. See [`Tensor::from_dmabuf_on`] for the channel
+    /// and name, and [`Tensor::export_dmabuf`] for an example.
+    pub fn from_dmabuf(device: &Arc<Device>, fd: impl std::os::fd::AsFd) -> Result<Tensor> {
+        Self::from_dmabuf_on(device, 0, fd, None)
+    }
+
+    /// [`Tensor::from_dmabuf`] placing a foreign dma-buf on HBM `channel`
+    /// (jobs need both tensors on one channel); a tdrv export keeps its
+    /// own channel.
+    ///
+    /// ```no_run
+    /// use tdrv::{Device, Tensor};
+    ///
+    /// let device = Device::open("/dev/tdrv0")?;
+    /// let src = Tensor::allocate_on(&device, 1, 4096, None)?;
+    /// let fd = src.export_dmabuf()?;
+    /// let t = Tensor::from_dmabuf_on(&device, 1, &fd, Some("imported"))?;
+    /// assert_eq!(t.channel(), Some(1));
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn from_dmabuf_on(
+        device: &Arc<Device>,
+        channel: u32,
+        fd: impl std::os::fd::AsFd,
+        name: Option<&str>,
+    ) -> Result<Tensor> {
+        let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), 0);
+        let storage = Storage::from_dmabuf(device, channel, fd.as_fd())?;
+        // Its completion count may be non-zero already: start the view's
+        // baseline there, as a slice does.
+        let baseline = match storage.dma() {
+            Some(b) => {
+                // Epoch first, as in `slice`.
+                let epoch = b.device.completion_epoch(b.handle);
+                (b.device.buf_info(b.handle)?.completion_count, epoch)
+            }
+            None => (0, 0),
+        };
+        let size = storage.size;
+        Self::new_view(name, Some(storage), 0, size, baseline)
+    }
+
     /// Physical address, size and HBM channel of a `Dma` tensor.
     pub fn device_allocation_info(&self) -> Result<DeviceAllocationInfo> {
         let physical_address = self.pa()?;

@@ -463,3 +463,12 @@ fn device_placement_without_a_device_is_an_error() {
         other => panic!("{other}"),
     }
 }
+
+#[test]
+fn export_dmabuf_needs_a_device_tensor() {
+    let t = tdrv::Tensor::allocate_host(64, Some("h")).unwrap();
+    match t.export_dmabuf() {
+        Err(tdrv::Error::Unsupported { op, .. }) => assert_eq!(op, "export_dmabuf"),
+        other => panic!("export of host memory: {other:?}"),
+    }
+}

@@ -216,6 +216,28 @@ impl Dev {
         self.ioctl(TDRV_IOC_COMPLETION_RESET, &mut c).map(drop)
     }
 
+    /// TDRV_IOC_EXPORT: the buffer as a dma-buf fd.
+    pub fn export(&self, handle: u64) -> Result<OwnedFd, Errno> {
+        let mut e = tdrv_export {
+            handle,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_EXPORT, &mut e)?;
+        // SAFETY: the driver installed a new fd for us.
+        Ok(unsafe { OwnedFd::from_raw_fd(e.fd) })
+    }
+
+    /// TDRV_IOC_IMPORT: a handle for the dma-buf `fd` (a foreign one on
+    /// `channel`).
+    pub fn import(&self, fd: i32, channel: u32) -> Result<tdrv_import, Errno> {
+        let mut i = tdrv_import {
+            fd,
+            channel,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_IMPORT, &mut i).map(|_| i)
+    }
+
     /// Maps a whole buffer read-write, shared.
     pub fn map(&self, a: &tdrv_alloc) -> Result<Mapping, Errno> {
         let len = (a.size as usize).next_multiple_of(page_size());
@@ -240,6 +262,26 @@ impl Dev {
         }
         Ok(Mapping { ptr: p.cast(), len })
     }
+}
+
+/// Maps `len` bytes of any file `fd` from `offset`, read-write, shared.
+pub fn map_fd(fd: i32, offset: u64, len: usize) -> Result<Mapping, Errno> {
+    // SAFETY: a fresh shared mapping chosen by the kernel; no Rust object
+    // lives there.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(errno());
+    }
+    Ok(Mapping { ptr: p.cast(), len })
 }
 
 pub fn page_size() -> usize {

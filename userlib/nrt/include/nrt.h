@@ -121,6 +121,19 @@ NRT_STATUS nrt_tensor_check_output_completion(const nrt_tensor_t *output, int64_
 					      uint64_t expected_completion_count);
 NRT_STATUS nrt_tensor_reset_output_completion(nrt_tensor_t *output);
 
+/*
+ * A dma-buf fd for device memory, e.g. to register it with an RDMA NIC
+ * (ibv_reg_dmabuf_mr) or to pass it to another process. [va, va + size)
+ * must lie inside the memory of one live device tensor of this library
+ * (nrt_tensor_get_va of it or of a slice); size > 0. The fd (O_RDWR,
+ * close-on-exec; the caller closes it) covers that tensor's whole device
+ * allocation: va is at offset va - nrt_tensor_get_va(whole tensor) in it.
+ * It is the same memory and outlives the tensor. NRT_INVALID for NULL fd,
+ * size 0, or a range that is not inside one device tensor; NRT_CLOSED if
+ * the device was removed; NRT_RESOURCE when out of fds or memory.
+ */
+NRT_STATUS nrt_get_dmabuf_fd(uint64_t va, uint64_t size, int *fd);
+
 NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result);
 void nrt_destroy_tensor_set(nrt_tensor_set_t **tensor_set);
 NRT_STATUS nrt_add_tensor_to_tensor_set(nrt_tensor_set_t *tensor_set, const char *tensor_name,

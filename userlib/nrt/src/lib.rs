@@ -655,6 +655,61 @@ pub extern "C" fn nrt_tensor_get_va(tensor: *const nrt_tensor_t) -> *mut c_void 
     va
 }
 
+/// The device tensor of this library whose memory holds `[va, va + size)`
+/// (a quiet handle), if any.
+fn device_tensor_at(va: u64, size: u64) -> Option<Tensor> {
+    let end = va.checked_add(size)?;
+    handles().find_map(|h| {
+        let Handle::Tensor(held) = h else {
+            return None;
+        };
+        let t = held.tensor()?;
+        t.device()?;
+        let base = (t.va()?.as_ptr() as u64).checked_sub(t.offset() as u64)?;
+        let len = t.storage_size()? as u64;
+        (va >= base && end <= base.checked_add(len)?).then(|| t.clone_quiet())
+    })
+}
+
+/// A dma-buf fd (`*fd`, O_RDWR, close-on-exec) for the device allocation
+/// holding `[va, va + size)`; see `nrt.h`.
+///
+/// # Safety
+/// `fd` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn nrt_get_dmabuf_fd(va: u64, size: u64, fd: *mut c_int) -> NRT_STATUS {
+    const F: &str = "nrt_get_dmabuf_fd";
+    guard(F, || {
+        if fd.is_null() {
+            return fail(F, NRT_INVALID, "fd is NULL");
+        }
+        if size == 0 {
+            return fail(F, NRT_INVALID, "size is 0");
+        }
+        let Some(t) = device_tensor_at(va, size) else {
+            return fail(
+                F,
+                NRT_INVALID,
+                "the range is not inside the memory of one device tensor",
+            );
+        };
+        match t.export_dmabuf() {
+            Ok(owned) => {
+                // SAFETY: non-null and writable per the contract; the
+                // caller owns the fd from here.
+                unsafe { fd.write(std::os::fd::IntoRawFd::into_raw_fd(owned)) };
+                NRT_SUCCESS
+            }
+            Err(Error::Sys(SysError::Os { errno, .. }))
+                if errno == libc::EMFILE || errno == libc::ENFILE =>
+            {
+                fail(F, NRT_RESOURCE, "out of file descriptors")
+            }
+            Err(e) => status(F, Err(e)),
+        }
+    })
+}
+
 /// A batch whose handle, pointers and ranges were checked, with its ops
 /// copied out of the caller's memory.
 struct CheckedBatch {

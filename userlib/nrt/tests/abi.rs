@@ -189,3 +189,23 @@ fn host_completion_through_the_c_abi() {
         nrt_tensor_free(&mut t);
     }
 }
+
+#[test]
+fn dmabuf_fd_of_host_memory_and_bad_arguments_are_invalid() {
+    let t = alloc(4096, "host");
+    let va = nrt_tensor_get_va(t) as u64;
+    assert_ne!(va, 0);
+    let mut fd = -1;
+    // SAFETY: `fd` is writable.
+    assert_eq!(unsafe { nrt_get_dmabuf_fd(va, 16, &mut fd) }, NRT_INVALID);
+    assert_eq!(fd, -1);
+    // SAFETY: as above; NULL is allowed and refused.
+    unsafe {
+        assert_eq!(nrt_get_dmabuf_fd(va, 0, &mut fd), NRT_INVALID);
+        assert_eq!(nrt_get_dmabuf_fd(va, 16, std::ptr::null_mut()), NRT_INVALID);
+        assert_eq!(nrt_get_dmabuf_fd(u64::MAX, 2, &mut fd), NRT_INVALID);
+    }
+    let mut t = t;
+    // SAFETY: a live handle variable.
+    unsafe { nrt_tensor_free(&mut t) };
+}

@@ -41,9 +41,11 @@ fn main() {
             let v = dev.version().map_err(|e| format!("errno {e}"))?;
             expect_eq("abi_major", v.abi_major, TDRV_ABI_MAJOR)?;
             expect_eq("abi_minor", v.abi_minor, TDRV_ABI_MINOR)?;
-            let want =
-                (TDRV_FEAT_MMAP | TDRV_FEAT_SUBMIT | TDRV_FEAT_COMPLETION | TDRV_FEAT_ERROR_LATCH)
-                    as u64;
+            let want = (TDRV_FEAT_MMAP
+                | TDRV_FEAT_SUBMIT
+                | TDRV_FEAT_COMPLETION
+                | TDRV_FEAT_ERROR_LATCH
+                | TDRV_FEAT_DMABUF) as u64;
             expect_eq("base features", v.features & want, want)?;
             expect_eq(
                 "max_buffer_size",

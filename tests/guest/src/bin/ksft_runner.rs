@@ -87,6 +87,7 @@ fn main() {
                 "tdrv:tdrv-demo",
                 "tdrv:bench",
                 "tdrv:run-all",
+                "tdrv:sim_raw",
             ] {
                 if listed.contains(&not) {
                     return Err(format!("{not} listed:\n{out}"));

@@ -16,11 +16,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "nrt.h"
 
-#define PLAN 26
+#define PLAN 28
 
 static int test_no, failures;
 
@@ -60,6 +61,7 @@ API(nrt_allocate_tensor_set);
 API(nrt_destroy_tensor_set);
 API(nrt_add_tensor_to_tensor_set);
 API(nrt_get_tensor_from_tensor_set);
+API(nrt_get_dmabuf_fd);
 
 static int load(void *lib)
 {
@@ -92,6 +94,7 @@ static int load(void *lib)
 	LOAD(nrt_destroy_tensor_set);
 	LOAD(nrt_add_tensor_to_tensor_set);
 	LOAD(nrt_get_tensor_from_tensor_set);
+	LOAD(nrt_get_dmabuf_fd);
 #undef LOAD
 	return ok;
 }
@@ -182,6 +185,33 @@ int main(int argc, char **argv)
 	/* va */
 	unsigned char *va = p_nrt_tensor_get_va(t);
 	check(va && !memcmp(va, a, N), "get_va sees the written bytes");
+
+	/* dma-buf of a device tensor: the same memory; host memory has none */
+	int dfd = -1;
+	s = p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va + 100, 200, &dfd);
+	if (pl == NRT_TENSOR_PLACEMENT_DEVICE) {
+		unsigned char *m = MAP_FAILED;
+		if (s == NRT_SUCCESS && dfd >= 0)
+			m = mmap(NULL, N, PROT_READ | PROT_WRITE, MAP_SHARED, dfd, 0);
+		int same = m != MAP_FAILED && !memcmp(m, a, N);
+		if (same) {
+			m[5] = (unsigned char)~a[5];
+			same = va[5] == m[5];
+			m[5] = a[5];
+		}
+		if (m != MAP_FAILED)
+			munmap(m, N);
+		check(same, "nrt_get_dmabuf_fd: an mmap of the fd is the tensor's memory");
+	} else {
+		check(s == NRT_INVALID && dfd == -1, "nrt_get_dmabuf_fd: host memory is NRT_INVALID");
+	}
+	if (dfd >= 0)
+		close(dfd);
+	check(p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, N + 1, &dfd) == NRT_INVALID &&
+		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, 0, &dfd) == NRT_INVALID &&
+		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, 1, NULL) == NRT_INVALID &&
+		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)a, 1, &dfd) == NRT_INVALID,
+	      "nrt_get_dmabuf_fd: ranges outside a device tensor and NULL are NRT_INVALID");
 
 	/* memset */
 	s = p_nrt_tensor_memset(t, 100, 0x1AB, 200); /* value converts to 0xAB */

@@ -1,0 +1,261 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * tdrv: dma-buf export and import (see dmabuf.h for the interface and
+ * driver/dmabuf.rs for the design). The C side owns everything that is a
+ * macro or an inline in C (export info, scatterlist walks, iosys_map);
+ * the buffer logic stays in Rust behind three callbacks.
+ */
+
+#include <linux/dma-buf.h>
+#include <linux/dma-direction.h>
+#include <linux/err.h>
+#include <linux/fcntl.h>
+#include <linux/file.h>
+#include <linux/fs.h>
+#include <linux/iosys-map.h>
+#include <linux/mm.h>
+#include <linux/module.h>
+#include <linux/scatterlist.h>
+#include <linux/slab.h>
+
+#include "dmabuf.h"
+
+MODULE_IMPORT_NS("DMA_BUF");
+
+/* No device but tdrv's own files may use the memory: an importer's DMA
+ * mapping could not be revoked when the device is unbound and its memory
+ * freed. */
+static int tdrv_dmabuf_attach(struct dma_buf *dmabuf,
+			      struct dma_buf_attachment *attach)
+{
+	return -EOPNOTSUPP;
+}
+
+static struct sg_table *tdrv_dmabuf_map(struct dma_buf_attachment *attach,
+					enum dma_data_direction dir)
+{
+	return ERR_PTR(-EOPNOTSUPP);
+}
+
+static void tdrv_dmabuf_unmap(struct dma_buf_attachment *attach,
+			      struct sg_table *sgt,
+			      enum dma_data_direction dir)
+{
+}
+
+static void tdrv_dmabuf_release(struct dma_buf *dmabuf)
+{
+	tdrv_dmabuf_release_buffer(dmabuf->priv, dmabuf);
+}
+
+static int tdrv_dmabuf_mmap(struct dma_buf *dmabuf, struct vm_area_struct *vma)
+{
+	return tdrv_dmabuf_mmap_buffer(dmabuf->priv, vma);
+}
+
+static int tdrv_dmabuf_begin_cpu_access(struct dma_buf *dmabuf,
+					enum dma_data_direction dir)
+{
+	return tdrv_dmabuf_begin_cpu(dmabuf->priv, dir != DMA_FROM_DEVICE);
+}
+
+static const struct dma_buf_ops tdrv_dmabuf_ops = {
+	.attach = tdrv_dmabuf_attach,
+	.map_dma_buf = tdrv_dmabuf_map,
+	.unmap_dma_buf = tdrv_dmabuf_unmap,
+	.release = tdrv_dmabuf_release,
+	.mmap = tdrv_dmabuf_mmap,
+	.begin_cpu_access = tdrv_dmabuf_begin_cpu_access,
+};
+
+struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size)
+{
+	DEFINE_DMA_BUF_EXPORT_INFO(info);
+
+	info.exp_name = "tdrv";
+	/* An exported fd pins the module: the release callback is ours. */
+	info.owner = THIS_MODULE;
+	info.ops = &tdrv_dmabuf_ops;
+	info.size = size;
+	info.flags = O_RDWR;
+	info.priv = (void *)buf;
+	return dma_buf_export(&info);
+}
+
+struct inode *tdrv_dmabuf_hold_inode(struct dma_buf *dmabuf)
+{
+	struct inode *inode = file_inode(dmabuf->file);
+
+	ihold(inode);
+	return inode;
+}
+
+void tdrv_dmabuf_zap(struct inode *inode)
+{
+	/* Length 0: the whole file. */
+	unmap_mapping_range(inode->i_mapping, 0, 0, 1);
+}
+
+void tdrv_dmabuf_put_inode(struct inode *inode)
+{
+	iput(inode);
+}
+
+int tdrv_dmabuf_reserve_fd(void)
+{
+	return get_unused_fd_flags(O_CLOEXEC);
+}
+
+void tdrv_dmabuf_install(struct dma_buf *dmabuf, int fd)
+{
+	dma_buf_fd_install(dmabuf, fd);
+}
+
+void tdrv_dmabuf_unreserve_fd(int fd)
+{
+	put_unused_fd(fd);
+}
+
+void tdrv_dmabuf_put(struct dma_buf *dmabuf)
+{
+	dma_buf_put(dmabuf);
+}
+
+int tdrv_dmabuf_lookup(int fd, struct dma_buf **out, const void **own)
+{
+	struct dma_buf *dmabuf;
+
+	if (fd < 0)
+		return -EBADF;
+	dmabuf = dma_buf_get(fd);
+	if (IS_ERR(dmabuf))
+		return PTR_ERR(dmabuf);
+	*out = dmabuf;
+	*own = dmabuf->ops == &tdrv_dmabuf_ops ? dmabuf->priv : NULL;
+	return 0;
+}
+
+struct tdrv_import {
+	struct dma_buf *dmabuf;
+	struct iosys_map map;
+	struct dma_buf_attachment *attach; /* NULL: CPU access only */
+	struct sg_table *sgt;
+};
+
+/* True if every DMA segment of @sgt is whole pages and they add up to
+ * @size bytes. */
+static bool tdrv_sgt_whole_pages(struct sg_table *sgt, size_t size)
+{
+	struct scatterlist *sg;
+	size_t total = 0;
+	unsigned int i;
+
+	for_each_sgtable_dma_sg(sgt, sg, i) {
+		if (!PAGE_ALIGNED(sg_dma_address(sg)) ||
+		    !PAGE_ALIGNED(sg_dma_len(sg)))
+			return false;
+		total += sg_dma_len(sg);
+	}
+	return total >= size;
+}
+
+struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
+{
+	struct tdrv_import *imp;
+	int ret;
+
+	if (!PAGE_ALIGNED(dmabuf->size) || !dmabuf->size) {
+		ret = -EINVAL;
+		goto err_put;
+	}
+	/* No kernel mapping at all (dma_buf_vmap would say EINVAL). */
+	if (!dmabuf->ops->vmap) {
+		ret = -EOPNOTSUPP;
+		goto err_put;
+	}
+	imp = kzalloc(sizeof(*imp), GFP_KERNEL_ACCOUNT);
+	if (!imp) {
+		ret = -ENOMEM;
+		goto err_put;
+	}
+	imp->dmabuf = dmabuf;
+	ret = dma_buf_vmap_unlocked(dmabuf, &imp->map);
+	if (ret)
+		goto err_free;
+	if (imp->map.is_iomem) {
+		ret = -EOPNOTSUPP;
+		goto err_vunmap;
+	}
+	if (dev) {
+		imp->attach = dma_buf_attach(dmabuf, dev);
+		if (IS_ERR(imp->attach)) {
+			ret = PTR_ERR(imp->attach);
+			goto err_vunmap;
+		}
+		imp->sgt = dma_buf_map_attachment_unlocked(imp->attach,
+							   DMA_BIDIRECTIONAL);
+		if (IS_ERR(imp->sgt)) {
+			ret = PTR_ERR(imp->sgt);
+			goto err_detach;
+		}
+		if (!tdrv_sgt_whole_pages(imp->sgt, dmabuf->size)) {
+			ret = -EINVAL;
+			goto err_unmap;
+		}
+	}
+	return imp;
+
+err_unmap:
+	dma_buf_unmap_attachment_unlocked(imp->attach, imp->sgt,
+					  DMA_BIDIRECTIONAL);
+err_detach:
+	dma_buf_detach(dmabuf, imp->attach);
+err_vunmap:
+	dma_buf_vunmap_unlocked(dmabuf, &imp->map);
+err_free:
+	kfree(imp);
+err_put:
+	dma_buf_put(dmabuf);
+	return ERR_PTR(ret);
+}
+
+size_t tdrv_import_size(const struct tdrv_import *imp)
+{
+	return imp->dmabuf->size;
+}
+
+void *tdrv_import_vaddr(const struct tdrv_import *imp)
+{
+	return imp->map.vaddr;
+}
+
+void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages)
+{
+	struct scatterlist *sg;
+	size_t n = 0;
+	unsigned int i;
+
+	if (!imp->sgt) {
+		memset(dma, 0, pages * sizeof(*dma));
+		return;
+	}
+	for_each_sgtable_dma_sg(imp->sgt, sg, i) {
+		dma_addr_t addr = sg_dma_address(sg);
+		size_t off;
+
+		for (off = 0; off < sg_dma_len(sg) && n < pages; off += PAGE_SIZE)
+			dma[n++] = addr + off;
+	}
+}
+
+void tdrv_import_release(struct tdrv_import *imp)
+{
+	if (imp->attach) {
+		dma_buf_unmap_attachment_unlocked(imp->attach, imp->sgt,
+						  DMA_BIDIRECTIONAL);
+		dma_buf_detach(imp->dmabuf, imp->attach);
+	}
+	dma_buf_vunmap_unlocked(imp->dmabuf, &imp->map);
+	dma_buf_put(imp->dmabuf);
+	kfree(imp);
+}

@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * tdrv dma-buf bridge (driver/dmabuf.c), called from Rust (driver/dmabuf.rs).
+ *
+ * Exporter: a tdrv buffer becomes a dma-buf whose private data is one
+ * reference to the buffer (an Arc<Buffer> turned into a raw pointer). The
+ * dma-buf gives it back through tdrv_dmabuf_release_buffer() when its last
+ * file reference goes. Other devices cannot attach (map_dma_buf is refused
+ * with -EOPNOTSUPP); mmap and DMA_BUF_IOCTL_SYNC go to the callbacks below.
+ *
+ * Importer: a foreign dma-buf is vmapped for CPU access (the software
+ * engine, COPY_IN/OUT, mmap) and, for a device that does DMA, attached and
+ * mapped once for the lifetime of the import.
+ */
+#ifndef TDRV_DMABUF_H
+#define TDRV_DMABUF_H
+
+#include <linux/types.h>
+
+struct address_space;
+struct device;
+struct dma_buf;
+struct inode;
+struct tdrv_import;
+struct vm_area_struct;
+
+/* Exports the buffer behind @buf (@size bytes). Returns the dma-buf, which
+ * now owns that reference, or an ERR_PTR; on failure the reference is
+ * still the caller's. */
+struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size);
+/* A reference to the inode of @dmabuf's file (every mmap of the dma-buf
+ * hangs off its address space), for unmap at unbind; the caller holds
+ * @dmabuf. */
+struct inode *tdrv_dmabuf_hold_inode(struct dma_buf *dmabuf);
+/* Unmaps every user mapping of the file of @inode. */
+void tdrv_dmabuf_zap(struct inode *inode);
+/* Drops a reference from tdrv_dmabuf_hold_inode(). */
+void tdrv_dmabuf_put_inode(struct inode *inode);
+/* Reserves an fd (O_CLOEXEC) for a dma-buf; -errno on failure. */
+int tdrv_dmabuf_reserve_fd(void);
+/* Installs @dmabuf at the reserved @fd: consumes the caller's dma-buf
+ * reference. Cannot fail or be undone. */
+void tdrv_dmabuf_install(struct dma_buf *dmabuf, int fd);
+/* Gives back an fd reserved and never installed. */
+void tdrv_dmabuf_unreserve_fd(int fd);
+/* Drops a dma-buf reference. */
+void tdrv_dmabuf_put(struct dma_buf *dmabuf);
+
+/* Looks up the dma-buf of @fd. Returns -EBADF if @fd is not open, -EINVAL
+ * if it is not a dma-buf. If the dma-buf is one of tdrv's, *@own is its
+ * buffer pointer (valid while the returned reference is held), else NULL. */
+int tdrv_dmabuf_lookup(int fd, struct dma_buf **dmabuf, const void **own);
+
+/* Imports the foreign @dmabuf, consuming the caller's reference (also on
+ * failure): vmaps it and, if @dev is not NULL, attaches and maps it for
+ * DMA by @dev. -EOPNOTSUPP if it has no kernel mapping in system memory,
+ * -EINVAL if its DMA segments are not whole pages, or the error of
+ * dma_buf_vmap()/dma_buf_attach()/dma_buf_map_attachment(). */
+struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev);
+/* The imported dma-buf's size in bytes (a multiple of pages). */
+size_t tdrv_import_size(const struct tdrv_import *imp);
+/* The kernel address of byte 0 of the import (virtually contiguous). */
+void *tdrv_import_vaddr(const struct tdrv_import *imp);
+/* Writes the bus address of each of the first @pages pages of the import
+ * to @dma (zeros without a device). */
+void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages);
+/* Unmaps, detaches, vunmaps and puts the import. Sleeps. */
+void tdrv_import_release(struct tdrv_import *imp);
+
+/* Implemented in Rust (dmabuf.rs). */
+void tdrv_dmabuf_release_buffer(const void *buf, struct dma_buf *dmabuf);
+int tdrv_dmabuf_mmap_buffer(const void *buf, struct vm_area_struct *vma);
+int tdrv_dmabuf_begin_cpu(const void *buf, bool write);
+
+#endif

@@ -1,0 +1,390 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! dma-buf export (`TDRV_IOC_EXPORT`) and import (`TDRV_IOC_IMPORT`).
+//!
+//! 7.2 has no Rust dma-buf abstraction; `dmabuf.c` holds the C side (the
+//! `dma_buf_ops` table, export info, scatterlist walks) behind the narrow
+//! interface of `dmabuf.h`, and this file wraps it.
+//!
+//! # Export
+//!
+//! An exported dma-buf holds one reference to its [`Buffer`], so it is the
+//! same memory, fence and completion count as the handle it came from, and
+//! outlives FREE, the exporter's close and exit. Its `owner` is this
+//! module: `rmmod` fails while an exported fd exists. tdrv recognises its
+//! own dma-bufs by their ops table: IMPORT of one resolves to the original
+//! buffer (no copy), in any file of the same device; another device's
+//! buffer is EXDEV (jobs only run between buffers of one device).
+//!
+//! - mmap of the dma-buf fd maps the buffer like tdrv's own mmap (shared,
+//!   not executable, pages inserted at fault time, SIGBUS after unbind).
+//!   Unbind zaps these mappings too: every buffer lists its live exports,
+//!   each with a reference to its file's inode (see [`ExportMapping`]).
+//!   The dma-buf's size is the buffer's, rounded up to pages.
+//! - `DMA_BUF_IOCTL_SYNC` with `DMA_BUF_SYNC_START` waits, like COPY_OUT
+//!   (read) or COPY_IN (write), for the device writes (read) or all device
+//!   accesses (write) pending on the buffer; a signal interrupts it. It does
+//!   not hold jobs off until `SYNC_END` (which does nothing): the kernel
+//!   cannot rely on userspace pairing the two, and a forgotten END must not
+//!   block other users of the buffer. The error latch does not fail SYNC;
+//!   after unbind it is ENODEV.
+//! - No other device may attach (`map_dma_buf`): its DMA mapping of tdrv
+//!   memory could not be revoked when tdrv's device is unbound and the
+//!   memory freed. (Serving revocable importers, `dma_buf_attach_revocable`
+//!   and `dma_buf_invalidate_mappings`, would lift this; not done yet.)
+//!
+//! # Import of foreign dma-bufs
+//!
+//! A foreign dma-buf (for example from `/dev/dma_heap/system`) is mapped
+//! into the kernel (`dma_buf_vmap`) for CPU access: the software engine,
+//! COPY_IN/OUT, MEMSET and mmap use that mapping. For a device whose engine
+//! does DMA, the dma-buf is also attached and mapped for the device once,
+//! at IMPORT, and the buffer's pieces are its pages with their bus
+//! addresses. A device whose DMA mask does not reach the pages fails the
+//! IMPORT with the mapping's error. The import is not charged to a channel
+//! (the exporter accounts the memory) but lives on the channel the caller
+//! names, for SUBMIT's same-channel rule. Unbind unmaps, detaches and
+//! releases every import before the device goes away; the handle stays, as
+//! an empty shell, like every buffer's.
+//!
+//! When the exporter cannot make the kernel mapping (out of memory), IMPORT
+//! fails with its error (ENOMEM), and the dma-buf core logs a warning of
+//! its own (`dma_buf_vmap` WARNs once on an exporter's vmap failure);
+//! tdrv has no other way to reach a foreign dma-buf's bytes with the CPU
+//! (the pages of an importer's scatterlist are off limits).
+//!
+//! tdrv neither waits for nor adds fences in a dma-buf's reservation
+//! object: its users order device work with tdrv's own fence waits.
+
+use kernel::{
+    bindings,
+    error::from_err_ptr,
+    mm::virt::VmaNew,
+    page::PAGE_SIZE,
+    prelude::*,
+    sync::{
+        Arc,
+        ArcBorrow, //
+    }, //
+};
+
+use crate::{
+    buffer::Buffer,
+    fence::Timeout,
+    mmap,
+    uapi::{
+        FENCE_ALL,
+        FENCE_WRITES, //
+    }, //
+};
+
+/// C objects passed through opaquely (bindgen's layouts of them contain
+/// zero-sized members that the FFI lint rejects).
+type Opaque = core::ffi::c_void;
+
+mod ffi {
+    use super::Opaque;
+
+    extern "C" {
+        pub(super) fn tdrv_dmabuf_export(
+            buf: *const core::ffi::c_void,
+            size: usize,
+        ) -> *mut Opaque;
+        pub(super) fn tdrv_dmabuf_hold_inode(dmabuf: *mut Opaque) -> *mut Opaque;
+        pub(super) fn tdrv_dmabuf_zap(inode: *mut Opaque);
+        pub(super) fn tdrv_dmabuf_put_inode(inode: *mut Opaque);
+        pub(super) fn tdrv_dmabuf_reserve_fd() -> core::ffi::c_int;
+        pub(super) fn tdrv_dmabuf_install(dmabuf: *mut Opaque, fd: core::ffi::c_int);
+        pub(super) fn tdrv_dmabuf_unreserve_fd(fd: core::ffi::c_int);
+        pub(super) fn tdrv_dmabuf_put(dmabuf: *mut Opaque);
+        pub(super) fn tdrv_dmabuf_lookup(
+            fd: core::ffi::c_int,
+            dmabuf: *mut *mut Opaque,
+            own: *mut *const core::ffi::c_void,
+        ) -> core::ffi::c_int;
+        pub(super) fn tdrv_import_new(
+            dmabuf: *mut Opaque,
+            dev: *mut Opaque,
+        ) -> *mut core::ffi::c_void;
+        pub(super) fn tdrv_import_size(imp: *const core::ffi::c_void) -> usize;
+        pub(super) fn tdrv_import_vaddr(imp: *const core::ffi::c_void) -> *mut core::ffi::c_void;
+        pub(super) fn tdrv_import_dma_pages(imp: *const core::ffi::c_void, dma: *mut u64, pages: usize);
+        pub(super) fn tdrv_import_release(imp: *mut core::ffi::c_void);
+    }
+}
+
+/// A live export, as its buffer records it: the dma-buf (only as a key,
+/// never dereferenced) and a reference to the inode of its file, whose
+/// address space every mmap of the dma-buf hangs off.
+///
+/// The inode reference is needed because the dma-buf core releases the
+/// dma-buf (our release callback) when its dentry dies, after the dentry
+/// has let go of the inode: without our reference the address space could
+/// be gone while unbind still finds the export in the list.
+pub(crate) struct ExportMapping {
+    dmabuf: *mut Opaque,
+    inode: *mut Opaque,
+}
+
+// SAFETY: The inode reference may be used and dropped from any thread;
+// the dma-buf pointer is only compared.
+unsafe impl Send for ExportMapping {}
+// SAFETY: `zap` may run concurrently from several threads.
+unsafe impl Sync for ExportMapping {}
+
+impl ExportMapping {
+    /// Takes a reference to the inode of `dmabuf`'s file.
+    ///
+    /// # Safety
+    ///
+    /// The caller holds a reference to `dmabuf`.
+    unsafe fn new(dmabuf: *mut Opaque) -> Self {
+        // SAFETY: `dmabuf` and its file are alive (the caller's reference).
+        let inode = unsafe { ffi::tdrv_dmabuf_hold_inode(dmabuf) };
+        Self { dmabuf, inode }
+    }
+
+    /// Whether this records the export `dmabuf`.
+    pub(crate) fn is(&self, dmabuf: *mut Opaque) -> bool {
+        self.dmabuf == dmabuf
+    }
+
+    /// Removes every user page table entry of the dma-buf's mappings.
+    pub(crate) fn zap(&self) {
+        // SAFETY: We hold a reference to the inode, so its address space
+        // is alive.
+        unsafe { ffi::tdrv_dmabuf_zap(self.inode) };
+    }
+}
+
+impl Drop for ExportMapping {
+    fn drop(&mut self) {
+        // SAFETY: The reference taken in `new`, given back once.
+        unsafe { ffi::tdrv_dmabuf_put_inode(self.inode) };
+    }
+}
+
+/// A dma-buf fd reserved for an export, not yet visible to userspace.
+/// Dropping it gives back the fd and the dma-buf (whose release then drops
+/// its buffer reference).
+pub(crate) struct PendingExport {
+    dmabuf: *mut Opaque,
+    fd: i32,
+}
+
+impl PendingExport {
+    /// The fd number the export will have.
+    pub(crate) fn fd(&self) -> i32 {
+        self.fd
+    }
+
+    /// Publishes the fd in the caller's fd table. Cannot fail.
+    pub(crate) fn install(self) {
+        let me = core::mem::ManuallyDrop::new(self);
+        // SAFETY: `fd` was reserved in this task and never installed;
+        // `dmabuf` is our reference, which the fd table takes over.
+        unsafe { ffi::tdrv_dmabuf_install(me.dmabuf, me.fd) };
+    }
+}
+
+impl Drop for PendingExport {
+    fn drop(&mut self) {
+        // SAFETY: The fd was reserved and not installed; the dma-buf
+        // reference is ours.
+        unsafe {
+            ffi::tdrv_dmabuf_unreserve_fd(self.fd);
+            ffi::tdrv_dmabuf_put(self.dmabuf);
+        }
+    }
+}
+
+/// Exports `buf` as a dma-buf and reserves an fd for it (O_CLOEXEC; the
+/// file is O_RDWR). The buffer records the export so that unbind can zap
+/// its mappings.
+pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
+    // SAFETY: No preconditions.
+    let fd = unsafe { ffi::tdrv_dmabuf_reserve_fd() };
+    if fd < 0 {
+        return Err(Error::from_errno(fd));
+    }
+    // dma-bufs are whole pages (mmap and importers count in pages).
+    let size = buf.size().next_multiple_of(PAGE_SIZE);
+    let raw = Arc::into_raw(buf);
+    // SAFETY: `raw` is a buffer reference, which the dma-buf takes over on
+    // success (and gives back through `tdrv_dmabuf_release_buffer`).
+    let dmabuf = match from_err_ptr(unsafe { ffi::tdrv_dmabuf_export(raw.cast(), size) }) {
+        Ok(d) => d,
+        Err(e) => {
+            // SAFETY: On failure the reference is still ours.
+            drop(unsafe { Arc::from_raw(raw) });
+            // SAFETY: Reserved above, never installed.
+            unsafe { ffi::tdrv_dmabuf_unreserve_fd(fd) };
+            return Err(e);
+        }
+    };
+    let pending = PendingExport { dmabuf, fd };
+    // SAFETY: `pending` holds a reference to the dma-buf.
+    let mapping = unsafe { ExportMapping::new(dmabuf) };
+    // SAFETY: The dma-buf holds the reference `raw` came from until its
+    // release, which cannot run while `pending` holds the dma-buf. (On
+    // failure `mapping` is dropped, then `pending`.)
+    unsafe { &*raw }.add_export(mapping)?;
+    Ok(pending)
+}
+
+/// What an fd passed to IMPORT refers to.
+pub(crate) enum Lookup {
+    /// One of tdrv's exports: its buffer.
+    Own(Arc<Buffer>),
+    /// Another exporter's dma-buf.
+    Foreign(DmaBufRef),
+}
+
+/// A reference to a foreign dma-buf.
+pub(crate) struct DmaBufRef(*mut Opaque);
+
+impl Drop for DmaBufRef {
+    fn drop(&mut self) {
+        // SAFETY: The reference is ours.
+        unsafe { ffi::tdrv_dmabuf_put(self.0) };
+    }
+}
+
+/// Resolves `fd`: EBADF if it is not an open fd, EINVAL if it is not a
+/// dma-buf.
+pub(crate) fn lookup(fd: i32) -> Result<Lookup> {
+    let mut dmabuf = core::ptr::null_mut();
+    let mut own = core::ptr::null();
+    // SAFETY: Both out-pointers are valid for writes.
+    let r = unsafe { ffi::tdrv_dmabuf_lookup(fd, &mut dmabuf, &mut own) };
+    if r < 0 {
+        return Err(Error::from_errno(r));
+    }
+    let dmabuf = DmaBufRef(dmabuf);
+    if own.is_null() {
+        return Ok(Lookup::Foreign(dmabuf));
+    }
+    // SAFETY: `own` is the buffer reference a tdrv dma-buf holds (from
+    // `export`); `dmabuf` keeps the dma-buf, and so that reference, alive
+    // while we take our own.
+    let buf = Arc::from(unsafe { ArcBorrow::from_raw(own.cast::<Buffer>()) });
+    drop(dmabuf);
+    Ok(Lookup::Own(buf))
+}
+
+/// An imported foreign dma-buf: its kernel mapping and, for a DMA device,
+/// its attachment and mapping. Dropping it releases all of them.
+pub(crate) struct Import(*mut core::ffi::c_void);
+
+// SAFETY: The C object is not tied to a thread; its accessors only read
+// fields fixed at creation, and release happens once, in `drop`.
+unsafe impl Send for Import {}
+// SAFETY: As above.
+unsafe impl Sync for Import {}
+
+impl Import {
+    /// Maps `dmabuf` for the CPU and, with `dev`, for DMA by `dev`.
+    ///
+    /// # Safety
+    ///
+    /// `dev`, if not null, is a bound device that stays bound until the
+    /// import is dropped.
+    pub(crate) unsafe fn new(dmabuf: DmaBufRef, dev: *mut Opaque) -> Result<Self> {
+        let raw = core::mem::ManuallyDrop::new(dmabuf).0;
+        // SAFETY: `raw` is our reference, consumed by the call also on
+        // failure; `dev` is null or bound (the caller's guarantee).
+        let imp = from_err_ptr(unsafe { ffi::tdrv_import_new(raw, dev) })?;
+        Ok(Self(imp))
+    }
+
+    /// Size in bytes (a multiple of pages).
+    pub(crate) fn size(&self) -> usize {
+        // SAFETY: `self.0` is a live import.
+        unsafe { ffi::tdrv_import_size(self.0) }
+    }
+
+    /// Kernel address of byte 0; the mapping is virtually contiguous.
+    pub(crate) fn vaddr(&self) -> *mut u8 {
+        // SAFETY: `self.0` is a live import.
+        unsafe { ffi::tdrv_import_vaddr(self.0) }.cast()
+    }
+
+    /// Bus address of every page (zeros without a device).
+    pub(crate) fn dma_pages(&self, out: &mut [u64]) {
+        // SAFETY: `self.0` is a live import; `out` has room for `len` pages.
+        unsafe { ffi::tdrv_import_dma_pages(self.0, out.as_mut_ptr(), out.len()) }
+    }
+}
+
+impl Drop for Import {
+    fn drop(&mut self) {
+        // SAFETY: The import is ours and released once.
+        unsafe { ffi::tdrv_import_release(self.0) }
+    }
+}
+
+/// `dma_buf_ops.release`: gives back the export's buffer reference.
+///
+/// # Safety
+///
+/// Called once per export, by the dma-buf core, with the reference
+/// `export` gave the dma-buf.
+#[no_mangle]
+unsafe extern "C" fn tdrv_dmabuf_release_buffer(buf: *const Buffer, dmabuf: *mut Opaque) {
+    // SAFETY: The reference `export` moved into the dma-buf.
+    let buf = unsafe { Arc::from_raw(buf) };
+    // (`dmabuf` is only compared: its file may be gone by now.)
+    drop(buf.remove_export(dmabuf));
+    drop(buf);
+}
+
+/// `dma_buf_ops.mmap`.
+///
+/// # Safety
+///
+/// Called by the dma-buf core with a live export's buffer and a VMA under
+/// set-up whose page offset and length it checked against the size.
+#[no_mangle]
+unsafe extern "C" fn tdrv_dmabuf_mmap_buffer(
+    buf: *const Buffer,
+    vma: *mut bindings::vm_area_struct,
+) -> core::ffi::c_int {
+    // SAFETY: The dma-buf holds a buffer reference during the call; we take
+    // our own for the mapping.
+    let buf = Arc::from(unsafe { ArcBorrow::from_raw(buf) });
+    // SAFETY: `vma` is under set-up for the duration of the call.
+    let vma = unsafe { VmaNew::from_raw(vma) };
+    let device = buf.device().clone();
+    let r = device.enter().and_then(|_active| {
+        // The page offset (checked by the core) stays: fault offsets are
+        // page indices in the buffer (see `mmap.rs`).
+        mmap::map_buffer(buf, vma)
+    });
+    match r {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
+    }
+}
+
+/// `dma_buf_ops.begin_cpu_access`: waits for the device accesses a CPU
+/// read (`write == false`) or write must not overlap.
+///
+/// # Safety
+///
+/// Called by the dma-buf core with a live export's buffer.
+#[no_mangle]
+unsafe extern "C" fn tdrv_dmabuf_begin_cpu(buf: *const Buffer, write: bool) -> core::ffi::c_int {
+    // SAFETY: The dma-buf holds a buffer reference during the call.
+    let buf = unsafe { &*buf };
+    // After unbind there is no memory to access (its mappings fault).
+    if !buf.device().is_bound() {
+        return ENODEV.to_errno();
+    }
+    let kind = if write { FENCE_ALL } else { FENCE_WRITES };
+    match buf.fence.wait_until(Timeout::Forever, |c| c.idle(kind)) {
+        Ok(_) => 0,
+        // The bytes are undefined, but nothing is pending: done waiting.
+        Err((e, _)) if e == EIO => 0,
+        Err((e, _)) => e.to_errno(),
+    }
+}

@@ -1,0 +1,326 @@
+//! Memory shared with the guest: BAR2 (a memfd that QEMU maps too) and the
+//! guest's RAM (the file behind QEMU's memory-backend-file).
+//!
+//! Another process writes this memory at any time, so it is never Rust
+//! memory: no `&`/`&mut` to its bytes is ever formed. A [`Region`] hands
+//! out only
+//! - atomic accesses to naturally aligned u32 fields (the ring indices,
+//!   `reset`, `status`, `inject[]`), through `AtomicU32::from_ptr`; the
+//!   guest's plain aligned 32-bit stores and loads are single-copy atomic
+//!   on x86, so both sides see whole values;
+//! - volatile reads and writes of descriptor and completion fields, whose
+//!   ordering against the guest comes from the acquire load of `sq_tail`
+//!   before reading descriptors and the release store of `cq_tail` after
+//!   writing completions (the protocol of docs/sim-device.md);
+//! - bulk copies, done by the kernel (`pwrite(2)` from one mapping into
+//!   the file behind the other), so no Rust code reads or writes the
+//!   payload bytes while the guest may be touching them. A heap region
+//!   (tests, Miri) has no file and copies with `ptr::copy`, which is sound
+//!   there because the tests never touch a buffer while a copy runs.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
+
+/// What owns a region's memory.
+enum Backing {
+    /// A `MAP_SHARED` mapping of `fd` from file offset 0.
+    Mapped { fd: OwnedFd },
+    /// A zeroed heap allocation with this layout (tests, Miri).
+    Heap { layout: std::alloc::Layout },
+}
+
+/// A range of shared memory, accessed only through raw pointers, atomics,
+/// volatile accesses and the kernel (see the module documentation).
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+}
+
+// SAFETY: a Region is a raw pointer to memory that lives as long as the
+// Region (a mapping unmapped in Drop, or a heap block freed in Drop) plus
+// the fd it maps. Every access method is safe to call from any thread at
+// the same time: u32 fields are accessed atomically, other fields through
+// volatile accesses ordered by the ring protocol, and nothing hands out
+// references to the bytes.
+unsafe impl Send for Region {}
+// SAFETY: see Send above; shared access is what the methods are for.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Maps the first `len` bytes of `fd` shared and writable.
+    pub fn map(fd: OwnedFd, len: usize) -> io::Result<Region> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty region"));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (addr NULL), so it
+        // replaces nothing of ours; the result is checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Region {
+            ptr: NonNull::new(p.cast()).expect("mmap returned NULL"),
+            len,
+            backing: Backing::Mapped { fd },
+        })
+    }
+
+    /// A zeroed, page-aligned heap region of `len` bytes, for tests.
+    pub fn heap(len: usize) -> Region {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096).expect("region size");
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Region {
+            ptr,
+            len,
+            backing: Backing::Heap { layout },
+        }
+    }
+
+    /// A region backed by a new memfd of `len` bytes (zeroed, sparse).
+    pub fn memfd(name: &str, len: usize) -> io::Result<Region> {
+        let cname = std::ffi::CString::new(name).map_err(io::Error::other)?;
+        // SAFETY: cname is a valid C string; the fd is checked below.
+        let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create returned a new fd that nothing else owns.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let file = File::from(fd);
+        file.set_len(len as u64)?;
+        Region::map(file.into(), len)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never: regions have a length).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The fd behind a mapped region.
+    pub fn fd(&self) -> Option<&OwnedFd> {
+        match &self.backing {
+            Backing::Mapped { fd } => Some(fd),
+            Backing::Heap { .. } => None,
+        }
+    }
+
+    /// Whether `[off, off + len)` lies inside the region.
+    pub fn contains(&self, off: u64, len: u64) -> bool {
+        off.checked_add(len)
+            .is_some_and(|end| end <= self.len as u64)
+    }
+
+    fn field<T>(&self, off: usize) -> *mut T {
+        let size = std::mem::size_of::<T>();
+        assert!(
+            off % size == 0 && off.checked_add(size).is_some_and(|e| e <= self.len),
+            "field at {off:#x} (size {size}) outside the region or unaligned"
+        );
+        // SAFETY: off + size <= len, so the result stays inside the
+        // allocation or mapping.
+        unsafe { self.ptr.as_ptr().add(off) }.cast()
+    }
+
+    /// The u32 at `off` (4-aligned, inside the region) as an atomic.
+    pub fn u32(&self, off: usize) -> &AtomicU32 {
+        let p = self.field::<u32>(off);
+        // SAFETY: p is in bounds and 4-aligned (checked by field()), and
+        // valid for as long as &self. Within this process every access to
+        // the u32 fields goes through these atomics; the other side (the
+        // guest) uses aligned 32-bit accesses, which are single-copy atomic.
+        unsafe { AtomicU32::from_ptr(p) }
+    }
+
+    /// Volatile read of the u64 at `off` (8-aligned).
+    pub fn read_u64(&self, off: usize) -> u64 {
+        let p = self.field::<u64>(off);
+        // SAFETY: in bounds and aligned (field()); volatile because the
+        // other side may write it: the value is read once, as it is, and
+        // never through a reference.
+        unsafe { p.read_volatile() }
+    }
+
+    /// Volatile read of the u32 at `off` (4-aligned), for descriptor and
+    /// completion fields (not for the atomically accessed indices).
+    pub fn read_u32(&self, off: usize) -> u32 {
+        let p = self.field::<u32>(off);
+        // SAFETY: as in read_u64.
+        unsafe { p.read_volatile() }
+    }
+
+    /// Volatile write of the u64 at `off` (8-aligned).
+    pub fn write_u64(&self, off: usize, v: u64) {
+        let p = self.field::<u64>(off);
+        // SAFETY: in bounds and aligned (field()); no reference exists to
+        // these bytes, and the other side reads them only after the
+        // release store that publishes them.
+        unsafe { p.write_volatile(v) }
+    }
+
+    /// Volatile write of the u32 at `off` (4-aligned).
+    pub fn write_u32(&self, off: usize, v: u32) {
+        let p = self.field::<u32>(off);
+        // SAFETY: as in write_u64.
+        unsafe { p.write_volatile(v) }
+    }
+
+    /// Copies `len` bytes from `src[src_off..]` to `self[dst_off..]`.
+    /// Both ranges must lie inside their regions (checked: panics
+    /// otherwise, the callers validate first). Overlapping ranges (the same
+    /// region) give unspecified contents in the overlap, as on hardware.
+    pub fn copy_from(&self, dst_off: u64, src: &Region, src_off: u64, len: u64) -> io::Result<()> {
+        assert!(
+            self.contains(dst_off, len) && src.contains(src_off, len),
+            "copy outside its region"
+        );
+        // SAFETY: src_off + len <= src.len, checked above.
+        let sp = unsafe { src.ptr.as_ptr().add(src_off as usize) };
+        match &self.backing {
+            Backing::Mapped { fd } => {
+                let mut done = 0u64;
+                while done < len {
+                    let chunk = (len - done).min(1 << 30) as usize;
+                    // SAFETY: the kernel reads [sp + done, + chunk) from our
+                    // address space, which is inside src's live mapping or
+                    // allocation; it writes the file behind self, not Rust
+                    // memory. A concurrent guest write to either range
+                    // changes bytes, never memory safety.
+                    let n = unsafe {
+                        libc::pwrite(
+                            fd.as_raw_fd(),
+                            sp.add(done as usize).cast(),
+                            chunk,
+                            (dst_off + done) as libc::off_t,
+                        )
+                    };
+                    if n < 0 {
+                        let e = io::Error::last_os_error();
+                        if e.kind() == io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(e);
+                    }
+                    if n == 0 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::WriteZero,
+                            "pwrite wrote nothing",
+                        ));
+                    }
+                    done += n as u64;
+                }
+                Ok(())
+            }
+            Backing::Heap { .. } => {
+                // SAFETY: dst_off + len <= self.len, checked above.
+                let dp = unsafe { self.ptr.as_ptr().add(dst_off as usize) };
+                // SAFETY: both ranges are in bounds of live allocations (or
+                // mappings, for src); ptr::copy allows overlap. Heap regions
+                // exist only in tests, which do not access a range while
+                // it is being copied.
+                unsafe { std::ptr::copy(sp, dp, len as usize) };
+                Ok(())
+            }
+        }
+    }
+
+    /// Writes `data` at `off` (tests and setup; volatile byte stores).
+    pub fn write_bytes(&self, off: u64, data: &[u8]) {
+        assert!(
+            self.contains(off, data.len() as u64),
+            "write outside the region"
+        );
+        for (i, b) in data.iter().enumerate() {
+            // SAFETY: off + i < len, checked above; volatile, no reference.
+            unsafe { self.ptr.as_ptr().add(off as usize + i).write_volatile(*b) };
+        }
+    }
+
+    /// Reads `len` bytes at `off` (tests and diagnostics; volatile loads).
+    pub fn read_bytes(&self, off: u64, len: usize) -> Vec<u8> {
+        assert!(self.contains(off, len as u64), "read outside the region");
+        (0..len)
+            // SAFETY: off + i < len, checked above; volatile, no reference.
+            .map(|i| unsafe { self.ptr.as_ptr().add(off as usize + i).read_volatile() })
+            .collect()
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        match &self.backing {
+            Backing::Mapped { .. } => {
+                // SAFETY: ptr/len are exactly the mapping made in map(),
+                // and no access outlives &self.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            }
+            Backing::Heap { layout } => {
+                // SAFETY: allocated in heap() with this layout.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn heap_fields_and_copy() {
+        let r = Region::heap(8192);
+        r.u32(4).store(7, Ordering::Release);
+        assert_eq!(r.read_u32(4), 7);
+        r.write_u64(8, 0x1122_3344_5566_7788);
+        assert_eq!(r.read_u64(8), 0x1122_3344_5566_7788);
+        r.write_bytes(100, b"hello");
+        r.copy_from(4000, &r, 100, 5).unwrap();
+        assert_eq!(r.read_bytes(4000, 5), b"hello");
+        assert!(r.contains(8191, 1));
+        assert!(!r.contains(8191, 2));
+        assert!(!r.contains(u64::MAX, 2));
+    }
+
+    #[test]
+    #[should_panic(expected = "unaligned")]
+    fn unaligned_field_panics() {
+        let r = Region::heap(64);
+        r.u32(2);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap are not supported by Miri")]
+    fn memfd_copies_go_through_the_file() {
+        let a = Region::memfd("a", 1 << 20).unwrap();
+        let b = Region::memfd("b", 1 << 20).unwrap();
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 7) as u8).collect();
+        a.write_bytes(12_345, &data);
+        b.copy_from(500_000, &a, 12_345, data.len() as u64).unwrap();
+        assert_eq!(b.read_bytes(500_000, data.len()), data);
+        // Within one region, through its own file.
+        a.copy_from(0, &a, 12_345, 100).unwrap();
+        assert_eq!(a.read_bytes(0, 100), &data[..100]);
+        assert!(a.fd().is_some());
+    }
+}
