@@ -6,9 +6,19 @@
 //!
 //! What holds a buffer's memory is its [`Backing`]; the rest of the driver
 //! sees only the pieces' CPU and bus addresses and, for mmap, page frames.
-//! A backing is tdrv's own DMA-coherent allocation, or an imported
-//! foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in pieces of one
-//! page each with their bus addresses.
+//! Three kinds exist: tdrv's own DMA-coherent allocation in host memory;
+//! an imported foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in
+//! pieces of one page each with their bus addresses; and device memory
+//! (HBM behind a PCI BAR) that a backend allocated, see [`DeviceMemory`].
+//!
+//! # Device memory
+//!
+//! A device-memory buffer is one piece: a contiguous range of device
+//! addresses (`dma_addr` is the device address of byte 0). The CPU never
+//! touches it through the kernel: COPY_IN, COPY_OUT, MEMSET and COPY hand
+//! the bytes to the device's engine ([`crate::engine::Engine`]'s `dma_*`
+//! methods), which moves them by DMA straight from and to the caller's
+//! pages, and mmap maps the BAR pages write-combined.
 //!
 //! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
 //! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
@@ -104,6 +114,20 @@ enum Backing {
     /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
     /// device.
     Imported { _import: Import },
+    /// Device memory allocated by the backend; the piece's `dma` is its
+    /// device address, its `cpu` address is null.
+    Device(KBox<dyn DeviceMemory>),
+}
+
+/// A range of device memory that a backend allocated for a buffer; given
+/// back to the backend's allocator when dropped.
+pub(crate) trait DeviceMemory: Send + Sync {
+    /// The device address of byte 0.
+    fn dev_addr(&self) -> u64;
+
+    /// The CPU page frame (in the device's BAR) of the page at device
+    /// address `dev_addr`, which lies inside the range.
+    fn pfn(&self, dev_addr: u64) -> usize;
 }
 
 impl Backing {
@@ -123,6 +147,7 @@ impl Backing {
             // memory (`dmabuf.c` refuses I/O memory), live by the caller's
             // guarantee.
             Self::Imported { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            Self::Device(mem) => Some(mem.pfn(page.dma)),
         }
     }
 }
@@ -169,6 +194,8 @@ pub(crate) struct Buffer {
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
     registry_key: u64,
+    /// The memory is device memory: bytes move by the engine's DMA.
+    on_device: bool,
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
@@ -219,6 +246,9 @@ impl Buffer {
         let rounded = size.next_multiple_of(PAGE_SIZE);
         let charged = rounded as u64;
         device.channels.reserve(channel, charged)?;
+        if let Some(mem) = device.engine().alloc_memory(device, rounded, channel) {
+            return Self::new_on_device(device, mem, size, channel);
+        }
         // One piece if the allocator can give it; otherwise halve the piece
         // size until it can (or pages do not come at all).
         let mut shift = rounded.next_power_of_two().min(MAX_PIECE).trailing_zeros();
@@ -264,6 +294,53 @@ impl Buffer {
         Self::from_backing(device, Backing::Coherent { _pieces: mem }, layout)
     }
 
+    /// Builds a buffer in device memory the engine allocated (`mem`, zeroed,
+    /// `size` rounded up to pages, already charged to `channel`).
+    fn new_on_device(
+        device: &Arc<TdrvDevice>,
+        mem: Result<KBox<dyn DeviceMemory>>,
+        size: usize,
+        channel: u32,
+    ) -> Result<Arc<Self>> {
+        let charged = size.next_multiple_of(PAGE_SIZE) as u64;
+        let built = mem.and_then(|mem| {
+            let mut pieces = KVVec::with_capacity(1, GFP_KERNEL_ACCOUNT)?;
+            pieces.push(
+                PieceAddr {
+                    cpu: core::ptr::null_mut(),
+                    dma: mem.dev_addr(),
+                },
+                GFP_KERNEL_ACCOUNT,
+            )?;
+            Ok((mem, pieces))
+        });
+        let (mem, pieces) = match built {
+            Ok(ok) => ok,
+            Err(e) => {
+                device.channels.release(channel, charged);
+                if e == ENOMEM {
+                    device.channels.note_failure(channel);
+                }
+                return Err(e);
+            }
+        };
+        let layout = Layout {
+            pieces,
+            // One piece covers the whole buffer.
+            shift: (charged as usize).next_power_of_two().trailing_zeros(),
+            size,
+            span: charged as usize,
+            charged,
+            channel,
+        };
+        Self::from_backing(device, Backing::Device(mem), layout)
+    }
+
+    /// True if the buffer lives in device memory (see the module docs).
+    pub(crate) fn on_device(&self) -> bool {
+        self.on_device
+    }
+
     /// Builds a buffer around `backing`, whose `charged` bytes are already
     /// charged to `channel`: on failure the charge is given back and the
     /// memory dropped.
@@ -276,6 +353,7 @@ impl Buffer {
             charged,
             channel,
         } = layout;
+        let on_device = matches!(backing, Backing::Device(_));
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
@@ -295,6 +373,7 @@ impl Buffer {
                 exports <- new_mutex!(KVec::new(), "Buffer::exports"),
                 device: device.clone(),
                 registry_key,
+                on_device,
                 fence <- Fence::new(),
             }),
             GFP_KERNEL_ACCOUNT,
@@ -509,6 +588,10 @@ impl Buffer {
     /// Copies `range.len` bytes from user memory at `src` into the buffer.
     /// EFAULT if any byte cannot be read (the buffer may be partly written).
     pub(crate) fn copy_from_user(&self, range: ByteRange, src: UserPtr) -> Result {
+        if self.on_device {
+            let dst = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_from_user(&self.device, dst, range.len, src);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -560,6 +643,10 @@ impl Buffer {
 
     /// Copies `range` of the buffer to user memory at `dst`.
     pub(crate) fn copy_to_user(&self, range: ByteRange, dst: UserPtr) -> Result {
+        if self.on_device {
+            let src = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_to_user(&self.device, src, range.len, dst);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -609,6 +696,10 @@ impl Buffer {
 
     /// Fills `range` with `value`. ENODEV if the device went away.
     pub(crate) fn fill(&self, range: ByteRange, value: u8) -> Result {
+        if self.on_device {
+            let dst = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_fill(&self.device, dst, range.len, value);
+        }
         self.for_each_span(range, |_guard, cpu, _, n| {
             // SAFETY: `for_each_span` holds a guard (memory live) and gives
             // a span inside the allocation.
@@ -626,6 +717,13 @@ impl Buffer {
         src: &Buffer,
         src_range: ByteRange,
     ) -> Result {
+        if self.on_device || src.on_device {
+            // Device memory is moved by the device.
+            return self
+                .device
+                .engine()
+                .dma_copy(&self.device, self, dst_offset, src, src_range);
+        }
         let mut done = 0;
         while done < src_range.len {
             let n = (src_range.len - done).min(CHUNK);

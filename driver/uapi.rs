@@ -44,6 +44,7 @@ pub(crate) const FEAT_DMABUF: u64 = 1 << 5;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
 pub(crate) const DEVICE_EDU: u32 = 2;
+pub(crate) const DEVICE_SIM: u32 = 3;
 
 pub(crate) const MAX_BUFFER_SIZE: u64 = 1 << 30;
 pub(crate) const MAX_JOB_DESCS: u32 = 1024;
