@@ -6,7 +6,8 @@
 #   make run        boot the test guest with the module and run the demo;
 #                   make run FILES="a b" CMD="./a" runs your own command
 #   make test       host tests + guest tests + KUnit, one verdict
-#   make bench      benchmarks (see README)
+#   make bench      benchmarks on the bench kernel (scripts/kernel bench;
+#                   BENCH_KERNEL=debug for the test kernel; see README)
 #   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
 #                   the kselftest-style runner run_tests in one directory
 #                   (default build/tdrv-tests), for a machine of your own

@@ -6,9 +6,19 @@
 //!
 //! What holds a buffer's memory is its [`Backing`]; the rest of the driver
 //! sees only the pieces' CPU and bus addresses and, for mmap, page frames.
-//! A backing is tdrv's own DMA-coherent allocation, or an imported
-//! foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in pieces of one
-//! page each with their bus addresses.
+//! Three kinds exist: tdrv's own DMA-coherent allocation in host memory;
+//! an imported foreign dma-buf (see `dmabuf.rs`): its kernel mapping, in
+//! pieces of one page each with their bus addresses; and device memory
+//! (HBM behind a PCI BAR) that a backend allocated, see [`DeviceMemory`].
+//!
+//! # Device memory
+//!
+//! A device-memory buffer is one piece: a contiguous range of device
+//! addresses (`dma_addr` is the device address of byte 0). The CPU never
+//! touches it through the kernel: COPY_IN, COPY_OUT, MEMSET and COPY hand
+//! the bytes to the device's engine ([`crate::engine::Engine`]'s `dma_*`
+//! methods), which moves them by DMA straight from and to the caller's
+//! pages, and mmap maps the BAR pages write-combined.
 //!
 //! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
 //! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
@@ -100,10 +110,67 @@ unsafe impl Sync for PieceAddr {}
 enum Backing {
     /// DMA-coherent pieces tdrv allocated for the device (held to be freed
     /// on drop; the pieces' addresses are in [`Buffer`]).
-    Coherent { _pieces: KVec<Coherent<[u8]>> },
+    Coherent { _pieces: CoherentPieces },
     /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
     /// device.
     Imported { _import: Import },
+    /// Device memory allocated by the backend; the piece's `dma` is its
+    /// device address, its `cpu` address is null.
+    Device(KBox<dyn DeviceMemory>),
+}
+
+/// tdrv's own DMA-coherent allocations for one buffer: a buffer of one
+/// piece keeps it inline, so a small buffer costs no extra allocation.
+enum CoherentPieces {
+    One(Coherent<[u8]>),
+    Many(KVec<Coherent<[u8]>>),
+}
+
+/// The pieces' addresses, in order. As for [`CoherentPieces`], one piece is
+/// kept inline: most buffers have one, and an allocation per buffer costs
+/// more kernel memory (slab object, debug tracking) than the address.
+enum Pieces {
+    One(PieceAddr),
+    Many(KVVec<PieceAddr>),
+}
+
+impl Pieces {
+    /// Pieces from a list of addresses; a single one is moved inline.
+    fn from_vec(v: KVVec<PieceAddr>) -> Self {
+        match v.first() {
+            Some(&p) if v.len() == 1 => Self::One(p),
+            _ => Self::Many(v),
+        }
+    }
+
+    fn first(&self) -> Option<PieceAddr> {
+        match self {
+            Self::One(p) => Some(*p),
+            Self::Many(v) => v.first().copied(),
+        }
+    }
+
+    /// The address of piece `i`, which exists.
+    fn get(&self, i: usize) -> PieceAddr {
+        match self {
+            Self::One(p) => {
+                debug_assert_eq!(i, 0);
+                *p
+            }
+            Self::Many(v) => v[i],
+        }
+    }
+}
+
+/// A range of device memory that a backend allocated for a buffer; given
+/// back to the backend's allocator when dropped.
+pub(crate) trait DeviceMemory: Send + Sync {
+    /// The device address of byte 0.
+    fn dev_addr(&self) -> u64;
+
+    /// The CPU page frame (in the device's BAR) of the page at device
+    /// address `dev_addr`, which lies inside the range.
+    fn pfn(&self, dev_addr: u64) -> usize;
 }
 
 impl Backing {
@@ -123,6 +190,7 @@ impl Backing {
             // memory (`dmabuf.c` refuses I/O memory), live by the caller's
             // guarantee.
             Self::Imported { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            Self::Device(mem) => Some(mem.pfn(page.dma)),
         }
     }
 }
@@ -152,7 +220,7 @@ enum MemState {
 pub(crate) struct Buffer {
     #[pin]
     mem: Mutex<MemState>,
-    pieces: KVVec<PieceAddr>,
+    pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     size: usize,
@@ -169,6 +237,8 @@ pub(crate) struct Buffer {
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
     registry_key: u64,
+    /// The memory is device memory: bytes move by the engine's DMA.
+    on_device: bool,
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
@@ -177,7 +247,7 @@ pub(crate) struct Buffer {
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
     /// The pieces' addresses, in order.
-    pieces: KVVec<PieceAddr>,
+    pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     /// The buffer's size in bytes.
@@ -195,16 +265,19 @@ fn alloc_pieces(
     bound: &Device<Bound>,
     size: usize,
     shift: u32,
-) -> Result<KVec<Coherent<[u8]>>> {
+) -> Result<CoherentPieces> {
     let piece = 1usize << shift;
     let count = size.div_ceil(piece);
+    let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
+    if count == 1 {
+        return Ok(CoherentPieces::One(Coherent::<u8>::zeroed_slice(bound, size, flags)?));
+    }
     let mut mem = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
     for i in 0..count {
         let len = (size - i * piece).min(piece);
-        let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
         mem.push(Coherent::<u8>::zeroed_slice(bound, len, flags)?, GFP_KERNEL_ACCOUNT)?;
     }
-    Ok(mem)
+    Ok(CoherentPieces::Many(mem))
 }
 
 impl Buffer {
@@ -219,6 +292,9 @@ impl Buffer {
         let rounded = size.next_multiple_of(PAGE_SIZE);
         let charged = rounded as u64;
         device.channels.reserve(channel, charged)?;
+        if let Some(mem) = device.engine().alloc_memory(device, rounded, channel) {
+            return Self::new_on_device(device, mem, size, channel);
+        }
         // One piece if the allocator can give it; otherwise halve the piece
         // size until it can (or pages do not come at all).
         let mut shift = rounded.next_power_of_two().min(MAX_PIECE).trailing_zeros();
@@ -233,18 +309,20 @@ impl Buffer {
                 }
             }
         };
-        let addrs = || -> Result<KVVec<PieceAddr>> {
-            let mut pieces = KVVec::with_capacity(mem.len(), GFP_KERNEL_ACCOUNT)?;
-            for m in mem.iter() {
-                pieces.push(
-                    PieceAddr {
-                        cpu: m.as_mut_ptr().cast(),
-                        dma: m.dma_handle(),
-                    },
-                    GFP_KERNEL_ACCOUNT,
-                )?;
+        let addr = |m: &Coherent<[u8]>| PieceAddr {
+            cpu: m.as_mut_ptr().cast(),
+            dma: m.dma_handle(),
+        };
+        let addrs = || -> Result<Pieces> {
+            let many = match &mem {
+                CoherentPieces::One(m) => return Ok(Pieces::One(addr(m))),
+                CoherentPieces::Many(many) => many,
+            };
+            let mut pieces = KVVec::with_capacity(many.len(), GFP_KERNEL_ACCOUNT)?;
+            for m in many.iter() {
+                pieces.push(addr(m), GFP_KERNEL_ACCOUNT)?;
             }
-            Ok(pieces)
+            Ok(Pieces::Many(pieces))
         };
         let pieces = match addrs() {
             Ok(pieces) => pieces,
@@ -264,6 +342,49 @@ impl Buffer {
         Self::from_backing(device, Backing::Coherent { _pieces: mem }, layout)
     }
 
+    /// Builds a buffer in device memory the engine allocated (`mem`, zeroed,
+    /// `size` rounded up to pages, already charged to `channel`).
+    fn new_on_device(
+        device: &Arc<TdrvDevice>,
+        mem: Result<KBox<dyn DeviceMemory>>,
+        size: usize,
+        channel: u32,
+    ) -> Result<Arc<Self>> {
+        let charged = size.next_multiple_of(PAGE_SIZE) as u64;
+        let built = mem.map(|mem| {
+            let pieces = Pieces::One(PieceAddr {
+                cpu: core::ptr::null_mut(),
+                dma: mem.dev_addr(),
+            });
+            (mem, pieces)
+        });
+        let (mem, pieces) = match built {
+            Ok(ok) => ok,
+            Err(e) => {
+                device.channels.release(channel, charged);
+                if e == ENOMEM {
+                    device.channels.note_failure(channel);
+                }
+                return Err(e);
+            }
+        };
+        let layout = Layout {
+            pieces,
+            // One piece covers the whole buffer.
+            shift: (charged as usize).next_power_of_two().trailing_zeros(),
+            size,
+            span: charged as usize,
+            charged,
+            channel,
+        };
+        Self::from_backing(device, Backing::Device(mem), layout)
+    }
+
+    /// True if the buffer lives in device memory (see the module docs).
+    pub(crate) fn on_device(&self) -> bool {
+        self.on_device
+    }
+
     /// Builds a buffer around `backing`, whose `charged` bytes are already
     /// charged to `channel`: on failure the charge is given back and the
     /// memory dropped.
@@ -276,6 +397,7 @@ impl Buffer {
             charged,
             channel,
         } = layout;
+        let on_device = matches!(backing, Backing::Device(_));
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
@@ -295,6 +417,7 @@ impl Buffer {
                 exports <- new_mutex!(KVec::new(), "Buffer::exports"),
                 device: device.clone(),
                 registry_key,
+                on_device,
                 fence <- Fence::new(),
             }),
             GFP_KERNEL_ACCOUNT,
@@ -346,7 +469,7 @@ impl Buffer {
         drop(dma);
         device.channels.reserve(channel, 0)?;
         let layout = Layout {
-            pieces,
+            pieces: Pieces::from_vec(pieces),
             shift: PAGE_SIZE.trailing_zeros(),
             size,
             span: size,
@@ -405,7 +528,7 @@ impl Buffer {
     fn locate(&self, offset: usize) -> (PieceAddr, usize) {
         let i = offset >> self.shift;
         let within = offset & ((1 << self.shift) - 1);
-        let piece = self.pieces[i];
+        let piece = self.pieces.get(i);
         let piece_len = (self.span - (i << self.shift)).min(1 << self.shift);
         let cpu = piece.cpu.wrapping_add(within);
         let dma = piece.dma + within as u64;
@@ -509,6 +632,10 @@ impl Buffer {
     /// Copies `range.len` bytes from user memory at `src` into the buffer.
     /// EFAULT if any byte cannot be read (the buffer may be partly written).
     pub(crate) fn copy_from_user(&self, range: ByteRange, src: UserPtr) -> Result {
+        if self.on_device {
+            let dst = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_from_user(&self.device, dst, range.len, src);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -560,6 +687,10 @@ impl Buffer {
 
     /// Copies `range` of the buffer to user memory at `dst`.
     pub(crate) fn copy_to_user(&self, range: ByteRange, dst: UserPtr) -> Result {
+        if self.on_device {
+            let src = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_to_user(&self.device, src, range.len, dst);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -609,6 +740,10 @@ impl Buffer {
 
     /// Fills `range` with `value`. ENODEV if the device went away.
     pub(crate) fn fill(&self, range: ByteRange, value: u8) -> Result {
+        if self.on_device {
+            let dst = self.dma_addr() + range.start as u64;
+            return self.device.engine().dma_fill(&self.device, dst, range.len, value);
+        }
         self.for_each_span(range, |_guard, cpu, _, n| {
             // SAFETY: `for_each_span` holds a guard (memory live) and gives
             // a span inside the allocation.
@@ -626,6 +761,13 @@ impl Buffer {
         src: &Buffer,
         src_range: ByteRange,
     ) -> Result {
+        if self.on_device || src.on_device {
+            // Device memory is moved by the device.
+            return self
+                .device
+                .engine()
+                .dma_copy(&self.device, self, dst_offset, src, src_range);
+        }
         let mut done = 0;
         while done < src_range.len {
             let n = (src_range.len - done).min(CHUNK);

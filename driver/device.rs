@@ -169,7 +169,7 @@ pub(crate) fn client_id() -> u64 {
 #[pin_data]
 pub(crate) struct TdrvDevice {
     dev: ARef<device::Device>,
-    /// `TDRV_DEVICE_SOFT` or `TDRV_DEVICE_EDU`.
+    /// `TDRV_DEVICE_SOFT`, `TDRV_DEVICE_EDU` or `TDRV_DEVICE_SIM`.
     pub(crate) kind: u32,
     pub(crate) index: DeviceIndex,
     #[pin]

@@ -2,8 +2,13 @@
 
 //! The seam between the core and the copy engines behind `TDRV_IOC_SUBMIT`.
 //!
-//! A backend implements [`Engine`]: it runs the device's jobs in FIFO
-//! order and ends every job through [`crate::job::Job::complete`]. The core
+//! A backend implements [`Engine`]: it runs the device's jobs and ends
+//! every job through [`crate::job::Job::complete`]. Jobs that share a
+//! buffer, one of them writing it, must run in submission order: a FIFO
+//! engine gets that for free, an engine with several queues must hold a
+//! job back until the jobs it depends on are done. A backend whose device has memory
+//! of its own also allocates buffers there and moves their bytes by DMA
+//! (`alloc_memory` and the `dma_*` methods). The core
 //! (files, jobs, unbind) only talks to this trait; the backends live in
 //! `backends/`.
 
@@ -18,12 +23,21 @@ use kernel::{
         Atomic,
         Relaxed, //
     },
+    uaccess::UserPtr,
     workqueue, //
 };
 
-use crate::job::{
-    Job,
-    JobTracker, //
+use crate::{
+    buffer::{
+        Buffer,
+        DeviceMemory, //
+    },
+    device::TdrvDevice,
+    job::{
+        Job,
+        JobTracker, //
+    },
+    range::ByteRange, //
 };
 
 /// The workqueue every tdrv work item runs on: the unbound default queue
@@ -46,6 +60,9 @@ pub(crate) struct EngineCounters {
     pub(crate) watchdog_timeouts: u64,
     /// Recoveries after a stuck chunk (queued jobs failed with EIO).
     pub(crate) resets: u64,
+    /// Completions the watchdog found before (or instead of) their
+    /// interrupt: late or lost interrupts.
+    pub(crate) polled: u64,
 }
 
 /// A copy engine: what a backend provides to the core.
@@ -75,6 +92,58 @@ pub(crate) trait Engine: Send + Sync {
     /// Counters for debugfs.
     fn counters(&self) -> EngineCounters {
         EngineCounters::default()
+    }
+
+    /// Extra debugfs `stats` lines of the backend (queues, device memory).
+    fn describe(&self, _f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        Ok(())
+    }
+
+    /// Allocates `size` bytes (a multiple of pages) of zeroed device memory
+    /// on `channel` for a buffer, under an active guard of `device`; `None`
+    /// if the device has no memory of its own (buffers are then host
+    /// memory). ENOMEM when no free range is large enough.
+    fn alloc_memory(
+        &self,
+        _device: &TdrvDevice,
+        _size: usize,
+        _channel: u32,
+    ) -> Option<Result<KBox<dyn DeviceMemory>>> {
+        None
+    }
+
+    /// Copies `len` bytes from user memory at `src` to device address
+    /// `dst` by DMA from the caller's pages. The `dma_*` methods are called
+    /// only for buffers in device memory (see `buffer.rs`); the defaults
+    /// (EINVAL) are never reached. EFAULT if a page cannot be pinned, EIO if the device
+    /// fails a transfer, ENODEV once the device is gone.
+    fn dma_from_user(&self, _device: &TdrvDevice, _dst: u64, _len: usize, _src: UserPtr) -> Result {
+        Err(EINVAL)
+    }
+
+    /// Copies `len` bytes from device address `src` to user memory at
+    /// `dst` by DMA to the caller's pages; errors as `dma_from_user`.
+    fn dma_to_user(&self, _device: &TdrvDevice, _src: u64, _len: usize, _dst: UserPtr) -> Result {
+        Err(EINVAL)
+    }
+
+    /// Fills `len` bytes at device address `dst` with `value` by DMA.
+    fn dma_fill(&self, _device: &TdrvDevice, _dst: u64, _len: usize, _value: u8) -> Result {
+        Err(EINVAL)
+    }
+
+    /// Copies `src_range` of `src` to `dst_offset` of `dst` by DMA, for
+    /// buffers of which at least one is in device memory (the ranges do not
+    /// overlap).
+    fn dma_copy(
+        &self,
+        _device: &TdrvDevice,
+        _dst: &Buffer,
+        _dst_offset: usize,
+        _src: &Buffer,
+        _src_range: ByteRange,
+    ) -> Result {
+        Err(EINVAL)
     }
 
     /// Applies a fault-injection command written to debugfs `inject`

@@ -332,7 +332,7 @@ impl TdrvFile {
         // Output only: whatever the caller's struct holds is ignored.
         arg.check_size::<Version>()?;
         let d = &self.device;
-        let irq = if d.kind == DEVICE_EDU { FEAT_IRQ } else { 0 };
+        let irq = if d.kind == DEVICE_SOFT { 0 } else { FEAT_IRQ };
         let fence_fd = if fence_fd::supported() {
             FEAT_FENCE_FD
         } else {

@@ -15,6 +15,9 @@
 #include <linux/mm.h>
 #include <linux/sched.h>
 #include <linux/vmalloc.h>
+#include <linux/dma-mapping.h>
+#include <linux/io.h>
+#include <linux/sched/signal.h>
 
 #include "glue.h"
 
@@ -31,13 +34,47 @@ unsigned long tdrv_kaddr_to_pfn(const void *addr)
  * raw PFNs (no struct page refcounting), never copied on fork, never
  * grown by mremap, not dumped, and never executable. Returns -EACCES if
  * the mapping asked for PROT_EXEC. */
-int tdrv_vma_init(struct vm_area_struct *vma)
+int tdrv_vma_init(struct vm_area_struct *vma, bool wc)
 {
 	if (vma->vm_flags & VM_EXEC)
 		return -EACCES;
+	/* Device memory behind a BAR: write-combined (see
+	 * tdrv_io_reserve_wc for the memory type of the range). */
+	if (wc)
+		vma->vm_page_prot = pgprot_writecombine(vma->vm_page_prot);
 	vm_flags_mod(vma, VM_PFNMAP | VM_IO | VM_DONTEXPAND | VM_DONTDUMP |
 			  VM_DONTCOPY, VM_MAYEXEC);
 	return 0;
+}
+
+/* Whether a DMA mapping of dev failed (a static inline). */
+bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr)
+{
+	return dma_mapping_error(dev, addr) != 0;
+}
+
+/* Marks the physical range [start, start + size) of a BAR write-combined
+ * in the memory-type tracking (PAT), so that user mappings of it inserted
+ * page by page on fault get WC rather than uncached. The range must not
+ * be ioremapped otherwise. */
+int tdrv_io_reserve_wc(u64 start, u64 size)
+{
+	int ret = arch_io_reserve_memtype_wc(start, size);
+
+	if (ret)
+		return ret;
+	return 0;
+}
+
+void tdrv_io_free_wc(u64 start, u64 size)
+{
+	arch_io_free_memtype_wc(start, size);
+}
+
+/* Whether the current task was killed (a static inline). */
+bool tdrv_fatal_signal_pending(void)
+{
+	return fatal_signal_pending(current);
 }
 
 /* cond_resched() is a macro whose implementation depends on the

@@ -10,7 +10,12 @@ struct miscdevice;
 struct vm_area_struct;
 
 unsigned long tdrv_kaddr_to_pfn(const void *addr);
-int tdrv_vma_init(struct vm_area_struct *vma);
+int tdrv_vma_init(struct vm_area_struct *vma, bool wc);
+struct device;
+bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr);
+int tdrv_io_reserve_wc(u64 start, u64 size);
+void tdrv_io_free_wc(u64 start, u64 size);
+bool tdrv_fatal_signal_pending(void);
 void tdrv_cond_resched(void);
 bool tdrv_capable_rawio(void);
 const struct attribute_group **tdrv_node_groups_get(void);

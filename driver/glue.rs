@@ -10,7 +10,11 @@ mod ffi {
         pub(super) fn tdrv_kaddr_to_pfn(addr: *const core::ffi::c_void) -> core::ffi::c_ulong;
         // (Opaque here: bindgen's `vm_area_struct` has zero-sized members
         // that the FFI lint rejects.)
-        pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void) -> core::ffi::c_int;
+        pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void, wc: bool) -> core::ffi::c_int;
+        pub(super) fn tdrv_dma_mapping_error(dev: *mut core::ffi::c_void, addr: u64) -> bool;
+        pub(super) fn tdrv_io_reserve_wc(start: u64, size: u64) -> core::ffi::c_int;
+        pub(super) fn tdrv_io_free_wc(start: u64, size: u64);
+        pub(super) fn tdrv_fatal_signal_pending() -> bool;
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
         pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
@@ -29,16 +33,51 @@ pub(crate) unsafe fn kaddr_to_pfn(addr: *const u8) -> usize {
     unsafe { ffi::tdrv_kaddr_to_pfn(addr.cast()) as usize }
 }
 
-/// Flags a VMA under set-up for fault-time PFN insertion; EACCES if it was
-/// asked to be executable.
+/// Flags a VMA under set-up for fault-time PFN insertion, write-combined
+/// if `wc` (device memory); EACCES if it was asked to be executable.
 ///
 /// # Safety
 ///
 /// `vma` is a VMA being set up by `->mmap` (mmap write lock held).
-pub(crate) unsafe fn vma_init(vma: *mut bindings::vm_area_struct) -> Result {
+pub(crate) unsafe fn vma_init(vma: *mut bindings::vm_area_struct, wc: bool) -> Result {
     // SAFETY: The caller guarantees `vma` is under set-up, which is when
-    // its flags may be modified.
-    kernel::error::to_result(unsafe { ffi::tdrv_vma_init(vma.cast()) })
+    // its flags and protection may be modified.
+    kernel::error::to_result(unsafe { ffi::tdrv_vma_init(vma.cast(), wc) })
+}
+
+/// Whether `addr`, returned by a `dma_map_*` call for `dev`, is an error.
+///
+/// # Safety
+///
+/// `dev` is a valid, bound device.
+pub(crate) unsafe fn dma_mapping_error(dev: *mut bindings::device, addr: u64) -> bool {
+    // SAFETY: The caller guarantees `dev` is valid; the check only reads.
+    unsafe { ffi::tdrv_dma_mapping_error(dev.cast(), addr) }
+}
+
+/// Reserves the physical range of a BAR as write-combined (PAT); undo with
+/// [`io_free_wc`].
+pub(crate) fn io_reserve_wc(start: u64, size: u64) -> Result {
+    // SAFETY: Only records a memory type for the range; fails on a
+    // conflicting reservation.
+    kernel::error::to_result(unsafe { ffi::tdrv_io_reserve_wc(start, size) })
+}
+
+/// Gives back a reservation made by [`io_reserve_wc`].
+///
+/// # Safety
+///
+/// `[start, start + size)` was reserved by [`io_reserve_wc`] and is no
+/// longer mapped.
+pub(crate) unsafe fn io_free_wc(start: u64, size: u64) {
+    // SAFETY: By the caller's guarantee.
+    unsafe { ffi::tdrv_io_free_wc(start, size) }
+}
+
+/// Whether the current task has a fatal signal pending.
+pub(crate) fn fatal_signal_pending() -> bool {
+    // SAFETY: Reads the current task's pending signals.
+    unsafe { ffi::tdrv_fatal_signal_pending() }
 }
 
 /// Lets the scheduler run something else if this task ran long.

@@ -250,7 +250,9 @@ impl Job {
         let stats = &self.device.stats;
         let started = self.started_ns.load(Relaxed);
         if started != 0 {
-            let busy = now_ns().saturating_sub(started).max(0) as u64;
+            // At least 1 ns: a job that ran took time, even if a coarse
+            // clock (a guest without a stable TSC) shows none.
+            let busy = now_ns().saturating_sub(started).max(1) as u64;
             stats.busy_ns.add(busy, Relaxed);
             self.tracker.busy_ns.add(busy, Relaxed);
         }

@@ -27,7 +27,9 @@
 //! is right for cache-coherent DMA without memory encryption: every device
 //! tdrv drives (x86, QEMU). A platform with non-coherent DMA or encrypted
 //! memory would need `dma_pgprot`, which 7.2 does not export to modules;
-//! tdrv would have to refuse mmap there.
+//! tdrv would have to refuse mmap there. Device memory (a BAR) is mapped
+//! write-combined: stores stream to the device, and reads are uncached,
+//! so the CPU always sees what the device's DMA wrote.
 //!
 //! The mmap offset of a buffer is its handle in pages. Once the handle is
 //! decoded `vm_pgoff` is set to 0, so that a fault's page offset is the
@@ -163,7 +165,7 @@ pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
         return Err(EINVAL);
     }
     // SAFETY: `vma` is under set-up (mmap write lock held).
-    unsafe { glue::vma_init(vma.as_ptr())? };
+    unsafe { glue::vma_init(vma.as_ptr(), buf.on_device())? };
     // SAFETY: As above, the VMA is ours to set up; the reference moved into
     // `vm_private_data` is given back by `vma_close`, which the kernel
     // calls for every VMA that gets these operations.

@@ -19,7 +19,10 @@ use kernel::{
 
 use crate::{
     device::TdrvDevice,
-    uapi::DEVICE_EDU, //
+    uapi::{
+        DEVICE_EDU,
+        DEVICE_SIM, //
+    }, //
 };
 
 kernel::sync::global_lock! {
@@ -99,7 +102,11 @@ fn write_clients(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result
 
 fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     let s = &d.stats;
-    let kind = if d.kind == DEVICE_EDU { "edu" } else { "soft" };
+    let kind = match d.kind {
+        DEVICE_EDU => "edu",
+        DEVICE_SIM => "sim",
+        _ => "soft",
+    };
     writeln!(f, "kind: {kind}")?;
     writeln!(f, "bound: {}", d.is_bound())?;
     writeln!(f, "open_files: {}", s.open_files.load(Relaxed))?;
@@ -123,5 +130,7 @@ fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
     writeln!(f, "irqs: {}", e.irqs)?;
     writeln!(f, "spurious_irqs: {}", e.spurious_irqs)?;
     writeln!(f, "watchdog_timeouts: {}", e.watchdog_timeouts)?;
-    writeln!(f, "resets: {}", e.resets)
+    writeln!(f, "resets: {}", e.resets)?;
+    writeln!(f, "polled_completions: {}", e.polled)?;
+    d.engine().describe(f)
 }

@@ -18,7 +18,8 @@
 //! - `device.rs`: the device state and unbind sequence;
 //! - `backends/`: the devices, each with its engine: `soft.rs` (CPU copies
 //!   in a work item) and `edu.rs` (QEMU edu's DMA engine, advanced by its
-//!   MSI completion interrupt);
+//!   MSI completion interrupt) and `sim/` (the tdrv sim device: HBM
+//!   behind a BAR, several DMA queues with descriptor rings and MSI-X);
 //! - `dmabuf.rs` (with `dmabuf.c`): dma-buf export and import;
 //! - `node.rs`: the `/dev/tdrv<N>` misc device and why it pins the module;
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
@@ -57,6 +58,7 @@ use device::{
 };
 use backends::{
     edu,
+    sim,
     soft::SoftDevice, //
 };
 
@@ -87,6 +89,10 @@ module! {
             default: 5000,
             description: "Watchdog: time one edu DMA chunk may take before its job fails (200-600000; a chunk takes about 100 ms)",
         },
+        sim_timeout_ms: u32 {
+            default: 2000,
+            description: "Watchdog of sim devices: time a queue may make no progress before it is reset and its jobs fail (100-600000)",
+        },
         file_max_buffers: u32 {
             default: 65536,
             description: "Most live buffers one open file may hold (1-16777216); more is ENOSPC",
@@ -110,12 +116,14 @@ module! {
 const MAX_SOFT_DEVICES: u32 = 4;
 
 /// The module parameters, checked.
+#[derive(Clone, Copy)]
 pub(crate) struct Params {
     pub(crate) soft_devices: u32,
     pub(crate) channels: u32,
     pub(crate) channel_limit: u64,
     pub(crate) edu_dma_bits: u32,
     pub(crate) edu_timeout_ms: u32,
+    pub(crate) sim_timeout_ms: u32,
     pub(crate) limits: Limits,
 }
 
@@ -131,6 +139,7 @@ pub(crate) fn params() -> Result<Params> {
         channel_limit: u64::from(*module_parameters::channel_mib.value()) << 20,
         edu_dma_bits: *module_parameters::edu_dma_bits.value(),
         edu_timeout_ms: *module_parameters::edu_timeout_ms.value(),
+        sim_timeout_ms: *module_parameters::sim_timeout_ms.value(),
         limits: Limits {
             handles: file_max_buffers as usize,
             bytes: u64::from(file_max_mib) << 20,
@@ -143,6 +152,7 @@ pub(crate) fn params() -> Result<Params> {
         || !((1 << 20)..=(4096 << 20)).contains(&p.channel_limit)
         || !(24..=64).contains(&p.edu_dma_bits)
         || !(edu::MIN_TIMEOUT_MS..=600_000).contains(&p.edu_timeout_ms)
+        || !(100..=600_000).contains(&p.sim_timeout_ms)
         || !(1..=handle::MAX_HANDLES).contains(&p.limits.handles)
         || !(1..=1 << 20).contains(&file_max_mib)
         || !(1..job::JOB_WINDOW as u32).contains(&file_max_jobs)
@@ -156,9 +166,11 @@ pub(crate) fn params() -> Result<Params> {
 
 #[pin_data(PinnedDrop)]
 struct TdrvModule {
-    // Dropped first: unbinds (and so stops) every edu device.
+    // Dropped first: unbind (and so stop) every PCI device.
     #[pin]
     _pci: driver::Registration<pci::Adapter<edu::EduDriver>>,
+    #[pin]
+    _sim: driver::Registration<pci::Adapter<sim::SimDriver>>,
     soft: KVec<Pin<KBox<SoftDevice>>>,
     // The devices' debugfs entries live inside it.
     _debugfs: stats::RootGuard,
@@ -187,6 +199,7 @@ impl InPlaceModule for TdrvModule {
             );
             Ok(try_pin_init!(TdrvModule {
                 _pci <- driver::Registration::new(c"tdrv", module),
+                _sim <- driver::Registration::new(c"tdrv-sim", module),
                 soft,
                 _debugfs: root,
                 _fences: fences,

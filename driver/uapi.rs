@@ -48,6 +48,7 @@ pub(crate) const MAX_IN_FENCES: u32 = 64;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
 pub(crate) const DEVICE_EDU: u32 = 2;
+pub(crate) const DEVICE_SIM: u32 = 3;
 
 pub(crate) const MAX_BUFFER_SIZE: u64 = 1 << 30;
 pub(crate) const MAX_JOB_DESCS: u32 = 1024;

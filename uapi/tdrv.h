@@ -36,7 +36,8 @@
  *  EOPNOTSUPP IMPORT of a dma-buf tdrv cannot map (see struct tdrv_import);
  *           SUBMIT with fence fds on a kernel without CONFIG_SYNC_FILE
  *  EMFILE   (SUBMIT) no free fd for the out-fence
- *  ENOMEM   no memory
+ *  ENOMEM   no memory; on a device with its own memory (TDRV_DEVICE_SIM),
+ *           no free range of device memory is large enough (fragmentation)
  *  ENOSPC   the channel's byte limit, or this file's buffer or byte limit
  *           (module parameters file_max_buffers, file_max_mib), would be
  *           exceeded
@@ -51,18 +52,26 @@
  *  ESTALE   TDRV_IOC_JOB_WAIT on a job older than this file's last
  *           TDRV_JOB_WINDOW jobs: its status is no longer kept
  *  EIO      (job status, or SUBMIT) the device failed and is recovering;
+ *           (COPY_IN, COPY_OUT, MEMSET, COPY on TDRV_DEVICE_SIM) the
+ *           device's DMA failed the transfer;
  *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
  *           error latch is set: a job that wrote it failed, so its bytes are
  *           undefined, and no write that could still fix them is pending.
  *           tdrv_buf_info.error tells which errno the job ended with.
  *  ECANCELED (job status) the job's file was closed before it ended
  *  ENODEV   the device was removed; its files only support close(2)
+ *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed
+ *           between two DMA chunks
  *
  * Memory: buffers are charged to their channel (and to the allocating
  * process's memory cgroup) at their size rounded up to pages. A buffer
  * may be made of several DMA-contiguous pieces; buffers up to 4 MiB are
  * one piece when memory allows. dma_addr is the bus address of byte 0 and
- * covers the first piece only. Bus addresses are reported only to openers
+ * covers the first piece only. On a device with its own memory
+ * (TDRV_DEVICE_SIM) a buffer is one contiguous range of that memory
+ * (HBM), dma_addr is its device address, mmap maps it write-combined, and
+ * COPY_IN/COPY_OUT move the bytes by the device's DMA straight from and
+ * to the caller's pages. Bus addresses are reported only to openers
  * with CAP_SYS_RAWIO; others see 0.
  *
  * Lifetime: a file's mapping keeps the module loaded (rmmod fails while a
@@ -92,6 +101,13 @@
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
 #define TDRV_DEVICE_EDU		2 /* QEMU edu PCI device: its DMA engine + MSI */
+/*
+ * TDRV_DEVICE_SIM: the tdrv sim device (QEMU ivshmem-doorbell served by
+ * the tdrv-sim process): buffers in device memory (HBM channels behind
+ * a BAR), copy jobs run by several DMA queues with per-queue MSI-X
+ * completion interrupts. See docs/sim-device.md.
+ */
+#define TDRV_DEVICE_SIM		3
 
 /* Largest buffer one TDRV_IOC_ALLOC may request. */
 #define TDRV_MAX_BUFFER_SIZE	(1ULL << 30)

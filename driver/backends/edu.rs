@@ -598,6 +598,7 @@ impl Engine for EduBackend {
             spurious_irqs: e.spurious_irqs.load(Relaxed),
             watchdog_timeouts: e.watchdog_timeouts.load(Relaxed),
             resets: e.resets.load(Relaxed),
+            polled: 0,
         }
     }
 

@@ -144,12 +144,13 @@ impl PyDevice {
         self.dev.path().display().to_string()
     }
 
-    /// `"soft"`, `"edu"` or `"unknown(N)"`.
+    /// `"soft"`, `"edu"`, `"sim"` or `"unknown(N)"`.
     #[getter]
     fn kind(&self) -> String {
         match self.dev.kind() {
             tdrv::DeviceKind::Soft => "soft".into(),
             tdrv::DeviceKind::Edu => "edu".into(),
+            tdrv::DeviceKind::Sim => "sim".into(),
             tdrv::DeviceKind::Unknown(n) => format!("unknown({n})"),
         }
     }

@@ -13,6 +13,7 @@ pub const TDRV_FEAT_DMABUF: u32 = 32;
 pub const TDRV_FEAT_FENCE_FD: u32 = 64;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
+pub const TDRV_DEVICE_SIM: u32 = 3;
 pub const TDRV_MAX_BUFFER_SIZE: u32 = 1073741824;
 pub const TDRV_MAX_JOB_DESCS: u32 = 1024;
 pub const TDRV_MAX_JOB_BYTES: u64 = 4294967296;

@@ -234,6 +234,9 @@ pub enum DeviceKind {
     Soft,
     /// QEMU's edu PCI device: its DMA engine and MSI.
     Edu,
+    /// The tdrv sim device: buffers in device memory (HBM), several DMA
+    /// queues; `get_pa` gives device addresses.
+    Sim,
     /// A kind this library does not know.
     Unknown(u32),
 }
@@ -243,6 +246,7 @@ impl DeviceKind {
         match kind {
             uapi::TDRV_DEVICE_SOFT => Self::Soft,
             uapi::TDRV_DEVICE_EDU => Self::Edu,
+            uapi::TDRV_DEVICE_SIM => Self::Sim,
             other => Self::Unknown(other),
         }
     }
@@ -253,6 +257,7 @@ impl std::fmt::Display for DeviceKind {
         match self {
             Self::Soft => f.write_str("soft"),
             Self::Edu => f.write_str("edu"),
+            Self::Sim => f.write_str("sim"),
             Self::Unknown(k) => write!(f, "unknown({k})"),
         }
     }

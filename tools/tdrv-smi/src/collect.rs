@@ -365,6 +365,7 @@ pub fn kind_name(kind: u32) -> String {
     match kind {
         tdrv_uapi::TDRV_DEVICE_SOFT => "soft".into(),
         tdrv_uapi::TDRV_DEVICE_EDU => "edu".into(),
+        tdrv_uapi::TDRV_DEVICE_SIM => "sim".into(),
         k => format!("unknown({k})"),
     }
 }

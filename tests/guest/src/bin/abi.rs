@@ -55,7 +55,7 @@ fn main() {
             if v.num_channels == 0 {
                 return Err("no channels".into());
             }
-            if v.device_kind != TDRV_DEVICE_SOFT && v.device_kind != TDRV_DEVICE_EDU {
+            if ![TDRV_DEVICE_SOFT, TDRV_DEVICE_EDU, TDRV_DEVICE_SIM].contains(&v.device_kind) {
                 return Err(format!("unknown device kind {}", v.device_kind));
             }
             expect_eq("reserved", v.reserved, [0; 4])

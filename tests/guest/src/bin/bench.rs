@@ -2,7 +2,12 @@
 //! module, each measured next to its baseline in the same run.
 //!
 //! usage: bench [--only fig1,fig2,...] [--profile] [DEVICE]
-//!        (default /dev/tdrv0, the software device; figures fig1 to fig7)
+//!        (default /dev/tdrv0, the software device; figures fig1 to fig8)
+//!
+//! Peers (issue 12): vgem, udmabuf and sw_sync are measured next to tdrv
+//! when the kernel has them (the bench kernel, scripts/kernel.bench.config);
+//! on a kernel without one, a `BENCH {"fig":"peer",...}` line says it is not
+//! available and the figure goes on without it.
 //!
 //! Every measurement prints one line `BENCH {json}` on stdout; the host's
 //! scripts/bench-report parses them from the console log and computes the
@@ -132,6 +137,20 @@ fn emit(fig: &str, case: &str, method: &str, unit: &str, s: &Summary, extra: &[(
     }
     line.push('}');
     println!("{line}");
+}
+
+/// Prints the raw samples of one case (for the distribution plots), as
+/// figure `{fig}_samples`.
+fn emit_samples(fig: &str, case: &str, method: &str, unit: &str, v: &[f64]) {
+    let body: Vec<String> = v.iter().map(|x| jn(*x)).collect();
+    println!(
+        "BENCH {{\"fig\":{},\"case\":{},\"method\":{},\"unit\":{},\"samples\":[{}]}}",
+        js(&format!("{fig}_samples")),
+        js(case),
+        js(method),
+        js(unit),
+        body.join(",")
+    );
 }
 
 /// Prints one record of free-form string fields.
@@ -378,6 +397,408 @@ fn unmap(p: *mut libc::c_void, len: usize) {
     // SAFETY: `p`/`len` is a mapping made by `map_shared` that nothing
     // refers to any more.
     unsafe { libc::munmap(p, len) };
+}
+
+/// `_IOC(dir, type, nr, size)` of the generic ioctl encoding (asm-generic/
+/// ioctl.h): dir 1 = write (to the kernel), 2 = read, 3 = both.
+const fn ioc(dir: u64, ty: u8, nr: u8, size: usize) -> u64 {
+    (dir << 30) | ((size as u64) << 16) | ((ty as u64) << 8) | nr as u64
+}
+
+/// ioctl(2) on `fd` with a pointer to `arg`; the errno on failure.
+///
+/// # Safety
+/// `req` must encode an argument of exactly `T`'s size and layout, so that
+/// the kernel reads and writes only within `*arg`.
+unsafe fn ioctl_ptr<T>(fd: i32, req: u64, arg: &mut T) -> Result<i32, String> {
+    // SAFETY: forwarded to the caller; `arg` is live and exclusively
+    // borrowed for the call.
+    let r = unsafe { libc::ioctl(fd, req as _, arg as *mut T) };
+    if r < 0 {
+        Err(errno_str())
+    } else {
+        Ok(r)
+    }
+}
+
+/// Blocks in poll(2) until `fd` is readable (a signalled fence).
+fn poll_in(fd: i32) {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: `p` is one live pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, -1) };
+        if r > 0 {
+            return;
+        }
+        assert!(
+            r == 0 || std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted,
+            "poll: {}",
+            errno_str()
+        );
+    }
+}
+
+/// Touches one byte per page of a fresh mapping, so that every case of
+/// figure 5 has its memory allocated and mapped, whether the exporter maps
+/// at mmap time (dma-heap, tdrv) or at the first fault (vgem, udmabuf).
+fn touch_pages(p: *mut u8, len: usize) {
+    let page = raw::page_size();
+    let mut off = 0;
+    while off < len {
+        // SAFETY: `p` is a writable mapping of `len` bytes that only this
+        // thread uses.
+        unsafe { std::ptr::write_volatile(p.add(off), 1) };
+        off += page;
+    }
+}
+
+/// The peer drivers of issue 12, each behind raw ioctls whose structs are
+/// defined here from the kernel's uapi headers (drm/drm.h, drm/drm_mode.h,
+/// drm/vgem_drm.h, linux/udmabuf.h, and sw_sync's ioctls from
+/// drivers/dma-buf/sw_sync.c). A kernel without a peer (the debug test
+/// kernel) makes `open` fail, and the figure reports it "not available".
+mod peer {
+    use super::{errno_str, ioc, ioctl_ptr};
+    use std::ffi::CString;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    /// `struct drm_mode_create_dumb`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct CreateDumb {
+        height: u32,
+        width: u32,
+        bpp: u32,
+        flags: u32,
+        handle: u32,
+        pitch: u32,
+        size: u64,
+    }
+
+    /// `struct drm_mode_map_dumb`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct MapDumb {
+        handle: u32,
+        pad: u32,
+        offset: u64,
+    }
+
+    /// `struct drm_gem_close`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct GemClose {
+        handle: u32,
+        pad: u32,
+    }
+
+    /// `struct drm_prime_handle`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct PrimeHandle {
+        handle: u32,
+        flags: u32,
+        fd: i32,
+    }
+
+    /// `struct drm_vgem_fence_attach`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct FenceAttach {
+        handle: u32,
+        flags: u32,
+        out_fence: u32,
+        pad: u32,
+    }
+
+    /// `struct drm_vgem_fence_signal`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct FenceSignal {
+        fence: u32,
+        flags: u32,
+    }
+
+    const DRM: u8 = b'd';
+    const DRM_COMMAND_BASE: u8 = 0x40;
+    const GEM_CLOSE: u64 = ioc(1, DRM, 0x09, size_of::<GemClose>());
+    const PRIME_HANDLE_TO_FD: u64 = ioc(3, DRM, 0x2d, size_of::<PrimeHandle>());
+    const MODE_CREATE_DUMB: u64 = ioc(3, DRM, 0xb2, size_of::<CreateDumb>());
+    const MODE_MAP_DUMB: u64 = ioc(3, DRM, 0xb3, size_of::<MapDumb>());
+    const VGEM_FENCE_ATTACH: u64 = ioc(3, DRM, DRM_COMMAND_BASE + 1, size_of::<FenceAttach>());
+    const VGEM_FENCE_SIGNAL: u64 = ioc(1, DRM, DRM_COMMAND_BASE + 2, size_of::<FenceSignal>());
+    const VGEM_FENCE_WRITE: u32 = 1;
+
+    fn open(path: &str) -> Result<OwnedFd, String> {
+        let c = CString::new(path).expect("path");
+        // SAFETY: `c` is a valid NUL-terminated string for the call.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(format!("{path}: {}", errno_str()));
+        }
+        // SAFETY: open(2) just returned this descriptor; nobody else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// An open vgem device (its primary node).
+    pub struct Vgem {
+        fd: OwnedFd,
+    }
+
+    impl Vgem {
+        /// The DRM card of vgem: its device (a faux device since 6.15)
+        /// or its driver is named "vgem".
+        pub fn open() -> Result<Vgem, String> {
+            for n in 0..16 {
+                let named_vgem = |link: String| {
+                    std::fs::read_link(link)
+                        .is_ok_and(|t| t.file_name().is_some_and(|f| f == "vgem"))
+                };
+                if named_vgem(format!("/sys/class/drm/card{n}/device"))
+                    || named_vgem(format!("/sys/class/drm/card{n}/device/driver"))
+                {
+                    return Ok(Vgem {
+                        fd: open(&format!("/dev/dri/card{n}"))?,
+                    });
+                }
+            }
+            Err("no DRM card driven by vgem (CONFIG_DRM_VGEM)".into())
+        }
+
+        /// A GEM object of `size` bytes (a multiple of 4 KiB): its handle.
+        pub fn create(&self, size: usize) -> Result<u32, String> {
+            let mut a = CreateDumb {
+                height: (size / 4096) as u32,
+                width: 1024,
+                bpp: 32,
+                ..Default::default()
+            };
+            // SAFETY: the request encodes `CreateDumb`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), MODE_CREATE_DUMB, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_MODE_CREATE_DUMB: {e}"))?;
+            Ok(a.handle)
+        }
+
+        /// The mmap offset of GEM object `handle` on the device fd.
+        pub fn map_offset(&self, handle: u32) -> Result<u64, String> {
+            let mut a = MapDumb {
+                handle,
+                ..Default::default()
+            };
+            // SAFETY: the request encodes `MapDumb`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), MODE_MAP_DUMB, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_MODE_MAP_DUMB: {e}"))?;
+            Ok(a.offset)
+        }
+
+        /// A shared mapping of `len` bytes at `offset` of the device fd.
+        pub fn mmap(&self, offset: u64, len: usize) -> Result<*mut u8, String> {
+            // SAFETY: a fresh shared mapping chosen by the kernel cannot
+            // alias any Rust object.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    self.fd.as_raw_fd(),
+                    offset as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(format!("mmap vgem: {}", errno_str()));
+            }
+            Ok(p.cast())
+        }
+
+        pub fn close(&self, handle: u32) -> Result<(), String> {
+            let mut a = GemClose { handle, pad: 0 };
+            // SAFETY: the request encodes `GemClose`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), GEM_CLOSE, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_GEM_CLOSE: {e}"))?;
+            Ok(())
+        }
+
+        /// A dma-buf of GEM object `handle`.
+        pub fn export(&self, handle: u32) -> Result<OwnedFd, String> {
+            let mut a = PrimeHandle {
+                handle,
+                flags: (libc::O_CLOEXEC | libc::O_RDWR) as u32,
+                fd: -1,
+            };
+            // SAFETY: the request encodes `PrimeHandle`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), PRIME_HANDLE_TO_FD, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_PRIME_HANDLE_TO_FD: {e}"))?;
+            // SAFETY: the kernel just created this descriptor for us.
+            Ok(unsafe { OwnedFd::from_raw_fd(a.fd) })
+        }
+
+        /// Attaches an unsignalled write fence to `handle`: its id.
+        pub fn fence_attach(&self, handle: u32) -> Result<u32, String> {
+            let mut a = FenceAttach {
+                handle,
+                flags: VGEM_FENCE_WRITE,
+                ..Default::default()
+            };
+            // SAFETY: the request encodes `FenceAttach`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), VGEM_FENCE_ATTACH, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_VGEM_FENCE_ATTACH: {e}"))?;
+            Ok(a.out_fence)
+        }
+
+        pub fn fence_signal(&self, fence: u32) -> Result<(), String> {
+            let mut a = FenceSignal { fence, flags: 0 };
+            // SAFETY: the request encodes `FenceSignal`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), VGEM_FENCE_SIGNAL, &mut a) }
+                .map_err(|e| format!("DRM_IOCTL_VGEM_FENCE_SIGNAL: {e}"))?;
+            Ok(())
+        }
+    }
+
+    /// `struct udmabuf_create`.
+    #[repr(C)]
+    struct UdmabufCreate {
+        memfd: u32,
+        flags: u32,
+        offset: u64,
+        size: u64,
+    }
+
+    const UDMABUF_CREATE: u64 = ioc(1, b'u', 0x42, size_of::<UdmabufCreate>());
+    const UDMABUF_FLAGS_CLOEXEC: u32 = 1;
+
+    /// /dev/udmabuf.
+    pub struct Udmabuf {
+        fd: OwnedFd,
+    }
+
+    impl Udmabuf {
+        pub fn open() -> Result<Udmabuf, String> {
+            Ok(Udmabuf {
+                fd: open("/dev/udmabuf").map_err(|e| format!("{e} (CONFIG_UDMABUF)"))?,
+            })
+        }
+
+        /// A dma-buf of `size` bytes over a fresh sealed memfd; the memfd
+        /// is closed (the dma-buf keeps its pages pinned).
+        pub fn create(&self, size: usize) -> Result<OwnedFd, String> {
+            // SAFETY: the name is a NUL-terminated literal.
+            let m = unsafe {
+                libc::memfd_create(
+                    c"udmabuf".as_ptr(),
+                    libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC,
+                )
+            };
+            if m < 0 {
+                return Err(format!("memfd_create: {}", errno_str()));
+            }
+            // SAFETY: memfd_create just returned this descriptor.
+            let memfd = unsafe { OwnedFd::from_raw_fd(m) };
+            // SAFETY: plain calls on our own descriptor.
+            if unsafe { libc::ftruncate(m, size as libc::off_t) } != 0
+                || unsafe { libc::fcntl(m, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0
+            {
+                return Err(format!("memfd setup: {}", errno_str()));
+            }
+            let mut a = UdmabufCreate {
+                memfd: memfd.as_raw_fd() as u32,
+                flags: UDMABUF_FLAGS_CLOEXEC,
+                offset: 0,
+                size: size as u64,
+            };
+            // SAFETY: the request encodes `UdmabufCreate`.
+            let fd = unsafe { ioctl_ptr(self.fd.as_raw_fd(), UDMABUF_CREATE, &mut a) }
+                .map_err(|e| format!("UDMABUF_CREATE: {e}"))?;
+            // SAFETY: the kernel just created this descriptor for us.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        }
+    }
+
+    /// `struct sw_sync_create_fence_data`.
+    #[repr(C)]
+    struct CreateFence {
+        value: u32,
+        name: [u8; 32],
+        fence: i32,
+    }
+
+    const SW_SYNC_CREATE_FENCE: u64 = ioc(3, b'W', 0, size_of::<CreateFence>());
+    const SW_SYNC_INC: u64 = ioc(1, b'W', 1, size_of::<u32>());
+    const SW_SYNC: &str = "/sys/kernel/debug/sync/sw_sync";
+
+    /// One sw_sync timeline.
+    pub struct SwSync {
+        fd: OwnedFd,
+    }
+
+    impl SwSync {
+        pub fn open() -> Result<SwSync, String> {
+            Ok(SwSync {
+                fd: open(SW_SYNC).map_err(|e| format!("{e} (CONFIG_SW_SYNC)"))?,
+            })
+        }
+
+        /// A sync_file fd that signals when the timeline reaches `value`.
+        pub fn fence(&self, value: u32) -> Result<OwnedFd, String> {
+            let mut a = CreateFence {
+                value,
+                name: [0; 32],
+                fence: -1,
+            };
+            a.name[..5].copy_from_slice(b"bench");
+            // SAFETY: the request encodes `CreateFence`.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), SW_SYNC_CREATE_FENCE, &mut a) }
+                .map_err(|e| format!("SW_SYNC_IOC_CREATE_FENCE: {e}"))?;
+            // SAFETY: the kernel just created this descriptor for us.
+            Ok(unsafe { OwnedFd::from_raw_fd(a.fence) })
+        }
+
+        /// Advances the timeline by one, signalling the fences it reaches.
+        pub fn inc(&self) -> Result<(), String> {
+            let mut one = 1u32;
+            // SAFETY: the request encodes a u32.
+            unsafe { ioctl_ptr(self.fd.as_raw_fd(), SW_SYNC_INC, &mut one) }
+                .map_err(|e| format!("SW_SYNC_IOC_INC: {e}"))?;
+            Ok(())
+        }
+    }
+}
+
+/// Reports a peer that this kernel lacks; the figure goes on without it.
+fn peer_missing(peer: &str, why: &str) {
+    note(format!("{peer}: not available ({why})"));
+    emit_info(
+        "peer",
+        &[
+            ("peer", peer.to_owned()),
+            ("status", "not available".to_owned()),
+            ("why", why.to_owned()),
+        ],
+    );
+}
+
+/// Opens a peer, or reports it missing.
+fn peer_open<T>(peer: &str, r: Result<T, String>) -> Option<T> {
+    match r {
+        Ok(p) => {
+            emit_info(
+                "peer",
+                &[
+                    ("peer", peer.to_owned()),
+                    ("status", "available".to_owned()),
+                ],
+            );
+            Some(p)
+        }
+        Err(e) => {
+            peer_missing(peer, &e);
+            None
+        }
+    }
 }
 
 /// Raises the open-file limit (the dma-heap baseline keeps 10,000 fds).
@@ -851,6 +1272,14 @@ fn fig4(c: &Ctx) {
     let handle = t.dma_handle().expect("Dma handle");
     let rawdev = ok("open", raw::Dev::open(&c.path));
     let null = open_rw("/dev/null");
+    // The closest peer: vgem's MAP_DUMB, a handle lookup that returns a
+    // GEM object's mmap offset.
+    let vgem = peer_open("vgem", peer::Vgem::open());
+    let vgem_handle = vgem.as_ref().and_then(|v| {
+        v.create(4096)
+            .map_err(|e| peer_missing("vgem MAP_DUMB", &e))
+            .ok()
+    });
     let unknown = (3u64 << 30) | (88 << 16) | (0xD7 << 8) | 0x7f;
     let dev = &c.dev;
     let enotty = |fd: i32| {
@@ -886,7 +1315,19 @@ fn fig4(c: &Ctx) {
             }),
         ),
     ];
+    if let (Some(v), Some(h)) = (&vgem, vgem_handle) {
+        cases.push((
+            "vgem_map_dumb",
+            Box::new(move || {
+                black_box(v.map_offset(h).expect("vgem MAP_DUMB"));
+            }),
+        ));
+    }
     time_cases("4", "small ioctl", (2, 9, 20_000), &mut cases);
+    drop(cases);
+    if let (Some(v), Some(h)) = (&vgem, vgem_handle) {
+        v.close(h).expect("vgem close");
+    }
     if c.profile {
         profile_case("fig4 buf_info", false, 200, || {
             for _ in 0..2000 {
@@ -902,49 +1343,80 @@ fn fig4(c: &Ctx) {
     }
 }
 
-/// Figure 5: alloc + mmap + free of a Dma buffer against the dma-heap system
-/// heap (allocate, mmap, munmap, close).
+/// Figure 5: alloc + mmap + free of a Dma buffer against the peers a user
+/// would pick instead, each allocating, mapping, writing one byte per page
+/// (so that lazily faulting exporters pay for their memory too) and
+/// freeing: vgem (dumb GEM object: CREATE_DUMB, MAP_DUMB, mmap, munmap,
+/// GEM_CLOSE), udmabuf (memfd, seal, UDMABUF_CREATE, mmap, munmap, close)
+/// and the dma-heap system heap (allocate, mmap, munmap, close).
 fn fig5(c: &Ctx) {
     let heap = open_rw(dma_heap::SYSTEM);
+    let vgem = peer_open("vgem", peer::Vgem::open());
+    let udmabuf = peer_open("udmabuf", peer::Udmabuf::open());
     let dev = &c.dev;
     for size in sizes(16 * MIB) {
         let iters = (16 * MIB / size).clamp(4, 200);
+        let tensor = || {
+            let t = Tensor::allocate_on(dev, 0, size, None).expect("alloc");
+            touch_pages(t.va().expect("mapped").as_ptr(), size);
+            drop(t);
+        };
+        let dma_heap = || {
+            let fd = heap_alloc(&heap, size);
+            let p = map_shared(&fd, size);
+            touch_pages(p.cast(), size);
+            unmap(p, size);
+            drop(fd);
+        };
         let mut cases: Vec<Case> = vec![
-            (
-                "tensor",
-                Box::new(|| drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"))),
-            ),
-            (
-                "dma_heap",
-                Box::new(|| {
-                    let fd = heap_alloc(&heap, size);
-                    let p = map_shared(&fd, size);
-                    unmap(p, size);
-                    drop(fd);
-                }),
-            ),
+            ("tensor", Box::new(tensor)),
+            ("dma_heap", Box::new(dma_heap)),
             (
                 "raw_ioctls",
                 Box::new(|| {
                     let a = dev.alloc(size as u64, 0).expect("ALLOC");
-                    drop(dev.map(a.mmap_offset, size as u64).expect("mmap"));
+                    let m = dev.map(a.mmap_offset, size as u64).expect("mmap");
+                    touch_pages(m.as_ptr(), size);
+                    drop(m);
                     dev.free(a.handle).expect("FREE");
                 }),
             ),
         ];
+        if let Some(v) = &vgem {
+            cases.push((
+                "vgem",
+                Box::new(move || {
+                    let h = v.create(size).expect("vgem create");
+                    let off = v.map_offset(h).expect("vgem map offset");
+                    let p = v.mmap(off, size).expect("vgem mmap");
+                    touch_pages(p, size);
+                    unmap(p.cast(), size);
+                    v.close(h).expect("vgem close");
+                }),
+            ));
+        }
+        if let Some(u) = &udmabuf {
+            cases.push((
+                "udmabuf",
+                Box::new(move || {
+                    let fd = u.create(size).expect("udmabuf create");
+                    let p = map_shared(&fd, size);
+                    touch_pages(p.cast(), size);
+                    unmap(p, size);
+                    drop(fd);
+                }),
+            ));
+        }
         time_cases("5", &size.to_string(), (1, 7, iters), &mut cases);
         if c.profile && (size == 4 * KIB || size == 64 * KIB) {
             profile_case(&format!("fig5 tensor {size}"), false, 3, || {
                 for _ in 0..iters {
-                    drop(Tensor::allocate_on(dev, 0, size, None).expect("alloc"));
+                    tensor();
                 }
             });
             profile_case(&format!("fig5 dma_heap {size}"), false, 3, || {
                 for _ in 0..iters {
-                    let fd = heap_alloc(&heap, size);
-                    let p = map_shared(&fd, size);
-                    unmap(p, size);
-                    drop(fd);
+                    dma_heap();
                 }
             });
         }
@@ -966,8 +1438,17 @@ fn fig6(c: &Ctx) {
     let (fence, submit, after) = fence_wakes(&src, &dst, &mut done, WARM, N);
     let polled = polled_jobs(&src, &dst, WARM, N, true);
     let event = eventfd_wakes(WARM, N);
-    emit("6", "wake", "fence", "us", &summarize(fence), &[]);
-    emit("6", "wake", "eventfd", "us", &summarize(event), &[]);
+    let mut wakes = vec![("fence", fence), ("eventfd", event)];
+    if let Some(sw) = peer_open("sw_sync", peer::SwSync::open()) {
+        wakes.push(("sw_sync", sw_sync_wakes(&sw, WARM, N)));
+    }
+    if let Some(v) = peer_open("vgem", peer::Vgem::open()) {
+        wakes.push(("vgem_fence", vgem_fence_wakes(&v, WARM, N)));
+    }
+    for (method, w) in wakes {
+        emit_samples("6", "wake", method, "us", &w);
+        emit("6", "wake", method, "us", &summarize(w), &[]);
+    }
     emit(
         "6",
         "wake",
@@ -1119,6 +1600,74 @@ fn eventfd_wakes(warm: usize, n: usize) -> Vec<f64> {
     event
 }
 
+/// Wake-up latency of a peer, in µs: for each of `warm + n` rounds, `arm`
+/// makes the thing to wait on (given to the waiter, which blocks in
+/// `wait`), and after a pause `fire` signals it; a sample is the time from
+/// `fire` until the waiter runs.
+fn peer_wakes<W: Send>(
+    warm: usize,
+    n: usize,
+    mut arm: impl FnMut(u32) -> W,
+    wait: impl Fn(W) + Sync,
+    mut fire: impl FnMut(),
+) -> Vec<f64> {
+    let (go_tx, go_rx) = mpsc::channel::<W>();
+    let (done_tx, done_rx) = mpsc::channel::<Instant>();
+    let mut out = Vec::with_capacity(n);
+    std::thread::scope(|s| {
+        let wait = &wait;
+        s.spawn(move || {
+            while let Ok(w) = go_rx.recv() {
+                wait(w);
+                done_tx.send(Instant::now()).expect("send");
+            }
+        });
+        for i in 0..warm + n {
+            go_tx.send(arm(i as u32 + 1)).expect("send");
+            std::thread::sleep(WAKE_PAUSE);
+            let t0 = Instant::now();
+            fire();
+            let t1 = done_rx.recv().expect("recv");
+            if i >= warm {
+                out.push((t1 - t0).as_nanos() as f64 / 1000.0);
+            }
+        }
+        drop(go_tx);
+    });
+    out
+}
+
+/// sw_sync: SW_SYNC_IOC_INC until the thread blocked in poll(2) on the
+/// sync_file of the fence it signalled runs, in µs.
+fn sw_sync_wakes(sw: &peer::SwSync, warm: usize, n: usize) -> Vec<f64> {
+    peer_wakes(
+        warm,
+        n,
+        |k| sw.fence(k).expect("sw_sync fence"),
+        |fd: OwnedFd| poll_in(fd.as_raw_fd()),
+        || sw.inc().expect("sw_sync inc"),
+    )
+}
+
+/// vgem: DRM_IOCTL_VGEM_FENCE_SIGNAL of a write fence attached to a GEM
+/// object until the thread blocked in poll(2) on the object's dma-buf (which
+/// waits for its write fences) runs, in µs.
+fn vgem_fence_wakes(v: &peer::Vgem, warm: usize, n: usize) -> Vec<f64> {
+    let h = v.create(4096).expect("vgem create");
+    let buf = v.export(h).expect("vgem export");
+    let fence = std::cell::Cell::new(0);
+    let w = peer_wakes(
+        warm,
+        n,
+        |_| fence.set(v.fence_attach(h).expect("vgem fence attach")),
+        |()| poll_in(buf.as_raw_fd()),
+        || v.fence_signal(fence.get()).expect("vgem fence signal"),
+    );
+    drop(buf);
+    v.close(h).expect("vgem close");
+    w
+}
+
 /// Figure 7, scale: heap bytes per view with 1M slices (against a Box of a view's
 /// size); bytes per storage, user and kernel, with 10,000 live 4 KiB Dma
 /// tensors (against 10,000 dma-heap buffers); alloc/free time per buffer
@@ -1170,6 +1719,7 @@ fn fig7(c: &Ctx) {
     // Alloc/free time with few and with many live buffers.
     const FEW: usize = 10;
     const MANY: usize = 10_000;
+    const HUGE: usize = 100_000;
     let dev = &c.dev;
     let measure = |label: &str| {
         // Let deferred frees (RCU callbacks, workers) of earlier steps run
@@ -1206,11 +1756,33 @@ fn fig7(c: &Ctx) {
     let kernel = (free0 as f64 - meminfo("MemFree") as f64) / added - 4096.0;
     let slab = (meminfo("Slab") as f64 - slab0 as f64) / added;
     measure("live_10000");
+    // 100,000 live: the rest are bare buffers (ALLOC without a mapping or
+    // a Tensor: 100,000 mappings would exceed vm.max_map_count, and only
+    // the file's handle count matters here).
+    let mut bare = Vec::with_capacity(HUGE - MANY);
+    for _ in MANY..HUGE {
+        match dev.alloc(4096, 0) {
+            Ok(a) => bare.push(a.handle),
+            Err(e) => {
+                note(format!("fig7: ALLOC #{} failed: {e}", MANY + bare.len()));
+                break;
+            }
+        }
+    }
+    if bare.len() == HUGE - MANY {
+        measure("live_100000");
+    }
+    for h in bare {
+        dev.free(h).expect("FREE");
+    }
     live.truncate(FEW);
     measure("live_10_after");
     drop(live);
 
-    // The dma-heap baseline of the per-buffer kernel memory.
+    // The dma-heap baseline of the per-buffer kernel memory. The frees
+    // above return memory in the background (RCU, workers): let them
+    // finish first, or MemFree rises during the measurement.
+    std::thread::sleep(Duration::from_secs(2));
     raise_nofile(16_384);
     let heap = open_rw(dma_heap::SYSTEM);
     let mut bufs = Vec::with_capacity(MANY);
@@ -1245,6 +1817,90 @@ fn fig7(c: &Ctx) {
         &one(hkernel),
         &[("slab", hslab)],
     );
+}
+
+/// Figure 8, submit throughput: 1-descriptor 4 KiB copy jobs submitted
+/// from 1, 2 and 4 threads sharing the device file, each thread with its
+/// own buffers and up to `WINDOW` jobs in flight. Reports jobs per second
+/// of guest time for each thread count, per round.
+fn fig8(c: &Ctx) {
+    const JOBS: usize = 400;
+    const WINDOW: usize = 8;
+    const REPS: usize = 5;
+    let threads = [1usize, 2, 4];
+    let bufs: Vec<(Tensor, Tensor)> = (0..4)
+        .map(|_| (alloc(c, 4096, "fig8_src"), alloc(c, 4096, "fig8_dst")))
+        .collect();
+    let run = |k: usize| -> f64 {
+        let barrier = std::sync::Barrier::new(k + 1);
+        std::thread::scope(|s| {
+            for (src, dst) in &bufs[..k] {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let mut inflight = std::collections::VecDeque::with_capacity(WINDOW);
+                    barrier.wait();
+                    for _ in 0..JOBS {
+                        if inflight.len() == WINDOW {
+                            let h: tdrv::JobHandle = inflight.pop_front().expect("job");
+                            h.wait().expect("job wait");
+                        }
+                        let mut job = Job::new();
+                        job.copy(src, 0, dst, 0, 4096).expect("job copy");
+                        inflight.push_back(job.submit().expect("submit"));
+                    }
+                    for h in inflight {
+                        h.wait().expect("job wait");
+                    }
+                    barrier.wait();
+                });
+            }
+            barrier.wait();
+            let t0 = Instant::now();
+            barrier.wait();
+            (k * JOBS) as f64 / t0.elapsed().as_secs_f64()
+        })
+    };
+    let mut samples = vec![Vec::with_capacity(REPS); threads.len()];
+    for round in 0..REPS + 1 {
+        for (i, &k) in threads.iter().enumerate() {
+            let rate = run(k);
+            if round > 0 {
+                samples[i].push(rate);
+            }
+        }
+    }
+    for (k, s) in threads.iter().zip(samples) {
+        emit(
+            "8",
+            "submit",
+            &format!("threads_{k}"),
+            "jobs/s",
+            &summarize(s),
+            &[("threads", *k as f64), ("jobs_per_thread", JOBS as f64)],
+        );
+    }
+}
+
+/// The kernel debugging options this kernel shows signs of (the debug test
+/// kernel has all of them, the bench kernel none).
+fn debug_options() -> String {
+    let checks = [
+        ("lockdep", "/proc/lockdep"),
+        ("kmemleak", "/sys/kernel/debug/kmemleak"),
+        ("slub_debug", "/sys/kernel/slab/kmalloc-64/sanity_checks"),
+        ("dma_api_debug", "/sys/kernel/debug/dma-api"),
+        ("fault_injection", "/sys/kernel/debug/failslab"),
+    ];
+    let on: Vec<&str> = checks
+        .iter()
+        .filter(|(_, p)| std::path::Path::new(p).exists())
+        .map(|(n, _)| *n)
+        .collect();
+    if on.is_empty() {
+        "none".into()
+    } else {
+        on.join(",")
+    }
 }
 
 fn main() {
@@ -1286,16 +1942,18 @@ fn main() {
                     .unwrap_or_else(|e| e.to_string()),
             ),
             ("cmdline", read_trim("/proc/cmdline")),
+            ("debug_options", debug_options()),
         ],
     );
     let c = Ctx { path, dev, profile };
-    let figs: [Figure; 6] = [
+    let figs: [Figure; 7] = [
         ("fig4", fig4),
         ("fig1", fig1),
         ("fig6", fig6),
         ("fig5", fig5),
         ("fig2", fig23),
         ("fig7", fig7),
+        ("fig8", fig8),
     ];
     let start = Instant::now();
     for (name, f) in figs {

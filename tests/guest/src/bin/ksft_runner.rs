@@ -72,7 +72,7 @@ fn main() {
 
     let mut t = Tap::new(6);
     t.run(
-        "-l lists the test programs and nothing else, edu last",
+        "-l lists the test programs and nothing else, edu and sim last",
         || {
             let (code, out) = run_tests(&here, &["-l"])?;
             expect_eq("exit code", code, 0)?;
@@ -96,11 +96,12 @@ fn main() {
             if listed.iter().any(|l| l.contains(".so")) {
                 return Err(format!("a library is listed:\n{out}"));
             }
-            // `edu` unbinds its device: it must come after everything else.
+            // `edu` and `sim` unbind their device: they must come after
+            // everything else.
             expect_eq(
-                "last two",
-                &listed[listed.len().saturating_sub(2)..],
-                &["tdrv:watchdog", "tdrv:edu"][..],
+                "last three",
+                &listed[listed.len().saturating_sub(3)..],
+                &["tdrv:watchdog", "tdrv:edu", "tdrv:sim"][..],
             )
         },
     );

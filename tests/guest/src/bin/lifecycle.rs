@@ -61,9 +61,12 @@ fn wait_usage(dev: &Dev, base: &tdrv_channel_info, limit: Duration) -> Result<Du
 
 /// Fills one file with a long queue: `jobs` jobs each copying `size`
 /// bytes between two fresh buffers of channel 0. Returns the job ids.
-fn queue_jobs(dev: &Dev, size: u64, jobs: usize) -> Result<Vec<u64>, String> {
+fn queue_jobs(dev: &Dev, size: u64, jobs: usize, stall: Option<&str>) -> Result<Vec<u64>, String> {
     let a = ok("alloc", dev.alloc(size, 0))?;
     let b = ok("alloc", dev.alloc(size, 0))?;
+    if let Some(path) = stall {
+        stall_next(path)?;
+    }
     (0..jobs)
         .map(|_| {
             ok(
@@ -74,18 +77,20 @@ fn queue_jobs(dev: &Dev, size: u64, jobs: usize) -> Result<Vec<u64>, String> {
         .collect()
 }
 
-/// One big job that keeps the engine busy (several passes over 8 MiB),
-/// submitted on a fresh file, and that file.
-fn busy_file(path: &str, passes: usize) -> Result<Dev, String> {
-    let dev = ok("open", Dev::open(path))?;
+/// Submits on `dev` one big job that keeps the engine busy (several passes
+/// over 8 MiB). On a sim device (`stall`: its node) the job's queue is
+/// stalled, after the buffers were allocated (allocation zeroes by DMA).
+fn busy_job(dev: &Dev, passes: usize, stall: Option<&str>) -> R {
     let size = 8 << 20;
     let a = ok("alloc", dev.alloc(size, 0))?;
     let b = ok("alloc", dev.alloc(size, 0))?;
+    if let Some(path) = stall {
+        stall_next(path)?;
+    }
     let descs: Vec<_> = (0..passes)
         .map(|_| desc(a.handle, 0, b.handle, 0, size))
         .collect();
-    ok("submit busy job", dev.submit(&descs))?;
-    Ok(dev)
+    ok("submit busy job", dev.submit(&descs)).map(drop)
 }
 
 mod sig {
@@ -115,6 +120,10 @@ mod sig {
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
     let edu = version.device_kind == TDRV_DEVICE_EDU;
+    // The sim device's DMA runs in host threads, faster than any job the
+    // tests can queue: where a test needs a busy engine, its queues are
+    // stalled (fault injection) until the watchdog resets them.
+    let sim = version.device_kind == TDRV_DEVICE_SIM;
     let page = page_size() as u64;
     let mut t = Tap::new(13);
 
@@ -146,12 +155,22 @@ fn main() {
             let victim = ok("open", Dev::open(&path))?;
             // Soft: 32 x 4 MiB; edu: 4 x 64 KiB (a chunk is ~200 ms there).
             let (size, jobs) = if edu { (64 << 10, 4) } else { (4 << 20, 32) };
-            let ids = queue_jobs(&victim, size, jobs)?;
+            // Sim: the jobs' queue is stalled (all 32 go to one queue: they
+            // write the same buffer), so that they are still
+            // queued at close; the running ones end at the watchdog's
+            // reset (sim_timeout_ms, 2 s), hence the longer wait.
+            let ids = queue_jobs(&victim, size, jobs, sim.then_some(path.as_str()))?;
             drop(victim);
             let took = wait_usage(
                 &dev,
                 &base,
-                Duration::from_millis(if edu { 1500 } else { 1000 }),
+                Duration::from_millis(if edu {
+                    1500
+                } else if sim {
+                    5000
+                } else {
+                    1000
+                }),
             )?;
             let now = stat(&path, "jobs_cancelled")?;
             if now < cancelled + (ids.len() as u64 / 2) {
@@ -180,7 +199,7 @@ fn main() {
                 let run = || -> Result<(), String> {
                     let d = ok("open", Dev::open(&path))?;
                     let (size, jobs) = if edu { (64 << 10, 8) } else { (2 << 20, 64) };
-                    queue_jobs(&d, size, jobs)?;
+                    queue_jobs(&d, size, jobs, None)?;
                     // SAFETY: writes one byte from a live buffer.
                     unsafe { libc::write(fds[1], [1u8].as_ptr().cast(), 1) };
                     loop {
@@ -255,9 +274,29 @@ fn main() {
     t.run(
         "the per-file job cap answers EAGAIN and nothing is lost",
         || -> R {
-            let d = busy_file(&path, if edu { 1 } else { 48 })?;
+            let start = ok("channel_info", dev.channel_info(0))?.used_bytes;
+            // Sim: waits until the stalled queues were reset (their jobs
+            // failed, the rest cancelled) and the memory came back.
+            let settle = || -> R {
+                let t0 = Instant::now();
+                while ok("channel_info", dev.channel_info(0))?.used_bytes != start {
+                    if t0.elapsed() > Duration::from_secs(20) {
+                        return Err("memory not back after the stalled queues' reset".into());
+                    }
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Ok(())
+            };
+            // Buffers first: on the sim device allocation zeroes by DMA,
+            // which stalled queues would not do.
+            let d = ok("open", Dev::open(&path))?;
             let a = ok("alloc", d.alloc(page, 0))?;
             let b = ok("alloc", d.alloc(page, 0))?;
+            busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
+            if sim {
+                // And the queue of the small jobs that follow.
+                stall_next(&path)?;
+            }
             let mut queued = 1; // the busy job
             let err = loop {
                 match d.submit(&[desc(a.handle, 0, b.handle, 0, 8)]) {
@@ -271,22 +310,31 @@ fn main() {
             expect_eq("errno at the cap", err, libc::EAGAIN)?;
             expect_eq("jobs queued at the cap (file_max_jobs)", queued, 1024)?;
             drop(d);
+            if sim {
+                settle()?;
+            }
             // A job that would take a busy file past the in-flight byte cap
             // (file_max_inflight_mib, 1 GiB) waits; alone, it would run.
-            let d = busy_file(&path, if edu { 1 } else { 48 })?;
+            let d = ok("open", Dev::open(&path))?;
             let big = ok("alloc", d.alloc(8 << 20, 0))?;
             let big2 = ok("alloc", d.alloc(8 << 20, 0))?;
+            let lone = ok("open", Dev::open(&path))?;
+            let c = ok("alloc", lone.alloc(8 << 20, 0))?;
+            let e = ok("alloc", lone.alloc(8 << 20, 0))?;
+            busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
             let many: Vec<_> = (0..200)
                 .map(|_| desc(big.handle, 0, big2.handle, 0, 8 << 20))
                 .collect();
             expect_err("job over the byte cap", d.submit(&many), libc::EAGAIN)?;
-            let lone = ok("open", Dev::open(&path))?;
-            let c = ok("alloc", lone.alloc(8 << 20, 0))?;
-            let e = ok("alloc", lone.alloc(8 << 20, 0))?;
             let many: Vec<_> = (0..200)
                 .map(|_| desc(c.handle, 0, e.handle, 0, 8 << 20))
                 .collect();
-            ok("the same job alone", lone.submit(&many)).map(drop)
+            ok("the same job alone", lone.submit(&many))?;
+            if sim {
+                drop((d, lone));
+                settle()?;
+            }
+            Ok(())
         },
     );
 
@@ -666,6 +714,16 @@ fn main() {
     );
 
     t.finish();
+}
+
+/// Stalls the queue of the next job of a sim device (its watchdog resets
+/// the queue once it has waited `sim_timeout_ms`).
+fn stall_next(path: &str) -> R {
+    let dir = format!(
+        "/sys/kernel/debug/tdrv/{}",
+        path.trim_start_matches("/dev/")
+    );
+    fs::write(format!("{dir}/inject"), "stall").map_err(|e| format!("inject stall: {e}"))
 }
 
 /// `request` with its size field replaced.

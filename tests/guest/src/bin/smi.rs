@@ -372,6 +372,7 @@ fn main() {
     let kind = match v.device_kind {
         TDRV_DEVICE_SOFT => "soft",
         TDRV_DEVICE_EDU => "edu",
+        TDRV_DEVICE_SIM => "sim",
         _ => "unknown",
     };
 

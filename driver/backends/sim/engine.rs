@@ -1,0 +1,1024 @@
+// SPDX-License-Identifier: GPL-2.0
+
+//! The sim device's engine: spreads jobs across the queues while keeping
+//! per-buffer order, runs the synchronous transfers of device memory by
+//! DMA, and watches the queues.
+//!
+//! # Ordering
+//!
+//! The core marks fences when a job is submitted, but does not hold a job
+//! back until the jobs before it on the same buffers are done: a FIFO
+//! engine gets that order for free, this one has several queues running at
+//! once. So the scheduler keeps submitted jobs in a pending list, in
+//! submission order, and dispatches a job only when it conflicts (shares a
+//! buffer, one of the two writing it) with no earlier pending job and with
+//! running jobs on at most one queue; then it goes to that queue (whose
+//! FIFO order finishes the earlier job first), or else to the least loaded
+//! queue, as long as that queue has fewer than `QUEUE_DEPTH` jobs. Independent jobs thus run on different queues and may complete
+//! out of order; dependent ones complete in order.
+//!
+//! Synchronous transfers (COPY_IN, COPY_OUT, MEMSET, COPY, zeroing) are
+//! ordered against jobs by the fences (`Fence::cpu_begin`), and go to the
+//! least loaded queue.
+//!
+//! # Host pages
+//!
+//! COPY_IN and COPY_OUT pin the caller's pages (`pin_user_pages_fast`, a
+//! chunk of up to 1 MiB at a time, with no device section held, since
+//! pinning may fault), map them for DMA page by page (merging pages that
+//! are contiguous for the device) and post one descriptor per run. The
+//! bytes never pass through a kernel buffer. The ioctl waits for the chunk
+//! uninterruptibly (the device writes the pages until then); the watchdog
+//! bounds that wait. A fatal signal stops the copy between chunks (EINTR).
+//!
+//! # Faults
+//!
+//! A descriptor the device fails fails its op: a job with EIO, a transfer
+//! with EIO. The watchdog (a delayed work item, every `WATCH_MS` while a
+//! queue has work) reaps the completion rings, which recovers a lost
+//! interrupt, and resets a queue with no progress for `sim_timeout_ms`:
+//! its running op fails with ETIMEDOUT, the ops behind it with EIO, and
+//! the queue serves new work afterwards. Debugfs `inject` takes
+//! `fail_desc`, `stall` and `lose_irq`, each optionally followed by a
+//! queue number; without one the fault goes to the queue of the next op
+//! (job or transfer). `fail_job` fails the next job's first descriptor.
+
+use kernel::{
+    bindings,
+    device::Bound,
+    dma::Coherent,
+    io::{
+        register::Array,
+        Io, //
+    },
+    list::{
+        List,
+        ListArc, //
+    },
+    new_mutex,
+    page::PAGE_SIZE,
+    prelude::*,
+    sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        Arc,
+        Mutex, //
+    },
+    time::{
+        msecs_to_jiffies,
+        Delta, //
+    },
+    uaccess::UserPtr,
+    workqueue::{
+        impl_has_delayed_work,
+        impl_has_work,
+        new_delayed_work,
+        new_work,
+        DelayedWork,
+        Work,
+        WorkItem, //
+    }, //
+};
+
+use super::{
+    hbm::Hbm,
+    queue::{
+        Desc,
+        Health,
+        Hw,
+        Op,
+        OpKind,
+        Queue, //
+    },
+    regs::{
+        DESC_DST_DEV,
+        DESC_MAX_LEN,
+        DESC_SRC_DEV,
+        HDR_INJECT,
+        INJECT_FAIL_NEXT,
+        INJECT_LOSE_IRQ,
+        INJECT_STALL, //
+    },
+    SimHw,
+    SimMemory, //
+};
+use crate::{
+    buffer::{
+        Buffer,
+        DeviceMemory, //
+    },
+    device::{
+        raw_device,
+        TdrvDevice, //
+    },
+    engine::{
+        self,
+        fail_all,
+        take_jobs_of,
+        Engine,
+        EngineCounters, //
+    },
+    glue,
+    job::{
+        Job,
+        JobTracker, //
+    },
+    range::ByteRange,
+    uapi::ecanceled, //
+};
+
+/// Watchdog period while a queue has work.
+const WATCH_MS: u32 = 20;
+/// Bytes of user memory pinned and mapped per DMA chunk.
+const USER_CHUNK: usize = 1 << 20;
+/// Size of the pattern a fill starts from.
+const FILL_PATTERN: usize = 64 << 10;
+/// Pending jobs the scheduler looks at per pass.
+const SCAN_LIMIT: usize = 64;
+/// Jobs dispatched to one queue at a time. The rest wait in the pending
+/// list, where closing their file cancels them at once (descriptors in a
+/// ring can only end by running or by a reset).
+const QUEUE_DEPTH: usize = 4;
+
+/// The buffers a job touches, sorted by address, with whether it writes
+/// them.
+struct BufSet(KVec<(usize, bool)>);
+
+impl BufSet {
+    fn of(job: &Job) -> Result<Self> {
+        let mut v: KVec<(usize, bool)> = KVec::new();
+        let mut add = |buf: &Arc<Buffer>, write: bool| -> Result {
+            let key = Arc::as_ptr(buf) as usize;
+            // Jobs name few distinct buffers: a linear search, and an
+            // insertion that keeps the set sorted.
+            match v.iter().position(|e| e.0 >= key) {
+                Some(i) if v[i].0 == key => v[i].1 |= write,
+                Some(i) => {
+                    v.reserve(1, GFP_KERNEL)?;
+                    let _ = v.insert_within_capacity(i, (key, write));
+                }
+                None => v.push((key, write), GFP_KERNEL)?,
+            }
+            Ok(())
+        };
+        for t in &job.transfers {
+            add(&t.src, false)?;
+            add(&t.dst, true)?;
+        }
+        Ok(Self(v))
+    }
+
+    /// Some buffer is in both sets and one of them writes it.
+    fn conflicts(&self, other: &BufSet) -> bool {
+        let (mut i, mut j) = (0, 0);
+        let (a, b) = (&self.0, &other.0);
+        while i < a.len() && j < b.len() {
+            match a[i].0.cmp(&b[j].0) {
+                core::cmp::Ordering::Less => i += 1,
+                core::cmp::Ordering::Greater => j += 1,
+                core::cmp::Ordering::Equal => {
+                    if a[i].1 || b[j].1 {
+                        return true;
+                    }
+                    i += 1;
+                    j += 1;
+                }
+            }
+        }
+        false
+    }
+}
+
+/// A dispatched job the scheduler still orders others against.
+struct Running {
+    job: Arc<Job>,
+    queue: u32,
+    set: BufSet,
+}
+
+struct Sched {
+    /// Submitted jobs not yet dispatched, in submission order.
+    pending: List<Job>,
+    running: KVec<Running>,
+    stopped: bool,
+}
+
+/// The engine of one sim device.
+#[pin_data]
+pub(crate) struct SimEngine {
+    pub(crate) hw: SimHw,
+    pub(crate) queues: KVec<Pin<KBox<Queue>>>,
+    pub(crate) hbm: Arc<Hbm>,
+    #[pin]
+    sched: Mutex<Sched>,
+    /// Ops to end from a work item: failed where they could not be ended
+    /// (under a submitter's tracker lock).
+    #[pin]
+    deferred: Mutex<List<Op>>,
+    #[pin]
+    defer_work: Work<SimEngine>,
+    #[pin]
+    watchdog: DelayedWork<SimEngine, 1>,
+    timeout: Delta,
+    /// A fault for the queue of the next op (`INJECT_*`), or 0.
+    inject_next: Atomic<u32>,
+    /// `INJECT_FAIL_NEXT` for the queue of the next job, or 0.
+    inject_next_job: Atomic<u32>,
+    polled: Atomic<u64>,
+    spurious_irqs: Atomic<u64>,
+    watchdog_timeouts: Atomic<u64>,
+    resets: Atomic<u64>,
+}
+
+impl_has_work! {
+    impl HasWork<Self> for SimEngine { self.defer_work }
+}
+impl_has_delayed_work! {
+    impl HasDelayedWork<Self, 1> for SimEngine { self.watchdog }
+}
+
+impl WorkItem for SimEngine {
+    type Pointer = Arc<SimEngine>;
+
+    fn run(this: Arc<SimEngine>) {
+        this.end_deferred();
+    }
+}
+
+/// The watchdog: its own work item (id 1).
+impl WorkItem<1> for SimEngine {
+    type Pointer = Arc<SimEngine>;
+
+    fn run(this: Arc<SimEngine>) {
+        this.watch();
+    }
+}
+
+impl SimEngine {
+    pub(crate) fn new(
+        hw: SimHw,
+        queues: KVec<Pin<KBox<Queue>>>,
+        hbm: Arc<Hbm>,
+        timeout_ms: u32,
+    ) -> Result<Arc<Self>> {
+        Arc::pin_init(
+            try_pin_init!(Self {
+                hw,
+                queues,
+                hbm,
+                sched <- new_mutex!(
+                    Sched {
+                        pending: List::new(),
+                        running: KVec::new(),
+                        stopped: false,
+                    },
+                    "SimEngine::sched"
+                ),
+                deferred <- new_mutex!(List::new(), "SimEngine::deferred"),
+                defer_work <- new_work!("SimEngine::defer_work"),
+                watchdog <- new_delayed_work!("SimEngine::watchdog"),
+                timeout: Delta::from_millis(timeout_ms.into()),
+                inject_next: Atomic::new(0),
+                inject_next_job: Atomic::new(0),
+                polled: Atomic::new(0),
+                spurious_irqs: Atomic::new(0),
+                watchdog_timeouts: Atomic::new(0),
+                resets: Atomic::new(0),
+            }),
+            GFP_KERNEL,
+        )
+    }
+
+    /// Waits until neither work item is queued or running. Once the
+    /// engine is stopped and no ioctl section is left (unbind drained
+    /// them), nothing queues them again.
+    pub(crate) fn flush(&self) {
+        // SAFETY: `watchdog` is an initialised, pinned delayed work that
+        // lives as long as the engine; a stopped engine's watchdog does not
+        // queue itself again.
+        unsafe {
+            bindings::flush_delayed_work(
+                DelayedWork::<SimEngine, 1>::raw_as_work(&raw const self.watchdog)
+                    .cast::<bindings::delayed_work>(),
+            )
+        };
+        // SAFETY: As above, for the deferred-ops work item.
+        unsafe { bindings::flush_work(Work::<SimEngine>::raw_get(&raw const self.defer_work)) };
+    }
+
+    fn arm_watchdog(self: &Arc<Self>) {
+        let _ = engine::queue().enqueue_delayed::<_, 1>(self.clone(), msecs_to_jiffies(WATCH_MS));
+    }
+
+    /// Applies a fault meant for the next op to queue `q`.
+    fn apply_next_fault(&self, q: u32) {
+        let cmd = self.inject_next.xchg(0, Relaxed);
+        if cmd != 0 {
+            let _ = self.inject(q, cmd);
+        }
+    }
+
+    fn inject(&self, q: u32, cmd: u32) -> Result {
+        let loc = HDR_INJECT::try_at(q as usize).ok_or(EINVAL)?;
+        self.hw
+            .with_ctrl(|io| io.try_write(loc, HDR_INJECT::zeroed().with_cmd(cmd)))
+            .ok_or(ENODEV)?
+    }
+
+    /// Puts `op` on queue `q`; an op the queue refused is ended later.
+    fn push(self: &Arc<Self>, q: u32, op: ListArc<Op>) {
+        self.apply_next_fault(q);
+        if let Err(op) = self.queues[q as usize].push(&self.hw, op) {
+            self.defer(op);
+        }
+        self.arm_watchdog();
+    }
+
+    fn defer(self: &Arc<Self>, op: ListArc<Op>) {
+        self.deferred.lock().push_back(op);
+        let _ = engine::queue().enqueue::<_, 0>(self.clone());
+    }
+
+    fn end_deferred(self: &Arc<Self>) {
+        loop {
+            let op = self.deferred.lock().pop_front();
+            let Some(op) = op else {
+                return;
+            };
+            self.end(op);
+        }
+    }
+
+    /// Ends an op: a job leaves the scheduler (which may dispatch jobs
+    /// that waited for it) and completes; a transfer wakes its waiter.
+    /// Call with no lock held.
+    fn end(self: &Arc<Self>, op: ListArc<Op>) {
+        match &op.kind {
+            OpKind::Job(job) => {
+                {
+                    let mut s = self.sched.lock();
+                    if let Some(i) = s.running.iter().position(|r| Arc::ptr_eq(&r.job, job)) {
+                        let _ = s.running.remove(i);
+                    }
+                    self.schedule(&mut s);
+                }
+                job.complete(op.result());
+            }
+            OpKind::Sync => op.signal(),
+        }
+    }
+
+    fn end_all(self: &Arc<Self>, mut done: List<Op>) {
+        while let Some(op) = done.pop_front() {
+            self.end(op);
+        }
+    }
+
+    /// Interrupt thread of queue `q`.
+    pub(crate) fn on_irq(self: &Arc<Self>, q: u32) {
+        let mut done = List::new();
+        if self.queues[q as usize].reap(&self.hw, &mut done) == 0 {
+            self.spurious_irqs.add(1, Relaxed);
+        }
+        self.end_all(done);
+    }
+
+    /// Interrupt (hard context): count it.
+    pub(crate) fn count_irq(&self, q: u32) {
+        self.queues[q as usize].irqs.add(1, Relaxed);
+    }
+
+    fn watch(self: &Arc<Self>) {
+        let mut busy = {
+            let mut s = self.sched.lock();
+            if s.stopped {
+                return;
+            }
+            // Jobs left pending by a failed allocation get another chance;
+            // with nothing running, no completion would give them one.
+            self.schedule(&mut s);
+            !s.pending.is_empty() && s.running.is_empty()
+        };
+        for q in self.queues.iter() {
+            let mut done = List::new();
+            match q.check(&self.hw, self.timeout, &mut done, &self.polled) {
+                Health::Idle => {}
+                Health::Busy => busy = true,
+                Health::Reset => {
+                    self.watchdog_timeouts.add(1, Relaxed);
+                    self.resets.add(1, Relaxed);
+                    pr_warn!(
+                        "tdrv-sim: queue {} made no progress for {} ms: reset, its jobs failed\n",
+                        q.index,
+                        self.timeout.as_millis()
+                    );
+                }
+            }
+            self.end_all(done);
+        }
+        if busy {
+            self.arm_watchdog();
+        }
+    }
+
+    /// The least loaded usable queue that `room` accepts.
+    fn least_loaded(&self, room: impl Fn(u32) -> bool) -> Option<u32> {
+        let mut best = None;
+        let mut best_load = u32::MAX;
+        for q in self.queues.iter() {
+            let l = q.load.load(Relaxed);
+            if l < best_load && room(q.index) && q.usable() {
+                best = Some(q.index);
+                best_load = l;
+            }
+        }
+        best
+    }
+
+    /// The queue for a synchronous transfer: the least loaded, so that it
+    /// does not wait behind jobs (or behind a stuck queue's work) when
+    /// another queue is free.
+    fn next_sync_queue(&self) -> u32 {
+        self.least_loaded(|_| true).unwrap_or(0)
+    }
+
+    /// Dispatches the pending jobs that may run now (see the module docs).
+    fn schedule(self: &Arc<Self>, s: &mut Sched) {
+        if s.stopped {
+            return;
+        }
+        let mut earlier: KVec<BufSet> = KVec::new();
+        let mut ready: KVec<(ListArc<Op>, Arc<Job>, BufSet, u32)> = KVec::new();
+        {
+            let running = &s.running;
+            let mut cursor = s.pending.cursor_front();
+            let mut scanned = 0;
+            while let Some(next) = cursor.peek_next() {
+                if scanned == SCAN_LIMIT {
+                    break;
+                }
+                scanned += 1;
+                let Ok(set) = BufSet::of(&next.arc()) else {
+                    // Out of memory: the watchdog tries again.
+                    self.arm_watchdog();
+                    break;
+                };
+                let blocked = earlier.iter().any(|e| e.conflicts(&set))
+                    || ready.iter().any(|(_, _, e, _)| e.conflicts(&set));
+                let mut queue = None;
+                let mut multi = blocked;
+                for r in running.iter().filter(|r| r.set.conflicts(&set)) {
+                    match queue {
+                        None => queue = Some(r.queue),
+                        Some(q) if q != r.queue => multi = true,
+                        _ => {}
+                    }
+                }
+                let depth = |q: u32| {
+                    running.iter().filter(|r| r.queue == q).count()
+                        + ready.iter().filter(|(_, _, _, rq)| *rq == q).count()
+                };
+                let queue = match queue {
+                    Some(q) if depth(q) < QUEUE_DEPTH => Some(q),
+                    Some(_) => None,
+                    None => self.least_loaded(|q| depth(q) < QUEUE_DEPTH),
+                };
+                if multi || queue.is_none() {
+                    if earlier.push(set, GFP_KERNEL).is_err() {
+                        self.arm_watchdog();
+                        break;
+                    }
+                    cursor.move_next();
+                    continue;
+                }
+                // Everything the dispatch needs is allocated before the job
+                // leaves the pending list: nothing can fail after that.
+                let job: Arc<Job> = next.arc().into();
+                let op = job_descs(&job).and_then(|d| Op::new(OpKind::Job(job.clone()), d));
+                let Ok(op) = op.and_then(|op| Ok((op, ready.reserve(1, GFP_KERNEL)?))) else {
+                    self.arm_watchdog();
+                    break;
+                };
+                let (op, ()) = op;
+                let Some(q) = queue else {
+                    break;
+                };
+                // The op holds the job now; the list's reference goes.
+                drop(next.remove());
+                let _ = ready.push((op, job, set, q), GFP_KERNEL);
+            }
+        }
+        let room = s.running.reserve(ready.len(), GFP_KERNEL).is_ok();
+        for (op, job, set, q) in ready.drain_all() {
+            if !room {
+                // Ended from the work item, outside any tracker lock.
+                op.fail(ENOMEM);
+                self.defer(op);
+                continue;
+            }
+            let _ = s.running.push(
+                Running {
+                    job: job.clone(),
+                    queue: q,
+                    set,
+                },
+                GFP_KERNEL,
+            );
+            job.start();
+            let cmd = self.inject_next_job.xchg(0, Relaxed);
+            if cmd != 0 {
+                let _ = self.inject(q, cmd);
+            }
+            self.push(q, op);
+        }
+    }
+
+    /// Runs `descs` on a queue and waits for them.
+    fn run_sync(self: &Arc<Self>, descs: KVec<Desc>) -> Result {
+        if descs.is_empty() {
+            return Ok(());
+        }
+        let op = Op::new(OpKind::Sync, descs)?;
+        let waiter = op.clone_arc();
+        self.push(self.next_sync_queue(), op);
+        waiter.wait();
+        waiter.result()
+    }
+
+    /// COPY_IN/COPY_OUT: DMA between device memory at `dev_addr` and the
+    /// caller's pages at `user`, a chunk at a time.
+    fn user_dma(
+        self: &Arc<Self>,
+        device: &TdrvDevice,
+        dev_addr: u64,
+        len: usize,
+        user: UserPtr,
+        to_device: bool,
+    ) -> Result {
+        let base = user.as_const_ptr() as usize;
+        let mut done = 0;
+        while done < len {
+            if glue::fatal_signal_pending() {
+                return Err(EINTR);
+            }
+            let uaddr = base.checked_add(done).ok_or(EFAULT)?;
+            let off = uaddr % PAGE_SIZE;
+            let n = (len - done).min(USER_CHUNK - off);
+            let npages = (off + n).div_ceil(PAGE_SIZE);
+            // Pinning may fault pages in: no device section is held.
+            let pages = PinnedPages::pin(uaddr - off, npages, !to_device)?;
+            {
+                let active = device.enter()?;
+                let dev = raw_device(device.bound_device(&active));
+                let dir = if to_device {
+                    bindings::dma_data_direction_DMA_TO_DEVICE
+                } else {
+                    bindings::dma_data_direction_DMA_FROM_DEVICE
+                };
+                // SAFETY: `dev` is bound while `active` lives; the pages
+                // are pinned until `pages` drops, after the mapping.
+                let mapped = unsafe { MappedPages::map(dev, &pages, off, n, dir)? };
+                let descs = mapped.descs(dev_addr + done as u64, to_device)?;
+                // The mapping ends (drop) only after the op ended: the
+                // device no longer touches the pages.
+                self.run_sync(descs)?;
+            }
+            drop(pages);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Fills `len` bytes at `dst` with `value`: one pattern from host
+    /// memory, then the device doubles what it wrote (descriptors of one
+    /// queue run in order).
+    fn fill(self: &Arc<Self>, device: &TdrvDevice, dst: u64, len: usize, value: u8) -> Result {
+        if len == 0 {
+            return Ok(());
+        }
+        let active = device.enter()?;
+        let bound: &kernel::device::Device<Bound> = device.bound_device(&active);
+        let first = len.min(FILL_PATTERN);
+        let pattern = Coherent::<u8>::zeroed_slice(bound, first.next_multiple_of(PAGE_SIZE), GFP_KERNEL)?;
+        if value != 0 {
+            // SAFETY: The allocation is ours and at least `first` bytes;
+            // no device has its address yet.
+            unsafe { core::ptr::write_bytes(pattern.as_mut_ptr().cast::<u8>(), value, first) };
+        }
+        let mut descs = KVec::new();
+        descs.push(
+            Desc {
+                src: pattern.dma_handle(),
+                dst,
+                len: first as u32,
+                flags: DESC_DST_DEV,
+            },
+            GFP_KERNEL,
+        )?;
+        let mut filled = first;
+        while filled < len {
+            let n = filled.min(len - filled).min(DESC_MAX_LEN);
+            descs.push(
+                Desc {
+                    src: dst,
+                    dst: dst + filled as u64,
+                    len: n as u32,
+                    flags: DESC_SRC_DEV | DESC_DST_DEV,
+                },
+                GFP_KERNEL,
+            )?;
+            filled += n;
+        }
+        // `pattern` lives until the op ended.
+        let r = self.run_sync(descs);
+        drop(pattern);
+        r
+    }
+}
+
+/// Where byte `offset` of `buf` is for the device, and how many bytes are
+/// contiguous from there: HBM for device memory, else the bus address of
+/// host memory (a buffer imported from elsewhere).
+fn locate(buf: &Buffer, offset: usize) -> (u64, usize, bool) {
+    if buf.on_device() {
+        (buf.dma_addr() + offset as u64, buf.size() - offset, true)
+    } else {
+        let (bus, left) = buf.dma_span(offset);
+        (bus, left, false)
+    }
+}
+
+/// The descriptors of a job: one per run that is contiguous on both
+/// sides, at most `DESC_MAX_LEN` bytes; HBM to HBM for buffers in device
+/// memory.
+fn job_descs(job: &Job) -> Result<KVec<Desc>> {
+    let mut descs = KVec::new();
+    for t in &job.transfers {
+        transfer_descs(&mut descs, &t.dst, t.dst_offset, &t.src, t.src_range)?;
+    }
+    Ok(descs)
+}
+
+/// Appends the descriptors that copy `src_range` of `src` to `dst` at
+/// `dst_offset`.
+fn transfer_descs(
+    descs: &mut KVec<Desc>,
+    dst: &Buffer,
+    dst_offset: usize,
+    src: &Buffer,
+    src_range: ByteRange,
+) -> Result {
+    let mut done = 0;
+    while done < src_range.len {
+        let (from, src_left, src_dev) = locate(src, src_range.start + done);
+        let (to, dst_left, dst_dev) = locate(dst, dst_offset + done);
+        let n = (src_range.len - done).min(src_left).min(dst_left).min(DESC_MAX_LEN);
+        let flags = if src_dev { DESC_SRC_DEV } else { 0 } | if dst_dev { DESC_DST_DEV } else { 0 };
+        descs.push(
+            Desc {
+                src: from,
+                dst: to,
+                len: n as u32,
+                flags,
+            },
+            GFP_KERNEL,
+        )?;
+        done += n;
+    }
+    Ok(())
+}
+
+
+/// User pages pinned for DMA; unpinned (and marked dirty if the device
+/// wrote them) on drop.
+struct PinnedPages {
+    pages: KVec<*mut bindings::page>,
+    write: bool,
+}
+
+impl PinnedPages {
+    /// Pins `n` pages from the page-aligned user address `start`; EFAULT
+    /// unless all of them can be pinned (writable ones if `write`).
+    fn pin(start: usize, n: usize, write: bool) -> Result<Self> {
+        let mut pages = KVec::with_capacity(n, GFP_KERNEL)?;
+        let flags = if write { bindings::FOLL_WRITE } else { 0 };
+        // SAFETY: `pages` has room for `n` entries; the call checks the
+        // user range and fills at most `n` entries.
+        let got = unsafe {
+            bindings::pin_user_pages_fast(start, n as i32, flags, pages.as_mut_ptr())
+        };
+        if got < 0 {
+            return Err(Error::from_errno(got));
+        }
+        // SAFETY: `pin_user_pages_fast` initialised the first `got <= n`
+        // entries.
+        unsafe { pages.inc_len(got as usize) };
+        let pinned = Self { pages, write };
+        if (got as usize) < n {
+            // Dropping unpins the ones we got.
+            return Err(EFAULT);
+        }
+        Ok(pinned)
+    }
+}
+
+impl Drop for PinnedPages {
+    fn drop(&mut self) {
+        if !self.pages.is_empty() {
+            // SAFETY: Every entry is a page this object pinned, unpinned
+            // exactly once, here.
+            unsafe {
+                bindings::unpin_user_pages_dirty_lock(
+                    self.pages.as_mut_ptr(),
+                    self.pages.len(),
+                    self.write,
+                )
+            };
+        }
+    }
+}
+
+/// DMA mappings of pinned pages; unmapped on drop.
+struct MappedPages {
+    dev: *mut bindings::device,
+    dir: bindings::dma_data_direction,
+    /// `(bus address, length)` per page.
+    maps: KVec<(u64, usize)>,
+}
+
+impl MappedPages {
+    /// Maps `len` bytes of `pages` from byte `off` of the first page.
+    ///
+    /// # Safety
+    ///
+    /// `dev` is bound until the result is dropped, and `pages` stay
+    /// pinned until then.
+    unsafe fn map(
+        dev: *mut bindings::device,
+        pages: &PinnedPages,
+        off: usize,
+        len: usize,
+        dir: bindings::dma_data_direction,
+    ) -> Result<Self> {
+        let mut m = Self {
+            dev,
+            dir,
+            maps: KVec::with_capacity(pages.pages.len(), GFP_KERNEL)?,
+        };
+        let mut done = 0;
+        for (i, page) in pages.pages.iter().enumerate() {
+            let o = if i == 0 { off } else { 0 };
+            let n = (PAGE_SIZE - o).min(len - done);
+            // SAFETY: `page` is pinned and `dev` bound (the caller's
+            // guarantee); `[o, o + n)` lies in the page.
+            let addr = unsafe { bindings::dma_map_page_attrs(dev, *page, o, n, dir, 0) };
+            // SAFETY: As above.
+            if unsafe { glue::dma_mapping_error(dev, addr) } {
+                return Err(ENOMEM);
+            }
+            // Within capacity: one entry per page.
+            let _ = m.maps.push_within_capacity((addr, n));
+            done += n;
+        }
+        Ok(m)
+    }
+
+    /// One descriptor per run of bus-contiguous pages.
+    fn descs(&self, dev_addr: u64, to_device: bool) -> Result<KVec<Desc>> {
+        let mut descs: KVec<Desc> = KVec::new();
+        let mut at = dev_addr;
+        let host = |d: &Desc| if to_device { d.src } else { d.dst };
+        let flags = if to_device { DESC_DST_DEV } else { DESC_SRC_DEV };
+        for &(addr, n) in self.maps.iter() {
+            if let Some(last) = descs.last_mut() {
+                if host(last) + u64::from(last.len) == addr && last.len as usize + n <= DESC_MAX_LEN {
+                    last.len += n as u32;
+                    at += n as u64;
+                    continue;
+                }
+            }
+            let d = if to_device {
+                Desc { src: addr, dst: at, len: n as u32, flags }
+            } else {
+                Desc { src: at, dst: addr, len: n as u32, flags }
+            };
+            descs.push(d, GFP_KERNEL)?;
+            at += n as u64;
+        }
+        Ok(descs)
+    }
+}
+
+impl Drop for MappedPages {
+    fn drop(&mut self) {
+        for &(addr, n) in self.maps.iter() {
+            // SAFETY: Mapped by `map` for `self.dev` with this length and
+            // direction; the device is still bound (`map`'s contract).
+            unsafe { bindings::dma_unmap_page_attrs(self.dev, addr, n, self.dir, 0) };
+        }
+    }
+}
+
+/// The sim engine as the core sees it.
+pub(crate) struct SimBackend(pub(crate) Arc<SimEngine>);
+
+impl Engine for SimBackend {
+    fn submit(&self, job: ListArc<Job>) -> Result {
+        let e = &self.0;
+        let mut s = e.sched.lock();
+        if s.stopped {
+            return Err(ENODEV);
+        }
+        if !e.queues.iter().any(|q| q.usable()) {
+            return Err(EIO);
+        }
+        // A job behind other pending ones waits for the next pass, which
+        // every completion (and the watchdog) makes; only a job arriving at
+        // an empty list is dispatched from here. That keeps SUBMIT O(1)
+        // however many jobs wait.
+        let was_empty = s.pending.is_empty();
+        s.pending.push_back(job);
+        if was_empty {
+            e.schedule(&mut s);
+        }
+        Ok(())
+    }
+
+    fn cancel(&self, tracker: &JobTracker) {
+        let e = &self.0;
+        let taken = {
+            let mut s = e.sched.lock();
+            let taken = take_jobs_of(&mut s.pending, tracker);
+            e.schedule(&mut s);
+            taken
+        };
+        fail_all(taken, ecanceled());
+    }
+
+    fn shutdown(&self, stopped: &mut dyn FnMut()) {
+        let e = &self.0;
+        let pending = {
+            let mut s = e.sched.lock();
+            s.stopped = true;
+            core::mem::take(&mut s.pending)
+        };
+        let mut ops = List::new();
+        for q in e.queues.iter() {
+            q.stop(&e.hw, &mut ops);
+        }
+        e.flush();
+        // The queues were reset: the device no longer touches memory.
+        stopped();
+        while let Some(op) = ops.pop_front() {
+            op.fail(ENODEV);
+            e.end(op);
+        }
+        e.end_deferred();
+        fail_all(pending, ENODEV);
+    }
+
+    fn does_dma(&self) -> bool {
+        true
+    }
+
+    fn counters(&self) -> EngineCounters {
+        let e = &self.0;
+        EngineCounters {
+            irqs: e.queues.iter().map(|q| q.irqs.load(Relaxed)).sum(),
+            spurious_irqs: e.spurious_irqs.load(Relaxed),
+            watchdog_timeouts: e.watchdog_timeouts.load(Relaxed),
+            resets: e.resets.load(Relaxed),
+            polled: e.polled.load(Relaxed),
+        }
+    }
+
+    fn describe(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let e = &self.0;
+        for q in e.queues.iter() {
+            q.describe(&e.hw, f)?;
+        }
+        for ch in 0..e.hbm.channels() {
+            let (free, largest, ranges) = e.hbm.usage(ch);
+            writeln!(f, "hbm{ch}: free {free} largest_free {largest} free_ranges {ranges}")?;
+        }
+        Ok(())
+    }
+
+    fn inject(&self, cmd: &[u8]) -> Result {
+        let e = &self.0;
+        let mut words = cmd.split(|b| *b == b' ').filter(|w| !w.is_empty());
+        let word = words.next();
+        if word == Some(b"fail_job".as_slice()) {
+            // The next job fails (EIO), like the software engine's.
+            if words.next().is_some() {
+                return Err(EINVAL);
+            }
+            e.inject_next_job.store(INJECT_FAIL_NEXT, Relaxed);
+            return Ok(());
+        }
+        let code = match word {
+            Some(b"fail_desc") => INJECT_FAIL_NEXT,
+            Some(b"stall") => INJECT_STALL,
+            Some(b"lose_irq") => INJECT_LOSE_IRQ,
+            _ => return Err(EINVAL),
+        };
+        let queue = match words.next() {
+            None => None,
+            Some(w) => {
+                let s = core::str::from_utf8(w).map_err(|_| EINVAL)?;
+                let q: u32 = s.parse().map_err(|_| EINVAL)?;
+                if q as usize >= e.queues.len() {
+                    return Err(EINVAL);
+                }
+                Some(q)
+            }
+        };
+        if words.next().is_some() {
+            return Err(EINVAL);
+        }
+        match queue {
+            Some(q) => e.inject(q, code),
+            None => {
+                e.inject_next.store(code, Relaxed);
+                Ok(())
+            }
+        }
+    }
+
+    fn alloc_memory(
+        &self,
+        device: &TdrvDevice,
+        size: usize,
+        channel: u32,
+    ) -> Option<Result<KBox<dyn DeviceMemory>>> {
+        let e = &self.0;
+        let alloc = || -> Result<KBox<dyn DeviceMemory>> {
+            let range = e.hbm.alloc(channel, size as u64)?;
+            // New memory must not show what an earlier buffer left there.
+            e.fill(device, range.dev_addr(), size, 0)?;
+            let mem: KBox<dyn DeviceMemory> =
+                KBox::new(SimMemory::new(range, e.hw.hbm_phys), GFP_KERNEL)?;
+            Ok(mem)
+        };
+        Some(alloc())
+    }
+
+    fn dma_from_user(&self, device: &TdrvDevice, dst: u64, len: usize, src: UserPtr) -> Result {
+        self.0.user_dma(device, dst, len, src, true)
+    }
+
+    fn dma_to_user(&self, device: &TdrvDevice, src: u64, len: usize, dst: UserPtr) -> Result {
+        self.0.user_dma(device, src, len, dst, false)
+    }
+
+    fn dma_fill(&self, device: &TdrvDevice, dst: u64, len: usize, value: u8) -> Result {
+        self.0.fill(device, dst, len, value)
+    }
+
+    fn dma_copy(
+        &self,
+        device: &TdrvDevice,
+        dst: &Buffer,
+        dst_offset: usize,
+        src: &Buffer,
+        src_range: ByteRange,
+    ) -> Result {
+        let _active = device.enter()?;
+        let mut descs = KVec::new();
+        transfer_descs(&mut descs, dst, dst_offset, src, src_range)?;
+        self.0.run_sync(descs)
+    }
+}
+
+#[kunit_tests(tdrv_sim_sched)]
+mod tests {
+    use super::*;
+
+    fn set(entries: &[(usize, bool)]) -> Result<BufSet> {
+        let mut v = KVec::new();
+        for e in entries {
+            v.push(*e, GFP_KERNEL)?;
+        }
+        Ok(BufSet(v))
+    }
+
+    #[test]
+    fn conflicts_need_a_shared_buffer_and_a_write() -> Result {
+        let reads_a = set(&[(0x100, false), (0x300, true)])?;
+        let reads_a_too = set(&[(0x100, false), (0x400, true)])?;
+        let writes_a = set(&[(0x100, true)])?;
+        let elsewhere = set(&[(0x200, true), (0x500, false)])?;
+        // Two readers of a buffer run in parallel.
+        assert!(!reads_a.conflicts(&reads_a_too));
+        // A writer waits for a reader and the other way round.
+        assert!(reads_a.conflicts(&writes_a));
+        assert!(writes_a.conflicts(&reads_a));
+        // Writers of one buffer are ordered.
+        assert!(writes_a.conflicts(&writes_a));
+        assert!(!writes_a.conflicts(&elsewhere));
+        assert!(!set(&[])?.conflicts(&writes_a));
+        Ok(())
+    }
+}

@@ -1,0 +1,748 @@
+//! The tdrv sim device (QEMU ivshmem-doorbell + tdrv-sim): device memory
+//! (HBM), DMA between user pages and HBM, several queues with per-buffer
+//! order, injected faults (descriptor error, stalled queue, lost
+//! interrupt), HBM exhaustion and fragmentation, and unbind/rebind under
+//! load.
+//!
+//! usage: sim /dev/tdrvN   (a sim device; other kinds are skipped)
+//!
+//! Run it last on its device: it unbinds and rebinds it.
+
+use std::{
+    fs,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use tdrv_guest_tests::{
+    desc, expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, stat, Rng, Tap,
+};
+use tdrv_uapi::*;
+
+type R = Result<(), String>;
+
+const DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv-sim";
+
+/// The debugfs directory of a node.
+fn debugfs(node: &str) -> String {
+    format!(
+        "/sys/kernel/debug/tdrv/{}",
+        node.trim_start_matches("/dev/")
+    )
+}
+
+fn inject(node: &str, cmd: &str) -> R {
+    fs::write(format!("{}/inject", debugfs(node)), cmd).map_err(|e| format!("inject {cmd}: {e}"))
+}
+
+/// Interrupts counted per queue (debugfs `queueN: ... irqs K` lines).
+fn queue_irqs(node: &str) -> Result<Vec<u64>, String> {
+    let text = fs::read_to_string(format!("{}/stats", debugfs(node)))
+        .map_err(|e| format!("stats: {e}"))?;
+    let mut v = Vec::new();
+    for line in text.lines().filter(|l| l.starts_with("queue")) {
+        let mut words = line.split_whitespace();
+        while let Some(w) = words.next() {
+            if w == "irqs" {
+                let n = words
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .ok_or("bad queue line")?;
+                v.push(n);
+            }
+        }
+    }
+    if v.is_empty() {
+        return Err("no queue lines in stats".into());
+    }
+    Ok(v)
+}
+
+/// The PCI address bound to the sim driver.
+fn bound_pci_address() -> Result<String, String> {
+    fs::read_dir(DRIVER_DIR)
+        .map_err(|e| format!("{DRIVER_DIR}: {e}"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.contains(':') && n.contains('.'))
+        .ok_or_else(|| "no PCI device bound to tdrv-sim".into())
+}
+
+/// The sim device nodes that exist now.
+fn sim_nodes() -> Vec<String> {
+    let mut nodes: Vec<String> = fs::read_dir("/dev")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+                .filter(|p| p.starts_with("/dev/tdrv"))
+                .collect()
+        })
+        .unwrap_or_default();
+    nodes.sort();
+    nodes.retain(|p| {
+        Dev::open(p)
+            .and_then(|d| d.version())
+            .is_ok_and(|v| v.device_kind == TDRV_DEVICE_SIM)
+    });
+    nodes
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng::new(seed);
+    (0..len).map(|_| rng.next_u64() as u8).collect()
+}
+
+fn job_ok(dev: &Dev, descs: &[tdrv_copy_desc]) -> R {
+    let id = ok("submit", dev.submit(descs))?;
+    expect_eq(
+        "job",
+        ok("wait", dev.job_wait(id, 30_000_000))?,
+        (TDRV_JOB_DONE, 0),
+    )
+}
+
+fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
+    let mut v = vec![0u8; len];
+    ok("copy_out", dev.copy_out(handle, 0, &mut v))?;
+    Ok(v)
+}
+
+fn main() {
+    let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
+    let mut t = Tap::new(15);
+
+    t.run(
+        "buffers live in HBM: dma_addr is a device address in its channel",
+        || -> R {
+            if v.features & u64::from(TDRV_FEAT_IRQ) == 0 {
+                return Err("sim device without TDRV_FEAT_IRQ".into());
+            }
+            let mut addrs = Vec::new();
+            for ch in 0..v.num_channels {
+                let info = ok("channel_info", dev.channel_info(ch))?;
+                let a = ok("alloc", dev.alloc(8192, ch))?;
+                // Channel c spans [c * size, (c + 1) * size); the driver's
+                // limit is at most the channel's size.
+                if a.dma_addr < u64::from(ch) * info.limit_bytes {
+                    return Err(format!("channel {ch}: dma_addr {:#x} below it", a.dma_addr));
+                }
+                addrs.push(a);
+            }
+            let b = ok("alloc", dev.alloc(8192, 0))?;
+            if b.dma_addr == addrs[0].dma_addr {
+                return Err("two live buffers at one device address".into());
+            }
+            for a in addrs.iter().chain([&b]) {
+                ok("free", dev.free(a.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "new buffers read as zero even where an old one left bytes",
+        || -> R {
+            let a = ok("alloc", dev.alloc(1 << 20, 0))?;
+            ok("memset", dev.memset(a.handle, 0, 1 << 20, 0xA5))?;
+            ok("free", dev.free(a.handle))?;
+            let b = ok("alloc", dev.alloc(1 << 20, 0))?;
+            let data = read_all(&dev, b.handle, 1 << 20)?;
+            expect_eq("zeroed", data.iter().all(|x| *x == 0), true)?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "COPY_IN/COPY_OUT by DMA from user pages: byte-exact, unaligned, spanning pages",
+        || -> R {
+            let size = 3 << 20;
+            let a = ok("alloc", dev.alloc(size as u64, 0))?;
+            let src = pattern(size + 64, 1);
+            let mut rng = Rng::new(7);
+            for (off, len, skew) in [
+                (0usize, size, 0usize),
+                (1, 4095, 3),
+                (4095, 2, 1),
+                (4093, 8192 + 7, 17),
+                (12345, 1 << 20, 4001),
+                (size - 5000, 5000, 63),
+            ]
+            .into_iter()
+            .chain((0..20).map(|_| {
+                let off = rng.below(size as u64 - 1) as usize;
+                let len = 1 + rng.below((size - off) as u64) as usize;
+                (off, len, rng.below(64) as usize)
+            })) {
+                let data = &src[skew..skew + len];
+                ok("copy_in", dev.copy_in(a.handle, off as u64, data))?;
+                let mut back = vec![0u8; len + 128];
+                let out = &mut back[(skew + 5) % 64..][..len];
+                ok("copy_out", dev.copy_out(a.handle, off as u64, out))?;
+                if out != data {
+                    let first = out.iter().zip(data).position(|(x, y)| x != y).unwrap_or(0);
+                    return Err(format!(
+                        "offset {off} len {len} skew {skew}: first difference at byte {first}"
+                    ));
+                }
+            }
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "mmap maps device memory: the CPU, DMA and jobs see the same bytes",
+        || -> R {
+            let size = 256 << 10;
+            let a = ok("alloc", dev.alloc(size as u64, 1))?;
+            let b = ok("alloc", dev.alloc(size as u64, 1))?;
+            let data = pattern(size, 2);
+            let mut m = ok("mmap", dev.map(&a))?;
+            m.as_mut_slice()[..size].copy_from_slice(&data);
+            job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, size as u64)])?;
+            expect_eq(
+                "job copy of mapped bytes",
+                read_all(&dev, b.handle, size)? == data,
+                true,
+            )?;
+            ok("copy_in", dev.copy_in(a.handle, 100, &[0xEE; 300]))?;
+            expect_eq(
+                "mapping shows DMA",
+                m.as_slice()[100..400].iter().all(|x| *x == 0xEE),
+                true,
+            )?;
+            ok("memset", dev.memset(b.handle, 4000, 200, 0x11))?;
+            let mb = ok("mmap", dev.map(&b))?;
+            expect_eq(
+                "memset by DMA",
+                mb.as_slice()[4000..4200].iter().all(|x| *x == 0x11),
+                true,
+            )?;
+            expect_eq("memset bounds", mb.as_slice()[3999] == data[3999], true)?;
+            ok("copy", dev.copy(desc(a.handle, 0, b.handle, 8192, 4096)))?;
+            expect_eq(
+                "COPY by DMA",
+                mb.as_slice()[8192..12288] == m.as_slice()[..4096],
+                true,
+            )?;
+            drop(m);
+            drop(mb);
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "jobs on the same buffers run in submission order across queues",
+        || -> R {
+            let size = 8u64 << 20;
+            let bufs: Vec<tdrv_alloc> = (0..4)
+                .map(|_| ok("alloc", dev.alloc(size, 0)))
+                .collect::<Result<_, _>>()?;
+            let data = pattern(size as usize, 3);
+            ok("copy_in", dev.copy_in(bufs[0].handle, 0, &data))?;
+            // A chain (each job reads what the one before wrote), then a
+            // write of a buffer an earlier job reads (0 is overwritten only
+            // after job 1 read it).
+            let ids = [
+                ok(
+                    "submit",
+                    dev.submit(&[desc(bufs[0].handle, 0, bufs[1].handle, 0, size)]),
+                )?,
+                ok(
+                    "submit",
+                    dev.submit(&[desc(bufs[1].handle, 0, bufs[2].handle, 0, size)]),
+                )?,
+                ok(
+                    "submit",
+                    dev.submit(&[desc(bufs[2].handle, 0, bufs[3].handle, 0, size)]),
+                )?,
+                ok(
+                    "submit",
+                    dev.submit(&[desc(bufs[3].handle, 0, bufs[0].handle, 0, 4096)]),
+                )?,
+            ];
+            for id in ids {
+                expect_eq(
+                    "job",
+                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    (TDRV_JOB_DONE, 0),
+                )?;
+            }
+            for b in &bufs[1..] {
+                expect_eq(
+                    "chained copy",
+                    read_all(&dev, b.handle, size as usize)? == data,
+                    true,
+                )?;
+            }
+            for b in bufs {
+                ok("free", dev.free(b.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "jobs on different buffers run on several queues and complete out of order",
+        || -> R {
+            let irqs0 = queue_irqs(&path)?;
+            if irqs0.len() < 2 {
+                return Err(format!("{} queue(s): need 2", irqs0.len()));
+            }
+            let a = ok("alloc", dev.alloc(1 << 20, 0))?;
+            let b = ok("alloc", dev.alloc(1 << 20, 0))?;
+            let c = ok("alloc", dev.alloc(4096, 0))?;
+            let d = ok("alloc", dev.alloc(4096, 0))?;
+            ok("copy_in", dev.copy_in(c.handle, 0, &[0x5A; 4096]))?;
+            // The next op's queue stalls: the first job is stuck there,
+            // the second (other buffers) goes to another queue and ends
+            // first; the watchdog then fails the first.
+            inject(&path, "stall")?;
+            let slow = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, 1 << 20)]),
+            )?;
+            let fast = ok(
+                "submit",
+                dev.submit(&[desc(c.handle, 0, d.handle, 0, 4096)]),
+            )?;
+            expect_eq(
+                "second job",
+                ok("wait", dev.job_wait(fast, 10_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            expect_eq(
+                "first job still running",
+                ok("poll", dev.job_wait(slow, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            expect_eq("data", read_all(&dev, d.handle, 4096)?, vec![0x5A; 4096])?;
+            expect_eq(
+                "stalled job",
+                ok("wait", dev.job_wait(slow, 30_000_000))?,
+                (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+            )?;
+            let irqs1 = queue_irqs(&path)?;
+            let used = irqs0.iter().zip(&irqs1).filter(|(x, y)| y > x).count();
+            if used < 1 {
+                return Err(format!("irqs per queue {irqs0:?} -> {irqs1:?}"));
+            }
+            for x in [a, b, c, d] {
+                ok("free", dev.free(x.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "a job that depends on jobs on two queues waits for both",
+        || -> R {
+            let bufs: Vec<tdrv_alloc> = (0..4)
+                .map(|_| ok("alloc", dev.alloc(64 << 10, 0)))
+                .collect::<Result<_, _>>()?;
+            let [a, b, c, d] = [0, 1, 2, 3].map(|i| bufs[i].handle);
+            ok("copy_in", dev.copy_in(c, 0, &[0x77; 64 << 10]))?;
+            // First: a -> b, stuck on a stalled queue. Second: c -> d on
+            // another queue. Third: b -> d reads what the first writes and
+            // writes what the second writes: it is held back while both
+            // run, on different queues.
+            inject(&path, "stall")?;
+            let first = ok("submit", dev.submit(&[desc(a, 0, b, 0, 64 << 10)]))?;
+            let second = ok("submit", dev.submit(&[desc(c, 0, d, 0, 64 << 10)]))?;
+            let third = ok("submit", dev.submit(&[desc(b, 0, d, 0, 4096)]))?;
+            expect_eq(
+                "second",
+                ok("wait", dev.job_wait(second, 10_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            thread::sleep(Duration::from_millis(100));
+            expect_eq(
+                "third while the first is stuck",
+                ok("poll", dev.job_wait(third, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            expect_eq(
+                "first",
+                ok("wait", dev.job_wait(first, 30_000_000))?,
+                (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+            )?;
+            // Once only the first was left it went behind it, on its queue,
+            // and the reset failed it with the rest of that queue (EIO)
+            // before it ran: d still holds the second's bytes.
+            expect_eq(
+                "third",
+                ok("wait", dev.job_wait(third, 30_000_000))?,
+                (TDRV_JOB_DONE, -libc::EIO),
+            )?;
+            let m = ok("mmap", dev.map(&bufs[3]))?;
+            expect_eq(
+                "d untouched by the third",
+                m.as_slice().iter().all(|x| *x == 0x77),
+                true,
+            )?;
+            drop(m);
+            for h in [a, b, c, d] {
+                ok("free", dev.free(h))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "independent jobs spread over the queues; all complete",
+        || -> R {
+            let irqs0 = queue_irqs(&path)?;
+            let n = irqs0.len() * 2;
+            let bufs: Vec<(tdrv_alloc, tdrv_alloc)> = (0..n)
+                .map(|_| {
+                    Ok((
+                        ok("alloc", dev.alloc(2 << 20, 1))?,
+                        ok("alloc", dev.alloc(2 << 20, 1))?,
+                    ))
+                })
+                .collect::<Result<_, String>>()?;
+            // Each job copies its 2 MiB 32 times (64 MiB): long enough
+            // that the next ones arrive while it runs, so that the least
+            // loaded queue is another one.
+            let ids: Vec<u64> = bufs
+                .iter()
+                .map(|(s, d)| {
+                    let descs = vec![desc(s.handle, 0, d.handle, 0, 2 << 20); 32];
+                    ok("submit", dev.submit(&descs))
+                })
+                .collect::<Result<_, _>>()?;
+            for id in ids {
+                expect_eq(
+                    "job",
+                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    (TDRV_JOB_DONE, 0),
+                )?;
+            }
+            let irqs1 = queue_irqs(&path)?;
+            let used = irqs0.iter().zip(&irqs1).filter(|(x, y)| y > x).count();
+            if used < 2 {
+                return Err(format!(
+                    "only {used} queue(s) took interrupts: {irqs0:?} -> {irqs1:?}"
+                ));
+            }
+            for (s, d) in bufs {
+                ok("free", dev.free(s.handle))?;
+                ok("free", dev.free(d.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "fail_desc: the job fails with EIO, its output is latched, the next works",
+        || -> R {
+            let a = ok("alloc", dev.alloc(64 << 10, 0))?;
+            let b = ok("alloc", dev.alloc(64 << 10, 0))?;
+            inject(&path, "fail_desc")?;
+            let id = ok(
+                "submit",
+                dev.submit(&[desc(a.handle, 0, b.handle, 0, 64 << 10)]),
+            )?;
+            expect_eq(
+                "job",
+                ok("wait", dev.job_wait(id, 30_000_000))?,
+                (TDRV_JOB_DONE, -libc::EIO),
+            )?;
+            expect_eq(
+                "error latch",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                -libc::EIO,
+            )?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "COPY_IN with a failed descriptor",
+                dev.copy_in(a.handle, 0, &[1; 9000]),
+                libc::EIO,
+            )?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &[2; 9000]))?;
+            job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 9000)])?;
+            expect_eq("data", read_all(&dev, b.handle, 9000)?, vec![2; 9000])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "stall: the watchdog resets the queue, fails its jobs (ETIMEDOUT, then EIO), the queue works again",
+        || -> R {
+            let resets = stat(&path, "resets")?;
+            let a = ok("alloc", dev.alloc(4096, 0))?;
+            let b = ok("alloc", dev.alloc(4096, 0))?;
+            let c = ok("alloc", dev.alloc(4096, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &[3; 4096]))?;
+            inject(&path, "stall 0")?;
+            // Queue 0 is the least loaded (all idle): the first job goes
+            // there; the second reads its output, so it queues behind it.
+            let first = ok("submit", dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]))?;
+            let second = ok("submit", dev.submit(&[desc(b.handle, 0, c.handle, 0, 4096)]))?;
+            let t0 = Instant::now();
+            expect_eq("first", ok("wait", dev.job_wait(first, 30_000_000))?, (TDRV_JOB_DONE, -libc::ETIMEDOUT))?;
+            expect_eq("second", ok("wait", dev.job_wait(second, 30_000_000))?, (TDRV_JOB_DONE, -libc::EIO))?;
+            if t0.elapsed() > Duration::from_secs(20) {
+                return Err(format!("took {:?}", t0.elapsed()));
+            }
+            if stat(&path, "resets")? <= resets {
+                return Err("no reset counted".into());
+            }
+            // Every queue (queue 0 included) serves jobs again.
+            let irqs0 = queue_irqs(&path)?;
+            for _ in 0..irqs0.len() * 2 {
+                job_ok(&dev, &[desc(a.handle, 0, c.handle, 0, 4096)])?;
+            }
+            let irqs1 = queue_irqs(&path)?;
+            if irqs1[0] <= irqs0[0] {
+                return Err(format!("queue 0 took no interrupt after its reset: {irqs0:?} -> {irqs1:?}"));
+            }
+            expect_eq("data", read_all(&dev, c.handle, 4096)?, vec![3; 4096])?;
+            // A synchronous transfer on a stalled queue times out too.
+            inject(&path, "stall")?;
+            expect_err("COPY_IN on a stalled queue", dev.copy_in(a.handle, 0, &[4; 4096]), libc::ETIMEDOUT)?;
+            ok("copy_in after reset", dev.copy_in(a.handle, 0, &[5; 4096]))?;
+            expect_eq("data", read_all(&dev, a.handle, 4096)?, vec![5; 4096])?;
+            for x in [a, b, c] {
+                ok("free", dev.free(x.handle))?;
+            }
+            Ok(())
+        },
+    );
+
+    t.run(
+        "lose_irq: the watchdog finds the completion of a lost interrupt",
+        || -> R {
+            let polled = stat(&path, "polled_completions")?;
+            let a = ok("alloc", dev.alloc(4096, 0))?;
+            let b = ok("alloc", dev.alloc(4096, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &[6; 4096]))?;
+            inject(&path, "lose_irq")?;
+            job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 4096)])?;
+            expect_eq("data", read_all(&dev, b.handle, 4096)?, vec![6; 4096])?;
+            if stat(&path, "polled_completions")? <= polled {
+                return Err("no completion found by polling".into());
+            }
+            inject(&path, "lose_irq")?;
+            ok(
+                "copy_in with a lost interrupt",
+                dev.copy_in(b.handle, 0, &[8; 4096]),
+            )?;
+            expect_eq("data", read_all(&dev, b.handle, 4096)?, vec![8; 4096])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run("inject rejects unknown commands and queues", || -> R {
+        for bad in ["fail_jobs", "stall 99", "lose_irq x", "stall 0 1", "\n"] {
+            if inject(&path, bad).is_ok() {
+                return Err(format!("inject {bad:?} accepted"));
+            }
+        }
+        Ok(())
+    });
+
+    t.run(
+        "HBM: exhaustion, then fragmentation (ENOMEM) and coalescing",
+        || -> R {
+            let ch = 1;
+            let info = ok("channel_info", dev.channel_info(ch))?;
+            if info.used_bytes != 0 {
+                return Err(format!("channel {ch} not empty: {} bytes", info.used_bytes));
+            }
+            let page = 4096;
+            let piece = info.limit_bytes / 8 / page * page;
+            let bufs: Vec<tdrv_alloc> = (0..8)
+                .map(|_| ok("alloc", dev.alloc(piece, ch)))
+                .collect::<Result<_, _>>()?;
+            let rest = info.limit_bytes - 8 * piece;
+            expect_err(
+                "alloc past the channel's limit",
+                dev.alloc(rest + page, ch),
+                libc::ENOSPC,
+            )?;
+            // Every other piece back: half the channel is free, in holes of
+            // one piece, so two pieces do not fit anywhere.
+            for b in bufs.iter().step_by(2) {
+                ok("free", dev.free(b.handle))?;
+            }
+            let failed = ok("channel_info", dev.channel_info(ch))?.failed_allocs;
+            expect_err("alloc across holes", dev.alloc(2 * piece, ch), libc::ENOMEM)?;
+            expect_eq(
+                "failed_allocs",
+                ok("channel_info", dev.channel_info(ch))?.failed_allocs,
+                failed + 1,
+            )?;
+            // One piece still fits a hole.
+            let one = ok("alloc one piece", dev.alloc(piece, ch))?;
+            ok("free", dev.free(one.handle))?;
+            // Freeing a neighbour merges three holes into one.
+            ok("free", dev.free(bufs[1].handle))?;
+            let two = ok("alloc after coalescing", dev.alloc(3 * piece, ch))?;
+            ok("free", dev.free(two.handle))?;
+            for b in bufs.iter().skip(3).step_by(2) {
+                ok("free", dev.free(b.handle))?;
+            }
+            let whole = ok("alloc the whole channel", dev.alloc(info.limit_bytes, ch))?;
+            ok("free", dev.free(whole.handle))?;
+            expect_eq(
+                "used",
+                ok("channel_info", dev.channel_info(ch))?.used_bytes,
+                0,
+            )
+        },
+    );
+
+    drop(dev);
+    t.run(
+        "unbind under load fails work with ENODEV and revokes mappings",
+        || unbind_under_load(&path),
+    );
+    t.run("rebind creates a working sim device again", rebind);
+    t.finish();
+}
+
+fn unbind_under_load(path: &str) -> R {
+    let pci = bound_pci_address()?;
+    let dev = Arc::new(ok("open", Dev::open(path))?);
+    let a = ok("alloc", dev.alloc(4 << 20, 0))?;
+    let b = ok("alloc", dev.alloc(4 << 20, 0))?;
+    let mut m = ok("mmap", dev.map(&a))?;
+    m.as_mut_slice()[0] = 1;
+    let child = MappedChild::spawn(&dev, &a)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for w in 0..3 {
+        let dev = dev.clone();
+        let stop = stop.clone();
+        workers.push(thread::spawn(move || -> Result<i32, String> {
+            let data = vec![w as u8; 1 << 20];
+            let mut out = vec![0u8; 1 << 20];
+            loop {
+                let r = match w {
+                    0 => dev.copy_in(a.handle, 0, &data),
+                    1 => dev.copy_out(b.handle, 0, &mut out),
+                    _ => dev
+                        .submit(&[desc(a.handle, 0, b.handle, 0, 4 << 20)])
+                        .and_then(|id| dev.job_wait(id, -1))
+                        .and_then(|(_, st)| if st == 0 { Ok(()) } else { Err(-st) }),
+                };
+                match r {
+                    Ok(()) if !stop.load(Ordering::Relaxed) => continue,
+                    Ok(()) => return Ok(0),
+                    Err(e) => return Ok(e),
+                }
+            }
+        }));
+    }
+    thread::sleep(Duration::from_millis(300));
+    let unbound = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
+    stop.store(true, Ordering::Relaxed);
+    unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
+    for (i, w) in workers.into_iter().enumerate() {
+        let e = w.join().map_err(|_| "worker panicked")??;
+        if e != libc::ENODEV {
+            return Err(format!("worker {i} ended with errno {e}, want ENODEV"));
+        }
+    }
+    expect_eq(
+        "alloc after unbind",
+        dev.alloc(4096, 0).map(drop),
+        Err(libc::ENODEV),
+    )?;
+    // The mapping's pages are gone: touching it raises SIGBUS (in a
+    // child with its own mapping, so that we survive).
+    let status = child.touch_and_wait()?;
+    if !(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGBUS) {
+        return Err(format!(
+            "touching a revoked mapping: status {status:#x}, want SIGBUS"
+        ));
+    }
+    drop(m);
+    fs::write("/tmp/tdrv-sim-pci", &pci).map_err(|e| e.to_string())
+}
+
+fn rebind() -> R {
+    let pci =
+        fs::read_to_string("/tmp/tdrv-sim-pci").map_err(|e| format!("no unbound device: {e}"))?;
+    fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind {pci}: {e}"))?;
+    thread::sleep(Duration::from_millis(100));
+    let node = sim_nodes()
+        .first()
+        .cloned()
+        .ok_or("no sim device node after rebind")?;
+    let dev = ok("open", Dev::open(&node))?;
+    let data = pattern(100_000, 9);
+    let a = ok("alloc", dev.alloc(100_000, 0))?;
+    let b = ok("alloc", dev.alloc(100_000, 0))?;
+    ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+    job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 100_000)])?;
+    expect_eq("data", read_all(&dev, b.handle, 100_000)? == data, true)?;
+    ok("free", dev.free(a.handle))?;
+    ok("free", dev.free(b.handle))
+}
+
+/// A child process holding its own mapping of a buffer (mappings are not
+/// inherited: DONTCOPY). On request it reads the mapping and exits 0; if
+/// the pages are gone it dies of SIGBUS instead.
+struct MappedChild {
+    pid: libc::pid_t,
+    go: i32,
+}
+
+impl MappedChild {
+    fn spawn(dev: &Dev, buf: &tdrv_alloc) -> Result<Self, String> {
+        let (mut ready, mut go) = ([0; 2], [0; 2]);
+        // SAFETY: pipe(2) into local arrays.
+        if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0
+            || unsafe { libc::pipe(go.as_mut_ptr()) } != 0
+        {
+            return Err("pipe".into());
+        }
+        // SAFETY: the child runs only the code below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let m = dev.map(buf);
+            let mut byte = 0u8;
+            // SAFETY: one-byte reads and writes on our pipe ends.
+            unsafe {
+                libc::write(ready[1], b"r".as_ptr().cast(), 1);
+                libc::read(go[0], (&mut byte as *mut u8).cast(), 1);
+            }
+            let code = match m {
+                Ok(m) => {
+                    // SAFETY: a volatile read of our own (maybe revoked)
+                    // mapping; revoked pages raise SIGBUS here.
+                    let _ = unsafe { std::ptr::read_volatile(m.as_slice().as_ptr()) };
+                    0
+                }
+                Err(_) => 3,
+            };
+            // SAFETY: leaves the child without running the parent's cleanup.
+            unsafe { libc::_exit(code) };
+        }
+        let mut byte = 0u8;
+        // SAFETY: waits for the child to have mapped the buffer.
+        unsafe { libc::read(ready[0], (&mut byte as *mut u8).cast(), 1) };
+        Ok(MappedChild { pid, go: go[1] })
+    }
+
+    /// Lets the child touch its mapping; returns its wait status.
+    fn touch_and_wait(&self) -> Result<i32, String> {
+        let mut status = 0;
+        // SAFETY: a one-byte write on our pipe end, then reaping our child.
+        unsafe {
+            libc::write(self.go, b"g".as_ptr().cast(), 1);
+            if libc::waitpid(self.pid, &mut status, 0) != self.pid {
+                return Err("waitpid".into());
+            }
+        }
+        Ok(status)
+    }
+}
