@@ -505,10 +505,11 @@ impl JobTracker {
     /// refuses (unbound: ENODEV, recovering: EIO) with the engine's.
     fn dispatch_ready(&self) {
         loop {
-            // Jobs that ended here, dropped (which reports them, taking
-            // the lock) after the lock is released.
+            // Jobs that ended here, and the last one handed to the engine
+            // (which may already have finished it): dropped (which reports
+            // them, taking the lock) after the lock is released.
             let mut ended = List::<Job>::new();
-            let mut refused = None;
+            let mut handed = None;
             {
                 let mut state = self.state.lock();
                 loop {
@@ -531,18 +532,20 @@ impl JobTracker {
                         continue;
                     }
                     let keep = job.clone_arc();
-                    if let Err(e) = keep.device.engine().submit(job) {
-                        refused = Some((keep, e));
-                        break;
-                    }
+                    let r = keep.device.engine().submit(job);
+                    handed = Some((keep, r));
+                    break;
                 }
             }
             drop(ended);
-            let Some((job, e)) = refused else {
-                return;
-            };
-            job.complete(Err(e));
-            drop(job);
+            match handed {
+                None => return,
+                Some((job, Ok(()))) => drop(job),
+                Some((job, Err(e))) => {
+                    job.complete(Err(e));
+                    drop(job);
+                }
+            }
         }
     }
 
