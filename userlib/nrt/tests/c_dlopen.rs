@@ -26,18 +26,18 @@ fn run(cmd: &mut Command) -> std::process::Output {
     out
 }
 
-/// The cdylib cargo built next to this test (building it if needed).
+/// The cdylib cargo built next to this test. `cargo test` builds the
+/// crate's rlib but may leave an older cdylib in place, so it is always
+/// brought up to date (a no-op when it is).
 fn libnrt() -> PathBuf {
     let dir = profile_dir();
     let lib = dir.join("libnrt.so");
-    if !lib.exists() {
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "nrt", "--lib"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        run(&mut cmd);
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "-p", "nrt", "--lib"]);
+    if dir.file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
     }
+    run(&mut cmd);
     assert!(lib.exists(), "{} was not built", lib.display());
     lib
 }
