@@ -3,6 +3,9 @@
 //!
 //! usage: bench [--only fig1,fig2,...] [--profile] [DEVICE]
 //!        (default /dev/tdrv0, the software device; figures fig1 to fig8)
+//!        bench --only sim [DEVICE]
+//!        (figure 9, the sim device: default the first /dev/tdrvN of kind
+//!        sim; run in a guest on the host clock, see figure 9)
 //!
 //! Peers (issue 12): vgem, udmabuf and sw_sync are measured next to tdrv
 //! when the kernel has them (the bench kernel, scripts/kernel.bench.config);
@@ -34,7 +37,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tdrv::{Device, Job, JobState, Tensor, VIEW_HEAP_SIZE};
+use tdrv::{Device, DeviceKind, Job, JobState, Tensor, VIEW_HEAP_SIZE};
 use tdrv_guest_tests::raw;
 
 const KIB: usize = 1024;
@@ -1435,7 +1438,7 @@ fn fig6(c: &Ctx) {
     let src = alloc(c, 4096, "fig6_src");
     let dst = alloc(c, 4096, "fig6_dst");
     let mut done = 0;
-    let (fence, submit, after) = fence_wakes(&src, &dst, &mut done, WARM, N);
+    let (fence, submit, after) = fence_wakes(&src, &dst, 64, &mut done, WARM, N);
     let polled = polled_jobs(&src, &dst, WARM, N, true);
     let event = eventfd_wakes(WARM, N);
     let mut wakes = vec![("fence", fence), ("eventfd", event)];
@@ -1486,6 +1489,7 @@ const WAKE_PAUSE: Duration = Duration::from_millis(1);
 fn fence_wakes(
     src: &Tensor,
     dst: &Tensor,
+    len: usize,
     done: &mut u64,
     warm: usize,
     n: usize,
@@ -1507,7 +1511,7 @@ fn fence_wakes(
     let mut after = Vec::with_capacity(n);
     for i in 0..warm + n {
         let mut job = Job::new();
-        job.copy(src, 0, dst, 0, 64).expect("job copy");
+        job.copy(src, 0, dst, 0, len).expect("job copy");
         *done += 1;
         go_tx.send(*done).expect("send");
         std::thread::sleep(WAKE_PAUSE);
@@ -1881,6 +1885,127 @@ fn fig8(c: &Ctx) {
     }
 }
 
+// ---------------------------------------------------------------------
+// Figure 9: the sim device (issue 14)
+
+/// Opens the first /dev/tdrvN whose kind is the sim device.
+fn find_sim() -> Option<(String, Arc<Device>)> {
+    (0..16).find_map(|i| {
+        let p = format!("/dev/tdrv{i}");
+        let d = Device::open(&p).ok()?;
+        (d.kind() == DeviceKind::Sim).then_some((p, d))
+    })
+}
+
+/// Copies `len` bytes from `src` to `dst` as one job and waits for it.
+fn job_copy(src: &Tensor, dst: &Tensor, len: usize) {
+    let mut job = Job::new();
+    job.copy(src, 0, dst, 0, len).expect("job copy");
+    job.submit().expect("submit").wait().expect("job wait");
+}
+
+/// Figure 9 (sim device only; run in a guest on the host clock): DMA
+/// throughput host to device (COPY_IN), device to host (COPY_OUT) and device
+/// to device (a copy job between two sim buffers) against guest memcpy;
+/// 1, 2 and 4 independent copy jobs submitted together; and the submit to
+/// wake latency of a 4 KiB job against an eventfd wake.
+fn fig9(c: &Ctx) {
+    if c.dev.kind() != DeviceKind::Sim {
+        note(format!("fig9: {} is not the sim device: skipped", c.path));
+        return;
+    }
+    for size in [64 * KIB, MIB, 16 * MIB] {
+        let a = alloc(c, size, "fig9a");
+        let b = alloc(c, size, "fig9b");
+        let handle = a.dma_handle().expect("Dma handle");
+        let src = Anon::new(size, 0x5a);
+        let dst = Anon::new(size, 0xa5);
+        let (sp, dp) = (src.ptr, dst.ptr);
+        let dev = &c.dev;
+        let mut cases: Vec<Case> = vec![
+            (
+                "memcpy",
+                Box::new(|| {
+                    // SAFETY: both ranges are `size` valid bytes of two
+                    // distinct anonymous mappings.
+                    unsafe { std::ptr::copy_nonoverlapping(sp, dp, size) }
+                }),
+            ),
+            (
+                "copy_in",
+                Box::new(|| {
+                    // SAFETY: `src` is `size` readable bytes for the whole
+                    // figure and only read.
+                    let s = unsafe { std::slice::from_raw_parts(sp, size) };
+                    dev.copy_in(handle, 0, s).expect("COPY_IN");
+                }),
+            ),
+            (
+                "copy_out",
+                Box::new(|| {
+                    // SAFETY: `dst` is `size` writable bytes; the cases run
+                    // one at a time, so this is the only live reference.
+                    let d = unsafe { std::slice::from_raw_parts_mut(dp, size) };
+                    dev.copy_out(handle, 0, d).expect("COPY_OUT");
+                }),
+            ),
+            ("job_d2d", Box::new(|| job_copy(&a, &b, size))),
+        ];
+        throughput_cases("9", size, 5, &mut cases);
+        note(format!("fig9: {size} bytes done"));
+    }
+    // Queue scaling: k independent jobs on distinct buffers, submitted
+    // together, then all waited for; throughput is all bytes moved.
+    const JOB: usize = 4 * MIB;
+    let pairs: Vec<(Tensor, Tensor)> = (0..4)
+        .map(|_| (alloc(c, JOB, "fig9s"), alloc(c, JOB, "fig9d")))
+        .collect();
+    let pairs = &pairs;
+    let batch = move |k: usize| {
+        let handles: Vec<_> = pairs[..k]
+            .iter()
+            .map(|(s, d)| {
+                let mut job = Job::new();
+                job.copy(s, 0, d, 0, JOB).expect("job copy");
+                job.submit().expect("submit")
+            })
+            .collect();
+        for h in handles {
+            h.wait().expect("job wait");
+        }
+    };
+    let mut cases: Vec<Case> = vec![
+        ("jobs_1", Box::new(move || batch(1))),
+        ("jobs_2", Box::new(move || batch(2))),
+        ("jobs_4", Box::new(move || batch(4))),
+    ];
+    let samples = interleave(1, 7, 4, &mut cases);
+    for (k, ((name, _), s)) in [1usize, 2, 4].into_iter().zip(cases.iter().zip(samples)) {
+        let bytes = k * JOB;
+        let gbs: Vec<f64> = s.iter().map(|ns| bytes as f64 / ns).collect();
+        emit(
+            "9q",
+            "scaling",
+            name,
+            "GB/s",
+            &summarize(gbs),
+            &[("bytes", bytes as f64), ("jobs", k as f64)],
+        );
+    }
+    note("fig9: queue scaling done");
+    drop(cases);
+    // Small-job latency: a 4 KiB job from SUBMIT until the waiter runs.
+    let src = alloc(c, 4 * KIB, "fig9ls");
+    let dst = alloc(c, 4 * KIB, "fig9ld");
+    let mut done = 0;
+    let (wake, submit, _) = fence_wakes(&src, &dst, 4 * KIB, &mut done, 20, 300);
+    let efd = eventfd_wakes(20, 300);
+    for (name, v) in [("job_4k", wake), ("submit_ioctl", submit), ("eventfd", efd)] {
+        emit("9l", "wake", name, "us", &summarize(v), &[]);
+    }
+    note("fig9: latency done");
+}
+
 /// The kernel debugging options this kernel shows signs of (the debug test
 /// kernel has all of them, the bench kernel none).
 fn debug_options() -> String {
@@ -1905,7 +2030,7 @@ fn debug_options() -> String {
 
 fn main() {
     let mut only: Option<Vec<String>> = None;
-    let mut path = "/dev/tdrv0".to_owned();
+    let mut path: Option<String> = None;
     let mut profile = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -1915,10 +2040,25 @@ fn main() {
                 only = Some(list.split(',').map(str::to_owned).collect());
             }
             "--profile" => profile = true,
-            p => path = p.to_owned(),
+            p => path = Some(p.to_owned()),
         }
     }
-    let dev = ok("open", Device::open(&path));
+    // `--only sim` without a device: the first sim device node.
+    let sim_only = only
+        .as_ref()
+        .is_some_and(|l| l.iter().all(|x| x == "sim" || x == "fig9"));
+    let (path, dev) = match path {
+        Some(p) => {
+            let d = ok("open", Device::open(&p));
+            (p, d)
+        }
+        None if sim_only => find_sim().expect("no sim device (/dev/tdrvN of kind sim)"),
+        None => {
+            let p = "/dev/tdrv0".to_owned();
+            let d = ok("open", Device::open(&p));
+            (p, d)
+        }
+    };
     emit_info(
         "env",
         &[
@@ -1946,7 +2086,7 @@ fn main() {
         ],
     );
     let c = Ctx { path, dev, profile };
-    let figs: [Figure; 7] = [
+    let figs: [Figure; 8] = [
         ("fig4", fig4),
         ("fig1", fig1),
         ("fig6", fig6),
@@ -1954,13 +2094,18 @@ fn main() {
         ("fig2", fig23),
         ("fig7", fig7),
         ("fig8", fig8),
+        ("fig9", fig9),
     ];
     let start = Instant::now();
     for (name, f) in figs {
-        let wanted = only.as_ref().is_none_or(|l| {
-            l.iter()
-                .any(|x| x == name || (name == "fig2" && x == "fig3"))
-        });
+        // Figure 9 needs the sim device and a host-clock guest: it runs
+        // only when asked for (`--only sim`).
+        let wanted = match &only {
+            None => name != "fig9",
+            Some(l) => l.iter().any(|x| {
+                x == name || (name == "fig2" && x == "fig3") || (name == "fig9" && x == "sim")
+            }),
+        };
         if !wanted {
             continue;
         }
