@@ -3,9 +3,11 @@
 //!
 //! usage: bench [--only fig1,fig2,...] [--profile] [DEVICE]
 //!        (default /dev/tdrv0, the software device; figures fig1 to fig8)
-//!        bench --only sim [DEVICE]
+//!        bench --only sim|simq [DEVICE]
 //!        (figure 9, the sim device: default the first /dev/tdrvN of kind
-//!        sim; run in a guest on the host clock, see figure 9)
+//!        sim; run in a guest on the host clock, see figure 9; `simq`
+//!        runs its queue scaling only; TDRV_BENCH_SIM_QUEUES names the
+//!        simulator's queue count in the scaling rows)
 //!
 //! Peers (issue 12): vgem, udmabuf and sw_sync are measured next to tdrv
 //! when the kernel has them (the bench kernel, scripts/kernel.bench.config);
@@ -1123,6 +1125,8 @@ struct Ctx {
     path: String,
     dev: Arc<Device>,
     profile: bool,
+    /// `--only simq`: figure 9's queue scaling only.
+    only_scaling: bool,
 }
 
 fn alloc(c: &Ctx, size: usize, name: &str) -> Tensor {
@@ -1914,6 +1918,20 @@ fn fig9(c: &Ctx) {
         note(format!("fig9: {} is not the sim device: skipped", c.path));
         return;
     }
+    // The simulator's queue count, as scripts/bench started it (the
+    // scaling rows are named after it).
+    let queues = std::env::var("TDRV_BENCH_SIM_QUEUES").unwrap_or_else(|_| "unknown".into());
+    if !c.only_scaling {
+        fig9_dma(c);
+    }
+    fig9_scaling(c, &queues);
+    if !c.only_scaling {
+        fig9_latency(c);
+    }
+}
+
+/// Figure 9, DMA throughput against guest memcpy.
+fn fig9_dma(c: &Ctx) {
     for size in [64 * KIB, MIB, 16 * MIB] {
         let a = alloc(c, size, "fig9a");
         let b = alloc(c, size, "fig9b");
@@ -1954,8 +1972,11 @@ fn fig9(c: &Ctx) {
         throughput_cases("9", size, 5, &mut cases);
         note(format!("fig9: {size} bytes done"));
     }
-    // Queue scaling: k independent jobs on distinct buffers, submitted
-    // together, then all waited for; throughput is all bytes moved.
+}
+
+/// Figure 9, queue scaling: k independent jobs on distinct buffers,
+/// submitted together, then all waited for; throughput is all bytes moved.
+fn fig9_scaling(c: &Ctx, queues: &str) {
     const JOB: usize = 4 * MIB;
     let pairs: Vec<(Tensor, Tensor)> = (0..4)
         .map(|_| (alloc(c, JOB, "fig9s"), alloc(c, JOB, "fig9d")))
@@ -1985,7 +2006,7 @@ fn fig9(c: &Ctx) {
         let gbs: Vec<f64> = s.iter().map(|ns| bytes as f64 / ns).collect();
         emit(
             "9q",
-            "scaling",
+            &format!("queues_{queues}"),
             name,
             "GB/s",
             &summarize(gbs),
@@ -1994,7 +2015,11 @@ fn fig9(c: &Ctx) {
     }
     note("fig9: queue scaling done");
     drop(cases);
-    // Small-job latency: a 4 KiB job from SUBMIT until the waiter runs.
+}
+
+/// Figure 9, small-job latency: a 4 KiB job from SUBMIT until the waiter
+/// runs, against an eventfd wake.
+fn fig9_latency(c: &Ctx) {
     let src = alloc(c, 4 * KIB, "fig9ls");
     let dst = alloc(c, 4 * KIB, "fig9ld");
     let mut done = 0;
@@ -2046,7 +2071,8 @@ fn main() {
     // `--only sim` without a device: the first sim device node.
     let sim_only = only
         .as_ref()
-        .is_some_and(|l| l.iter().all(|x| x == "sim" || x == "fig9"));
+        .is_some_and(|l| l.iter().all(|x| x == "sim" || x == "simq" || x == "fig9"));
+    let only_scaling = only.as_ref().is_some_and(|l| l.iter().all(|x| x == "simq"));
     let (path, dev) = match path {
         Some(p) => {
             let d = ok("open", Device::open(&p));
@@ -2085,7 +2111,12 @@ fn main() {
             ("debug_options", debug_options()),
         ],
     );
-    let c = Ctx { path, dev, profile };
+    let c = Ctx {
+        path,
+        dev,
+        profile,
+        only_scaling,
+    };
     let figs: [Figure; 8] = [
         ("fig4", fig4),
         ("fig1", fig1),
@@ -2103,7 +2134,9 @@ fn main() {
         let wanted = match &only {
             None => name != "fig9",
             Some(l) => l.iter().any(|x| {
-                x == name || (name == "fig2" && x == "fig3") || (name == "fig9" && x == "sim")
+                x == name
+                    || (name == "fig2" && x == "fig3")
+                    || (name == "fig9" && (x == "sim" || x == "simq"))
             }),
         };
         if !wanted {
