@@ -514,7 +514,10 @@ fn main() {
     if version.device_kind != TDRV_DEVICE_SOFT {
         t.skip("multi-page buffers do not come from CMA", "DMA device");
     } else if cma.is_none() {
-        t.skip("multi-page buffers do not come from CMA", "kernel has no CMA");
+        t.skip(
+            "multi-page buffers do not come from CMA",
+            "kernel has no CMA",
+        );
     } else {
         t.run("multi-page buffers do not come from CMA", || -> R {
             let free0 = meminfo_kib("CmaFree").ok_or("no CmaFree")?;
