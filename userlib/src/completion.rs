@@ -280,7 +280,7 @@ mod tests {
     use crate::storage::{DmaBuffer, Memory, Storage};
     use crate::sys::Device;
     use crate::Tensor;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
 
     /// A `Dma` tensor over a fake buffer of a `/dev/null` device: enough
     /// for the logic above the ioctls.
