@@ -8,6 +8,7 @@
 //! alone.
 
 use std::alloc::Layout;
+use std::num::NonZeroU64;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -55,9 +56,9 @@ pub(crate) struct DmaBuffer {
     pub handle: u64,
     pub channel: u32,
     pub dma_addr: u64,
-    /// Where to map the buffer (offset and length), when the driver
-    /// supports mmap.
-    pub map_at: Option<(u64, u64)>,
+    /// The buffer's mmap offset, when the driver supports mmap (the
+    /// driver never hands out offset 0).
+    pub mmap_offset: Option<NonZeroU64>,
     /// The host mapping, made at the first host access (see DESIGN.md,
     /// "Mapping on first host access").
     pub mapping: OnceLock<Mapping>,
@@ -75,7 +76,7 @@ impl DmaBuffer {
         handle: u64,
         channel: u32,
         dma_addr: u64,
-        map_at: Option<(u64, u64)>,
+        mmap_offset: Option<NonZeroU64>,
         counted: bool,
     ) -> Self {
         Self {
@@ -83,22 +84,23 @@ impl DmaBuffer {
             handle,
             channel,
             dma_addr,
-            map_at,
+            mmap_offset,
             mapping: OnceLock::new(),
             counted: AtomicBool::new(counted),
         }
     }
 
-    /// The host mapping, made now if this is the first host access. `None`
+    /// The host mapping of the buffer's `size` bytes, made now if this is
+    /// the first host access. `None`
     /// if the driver has no mmap or mapping fails (for example at the
     /// process's `vm.max_map_count`): callers then move the bytes with
     /// COPY_IN/COPY_OUT, and a later access tries to map again.
-    pub(crate) fn mapping(&self) -> Option<&Mapping> {
+    pub(crate) fn mapping(&self, size: usize) -> Option<&Mapping> {
         if let Some(m) = self.mapping.get() {
             return Some(m);
         }
-        let (offset, len) = self.map_at?;
-        match self.device.map(offset, len) {
+        let offset = self.mmap_offset?.get();
+        match self.device.map(offset, size as u64) {
             // Two threads may map at once: one mapping is kept, the other
             // (returned by `set`) is unmapped at once.
             Ok(m) => drop(self.mapping.set(m)),
@@ -225,10 +227,9 @@ impl Storage {
                 },
                 e => e.into(),
             })?;
-        let map_at = device
-            .has_features(tdrv_uapi::TDRV_FEAT_MMAP.into())
-            .then_some((a.mmap_offset, size as u64));
-        let buf = DmaBuffer::new(device.clone(), a.handle, channel, a.dma_addr, map_at, false);
+        let map = NonZeroU64::new(a.mmap_offset)
+            .filter(|_| device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()));
+        let buf = DmaBuffer::new(device.clone(), a.handle, channel, a.dma_addr, map, false);
         Ok(Self::new(size, Memory::Dma(buf)))
     }
 
@@ -248,10 +249,9 @@ impl Storage {
         }
         let i = device.import(fd, channel)?;
         let size = usize::try_from(i.size).map_err(|_| Error::OutOfMemory(usize::MAX))?;
-        let map_at = device
-            .has_features(tdrv_uapi::TDRV_FEAT_MMAP.into())
-            .then_some((i.mmap_offset, i.size));
-        let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map_at, true);
+        let map = NonZeroU64::new(i.mmap_offset)
+            .filter(|_| device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()));
+        let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map, true);
         // On failure `buf` is dropped, which frees the handle.
         buf.dma_addr = device.buf_info(i.handle)?.dma_addr;
         Ok(Self::new(size, Memory::Dma(buf)))
@@ -271,7 +271,7 @@ impl Storage {
         match &self.mem {
             Memory::Malloc(h) => Some(h.ptr),
             Memory::User(p) => Some(*p),
-            Memory::Dma(b) => b.mapping().and_then(|m| NonNull::new(m.as_ptr())),
+            Memory::Dma(b) => b.mapping(self.size).and_then(|m| NonNull::new(m.as_ptr())),
             Memory::Fake => None,
         }
     }
