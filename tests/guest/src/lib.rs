@@ -333,3 +333,62 @@ pub fn desc(
 pub fn stat(node: &str, key: &str) -> Result<u64, String> {
     device_stat(node, key).ok_or_else(|| format!("no {key} in the stats of {node}"))
 }
+
+/// A child process holding its own mapping of a buffer (mappings are not
+/// inherited: DONTCOPY), for tests of what unbind does to mappings. On request it reads the mapping and exits 0; if
+/// the pages are gone it dies of SIGBUS instead.
+pub struct MappedChild {
+    pid: libc::pid_t,
+    go: i32,
+}
+
+impl MappedChild {
+    pub fn spawn(dev: &raw::Dev, buf: &tdrv_uapi::tdrv_alloc) -> Result<Self, String> {
+        let (mut ready, mut go) = ([0; 2], [0; 2]);
+        // SAFETY: pipe(2) into local arrays.
+        if unsafe { libc::pipe(ready.as_mut_ptr()) } != 0
+            || unsafe { libc::pipe(go.as_mut_ptr()) } != 0
+        {
+            return Err("pipe".into());
+        }
+        // SAFETY: the child runs only the code below and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let m = dev.map(buf);
+            let mut byte = 0u8;
+            // SAFETY: one-byte reads and writes on our pipe ends.
+            unsafe {
+                libc::write(ready[1], b"r".as_ptr().cast(), 1);
+                libc::read(go[0], (&mut byte as *mut u8).cast(), 1);
+            }
+            let code = match m {
+                Ok(m) => {
+                    // SAFETY: a volatile read of our own (maybe revoked)
+                    // mapping; revoked pages raise SIGBUS here.
+                    let _ = unsafe { std::ptr::read_volatile(m.as_slice().as_ptr()) };
+                    0
+                }
+                Err(_) => 3,
+            };
+            // SAFETY: leaves the child without running the parent's cleanup.
+            unsafe { libc::_exit(code) };
+        }
+        let mut byte = 0u8;
+        // SAFETY: waits for the child to have mapped the buffer.
+        unsafe { libc::read(ready[0], (&mut byte as *mut u8).cast(), 1) };
+        Ok(MappedChild { pid, go: go[1] })
+    }
+
+    /// Lets the child touch its mapping; returns its wait status.
+    pub fn touch_and_wait(&self) -> Result<i32, String> {
+        let mut status = 0;
+        // SAFETY: a one-byte write on our pipe end, then reaping our child.
+        unsafe {
+            libc::write(self.go, b"g".as_ptr().cast(), 1);
+            if libc::waitpid(self.pid, &mut status, 0) != self.pid {
+                return Err("waitpid".into());
+            }
+        }
+        Ok(status)
+    }
+}
