@@ -392,3 +392,34 @@ impl MappedChild {
         Ok(status)
     }
 }
+
+/// The PCI address of the (single) device bound to the driver whose sysfs
+/// directory is `driver_dir`.
+pub fn bound_pci_address(driver_dir: &str) -> Result<String, String> {
+    std::fs::read_dir(driver_dir)
+        .map_err(|e| format!("{driver_dir}: {e}"))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.contains(':') && n.contains('.'))
+        .ok_or_else(|| format!("no PCI device bound to {driver_dir}"))
+}
+
+/// The tdrv device nodes that exist now whose device kind is `kind`
+/// (`TDRV_DEVICE_*`), sorted.
+pub fn device_nodes(kind: u32) -> Vec<String> {
+    let mut nodes: Vec<String> = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+                .filter(|p| p.starts_with("/dev/tdrv"))
+                .collect()
+        })
+        .unwrap_or_default();
+    nodes.sort();
+    nodes.retain(|p| {
+        raw::Dev::open(p)
+            .and_then(|d| d.version())
+            .is_ok_and(|v| v.device_kind == kind)
+    });
+    nodes
+}

@@ -28,31 +28,12 @@ fn desc(src: u64, dst: u64, size: u64) -> tdrv_copy_desc {
 
 /// The PCI address of the (single) edu device bound to tdrv.
 fn bound_pci_address() -> Result<String, String> {
-    fs::read_dir(DRIVER_DIR)
-        .map_err(|e| format!("{DRIVER_DIR}: {e}"))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| n.contains(':') && n.contains('.'))
-        .ok_or_else(|| "no PCI device bound to tdrv".into())
+    tdrv_guest_tests::bound_pci_address(DRIVER_DIR)
 }
 
 /// The edu device nodes that exist now.
 fn edu_nodes() -> Vec<String> {
-    let mut nodes: Vec<String> = fs::read_dir("/dev")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
-                .filter(|p| p.starts_with("/dev/tdrv"))
-                .collect()
-        })
-        .unwrap_or_default();
-    nodes.sort();
-    nodes.retain(|p| {
-        Dev::open(p)
-            .and_then(|d| d.version())
-            .is_ok_and(|v| v.device_kind == TDRV_DEVICE_EDU)
-    });
-    nodes
+    tdrv_guest_tests::device_nodes(TDRV_DEVICE_EDU)
 }
 
 /// Makes the device send an interrupt that is not a DMA completion: the

@@ -64,31 +64,12 @@ fn queue_irqs(node: &str) -> Result<Vec<u64>, String> {
 
 /// The PCI address bound to the sim driver.
 fn bound_pci_address() -> Result<String, String> {
-    fs::read_dir(DRIVER_DIR)
-        .map_err(|e| format!("{DRIVER_DIR}: {e}"))?
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .find(|n| n.contains(':') && n.contains('.'))
-        .ok_or_else(|| "no PCI device bound to tdrv-sim".into())
+    tdrv_guest_tests::bound_pci_address(DRIVER_DIR)
 }
 
 /// The sim device nodes that exist now.
 fn sim_nodes() -> Vec<String> {
-    let mut nodes: Vec<String> = fs::read_dir("/dev")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
-                .filter(|p| p.starts_with("/dev/tdrv"))
-                .collect()
-        })
-        .unwrap_or_default();
-    nodes.sort();
-    nodes.retain(|p| {
-        Dev::open(p)
-            .and_then(|d| d.version())
-            .is_ok_and(|v| v.device_kind == TDRV_DEVICE_SIM)
-    });
-    nodes
+    tdrv_guest_tests::device_nodes(TDRV_DEVICE_SIM)
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
