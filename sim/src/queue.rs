@@ -723,16 +723,46 @@ mod tests {
         }
     }
 
+    /// An engine thread under test, with its doorbell and interrupt log.
+    struct Thread {
+        irqs: Arc<Irqs>,
+        bell: Arc<Bell>,
+        stop: Arc<AtomicBool>,
+        t: std::thread::JoinHandle<()>,
+    }
+
+    impl Thread {
+        /// Starts `run` on `e`, polling every millisecond; `bell` may have
+        /// been rung already.
+        fn start(e: Engine, bell: Arc<Bell>) -> Self {
+            let irqs = Arc::new(Irqs::default());
+            let stop = Arc::new(AtomicBool::new(false));
+            let t = {
+                let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
+                std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
+            };
+            Self {
+                irqs,
+                bell,
+                stop,
+                t,
+            }
+        }
+
+        /// Stops the thread; returns its interrupt log.
+        fn stop(self) -> Arc<Irqs> {
+            self.stop.store(true, Release);
+            self.bell.ring();
+            self.t.join().unwrap();
+            self.irqs
+        }
+    }
+
     #[test]
     fn engine_thread_runs_concurrently_with_the_driver() {
         let (drv, e, stats) = Drv::new(16);
-        let irqs = Arc::new(Irqs::default());
         let bell = Arc::new(Bell::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let t = {
-            let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
-            std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
-        };
+        let t = Thread::start(e, bell.clone());
         let total = if cfg!(miri) { 40 } else { 2000 };
         let (mut posted, mut seen) = (0u64, 0u64);
         while seen < total {
@@ -752,9 +782,7 @@ mod tests {
             }
             std::thread::yield_now();
         }
-        stop.store(true, Release);
-        bell.ring();
-        t.join().unwrap();
+        let irqs = t.stop();
         assert_eq!(stats.descs.load(Relaxed), total);
         assert_eq!(irqs.count() as u64, total);
     }
@@ -762,13 +790,8 @@ mod tests {
     #[test]
     fn engine_thread_runs_descriptors_only_after_a_doorbell() {
         let (drv, e, stats) = Drv::new(16);
-        let irqs = Arc::new(Irqs::default());
         let bell = Arc::new(Bell::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let t = {
-            let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
-            std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
-        };
+        let t = Thread::start(e, bell.clone());
         drv.post(h2d(1, 1));
         // Several idle polls pass without executing it.
         std::thread::sleep(Duration::from_millis(20));
@@ -780,9 +803,7 @@ mod tests {
             std::thread::yield_now();
         }
         assert_eq!(got, vec![(1, 0, 1)]);
-        stop.store(true, Release);
-        bell.ring();
-        t.join().unwrap();
+        t.stop();
         // The stop ring is not counted as a doorbell.
         assert_eq!(stats.doorbells.load(Relaxed), 1);
     }
@@ -790,16 +811,11 @@ mod tests {
     #[test]
     fn engine_thread_takes_reset_without_a_doorbell() {
         let (drv, e, _) = Drv::new(16);
-        let irqs = Arc::new(Irqs::default());
         let bell = Arc::new(Bell::default());
-        let stop = Arc::new(AtomicBool::new(false));
         drv.inject(inject::STALL);
         drv.post(h2d(1, 1));
         bell.ring();
-        let t = {
-            let (irqs, bell, stop) = (irqs.clone(), bell.clone(), stop.clone());
-            std::thread::spawn(move || run(e, &*bell, &*irqs, &stop, Duration::from_millis(1)))
-        };
+        let t = Thread::start(e, bell);
         while drv.status() != qstatus::STALLED {
             std::thread::yield_now();
         }
@@ -809,9 +825,7 @@ mod tests {
         }
         assert_eq!(drv.status(), qstatus::IDLE);
         assert_eq!(drv.f(qb::SQ_TAIL).load(Acquire), 0);
-        stop.store(true, Release);
-        bell.ring();
-        t.join().unwrap();
+        let irqs = t.stop();
         assert_eq!(irqs.count(), 0);
     }
 }
