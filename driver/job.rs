@@ -13,6 +13,11 @@
 //!    with in-fences, and any later job of its file, is held by the file
 //!    until they signal, then handed over by the file's dispatch work
 //!    (see `fence_fd.rs`).
+//!    An idle engine may instead let the submitting thread run a small
+//!    job itself, after the tracker lock is dropped
+//!    ([`Engine::claim`](crate::engine::Engine::claim);
+//!    the software device does, see `backends/soft.rs`): the job is then
+//!    complete, and its waiters woken, before SUBMIT returns.
 //! 3. The engine runs the transfers and calls [`Job::complete`] exactly
 //!    once, with the result. That drops the pending marks (waking fence
 //!    waiters when a count reaches zero), bumps the completion count of
@@ -177,6 +182,11 @@ impl Job {
     /// The bytes `transfers` move.
     pub(crate) fn total_bytes(transfers: &[Transfer]) -> u64 {
         transfers.iter().map(|t| t.src_range.len as u64).sum()
+    }
+
+    /// The bytes the job moves.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
     }
 
     /// True once the submitting file has closed: the engine drops the job
@@ -448,6 +458,8 @@ impl JobTracker {
         mark(&job.transfers)?;
         let undo = job.clone_arc();
         let mut failed = None;
+        // The job, when the engine let this thread run it (see `soft.rs`).
+        let mut claimed = None;
         let mut state = self.state.lock();
         let id = state.next_id;
         job.id.store(id, Relaxed);
@@ -477,6 +489,10 @@ impl JobTracker {
                 failed = Some(e);
                 return Ok(());
             }
+            if job.in_fences.is_none() && device.engine().claim(&job) {
+                claimed = Some(job);
+                return Ok(());
+            }
             device.engine().submit(job)
         });
         if let Err(e) = queued {
@@ -496,6 +512,12 @@ impl JobTracker {
         if let Some(e) = failed {
             undo.complete(Err(e));
         }
+        if let Some(job) = claimed {
+            device.engine().run_claimed(job);
+        }
+        // The last reference of a job that ended here: reports it (taking
+        // the tracker lock) and signals its out-fence before SUBMIT returns.
+        drop(undo);
         Ok(id)
     }
 
