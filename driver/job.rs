@@ -109,12 +109,71 @@ pub(crate) struct Transfer {
     pub(crate) dst_offset: usize,
 }
 
+/// The transfers of a job. A single one, the common case, is stored in
+/// the job itself, so that submitting it allocates nothing but the job.
+#[derive(Default)]
+pub(crate) enum Transfers {
+    #[default]
+    Empty,
+    One(Transfer),
+    Many(KVec<Transfer>),
+}
+
+impl Transfers {
+    /// Room for `count` transfers: allocates only for more than one.
+    pub(crate) fn with_capacity(count: usize, flags: kernel::alloc::Flags) -> Result<Self> {
+        Ok(if count <= 1 {
+            Self::Empty
+        } else {
+            Self::Many(KVec::with_capacity(count, flags)?)
+        })
+    }
+
+    /// Appends `t`; allocates only past the capacity asked for.
+    pub(crate) fn push(&mut self, t: Transfer, flags: kernel::alloc::Flags) -> Result {
+        match self {
+            Self::Empty => *self = Self::One(t),
+            Self::Many(v) => v.push(t, flags)?,
+            Self::One(_) => {
+                let mut v = KVec::with_capacity(2, flags)?;
+                if let Self::One(first) = core::mem::take(self) {
+                    v.push(first, flags)?;
+                }
+                v.push(t, flags)?;
+                *self = Self::Many(v);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl core::ops::Deref for Transfers {
+    type Target = [Transfer];
+
+    fn deref(&self) -> &[Transfer] {
+        match self {
+            Self::Empty => &[],
+            Self::One(t) => core::slice::from_ref(t),
+            Self::Many(v) => v,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Transfers {
+    type Item = &'a Transfer;
+    type IntoIter = core::slice::Iter<'a, Transfer>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// A submitted job.
 #[pin_data(PinnedDrop)]
 pub(crate) struct Job {
     /// Set under the tracker lock before the job is queued.
     id: Atomic<u64>,
-    pub(crate) transfers: KVec<Transfer>,
+    pub(crate) transfers: Transfers,
     /// Bytes the job moves (sum of its transfers).
     bytes: u64,
     tracker: Arc<JobTracker>,
@@ -429,7 +488,7 @@ impl JobTracker {
     pub(crate) fn submit(
         self: &Arc<Self>,
         device: &Arc<TdrvDevice>,
-        transfers: KVec<Transfer>,
+        transfers: Transfers,
         limits: &Limits,
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,

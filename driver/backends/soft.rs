@@ -195,8 +195,8 @@ fn run_on_cpu(job: &Job) -> Result {
             let n = (t.src_range.len - done).min(ENGINE_PIECE);
             // SAFETY: The job holds both buffers, and their memory stays
             // live while the engine runs: unbind frees it only after
-            // `shutdown`, which waits for this work item. SUBMIT checked
-            // both ranges.
+            // `shutdown`, which waits for the work item and for a
+            // submitter running a claimed job. SUBMIT checked both ranges.
             unsafe {
                 t.dst
                     .copy_span(t.dst_offset + done, &t.src, t.src_range.start + done, n)
