@@ -20,13 +20,19 @@
 //! methods), which moves them by DMA straight from and to the caller's
 //! pages, and mmap maps the BAR pages write-combined.
 //!
-//! A buffer is one or more DMA-coherent *pieces* of `1 << shift` bytes
-//! (the last one may be shorter). Up to [`MAX_PIECE`] a buffer is a single
-//! piece; larger buffers, and smaller ones when memory is fragmented, are
-//! split, so that no allocation needs more than the page allocator's
-//! largest block and no CMA area is needed (stock kernels have none).
-//! `dma_addr` (ALLOC, BUF_INFO) is the bus address of byte 0; only the
-//! first piece is contiguous behind it. The engines walk the pieces.
+//! A buffer is one or more *pieces* of `1 << shift` bytes (the last one
+//! may be shorter). Up to [`MAX_PIECE`] a buffer is a single piece; larger
+//! buffers, and smaller ones when memory is fragmented, are split, so that
+//! no allocation needs more than the page allocator's largest block and no
+//! CMA area is needed (stock kernels have none). For a device whose engine
+//! does DMA the pieces are DMA-coherent allocations; for one that does not
+//! (the software device) they are plain system pages, which need no DMA
+//! mapping and never come from CMA, where `dma_alloc_coherent` takes
+//! multi-page blocks from when the kernel has an area (slow to allocate
+//! and free). `dma_addr` (ALLOC, BUF_INFO) is the bus address of byte 0
+//! (for system pages, the physical address, as a direct DMA mapping would
+//! give); only the first piece is contiguous behind it. The engines walk
+//! the pieces.
 //!
 //! # Lifetime
 //!
@@ -66,7 +72,6 @@ use kernel::{
 
 use crate::{
     dmabuf::{
-        ExportMapping,
         Import, //
     },
     device::{
@@ -74,7 +79,10 @@ use crate::{
         TdrvDevice, //
     },
     fence::Fence,
-    glue,
+    glue::{
+        self,
+        Pages, //
+    },
     range::ByteRange,
     uapi::MAX_BUFFER_SIZE, //
 };
@@ -110,7 +118,10 @@ unsafe impl Sync for PieceAddr {}
 enum Backing {
     /// DMA-coherent pieces tdrv allocated for the device (held to be freed
     /// on drop; the pieces' addresses are in [`Buffer`]).
-    Coherent { _pieces: CoherentPieces },
+    Coherent { _pieces: OwnedPieces<Coherent<[u8]>> },
+    /// System pages, for a device whose engine does no DMA (see
+    /// [`Buffer::new`]).
+    System { _pieces: OwnedPieces<Pages> },
     /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
     /// device.
     Imported { _import: Import },
@@ -119,14 +130,14 @@ enum Backing {
     Device(KBox<dyn DeviceMemory>),
 }
 
-/// tdrv's own DMA-coherent allocations for one buffer: a buffer of one
-/// piece keeps it inline, so a small buffer costs no extra allocation.
-enum CoherentPieces {
-    One(Coherent<[u8]>),
-    Many(KVec<Coherent<[u8]>>),
+/// tdrv's own allocations for one buffer: a buffer of one piece keeps it
+/// inline, so a small buffer costs no extra allocation.
+enum OwnedPieces<T> {
+    One(T),
+    Many(KVec<T>),
 }
 
-/// The pieces' addresses, in order. As for [`CoherentPieces`], one piece is
+/// The pieces' addresses, in order. As for [`OwnedPieces`], one piece is
 /// kept inline: most buffers have one, and an allocation per buffer costs
 /// more kernel memory (slab object, debug tracking) than the address.
 enum Pieces {
@@ -186,6 +197,9 @@ impl Backing {
             // SAFETY: Coherent memory is in the kernel's direct map (see
             // `glue::kaddr_to_pfn`), live by the caller's guarantee.
             Self::Coherent { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            // SAFETY: System pages are in the direct map, live by the
+            // caller's guarantee.
+            Self::System { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
             // SAFETY: The import's kernel mapping is a vmap of system
             // memory (`dmabuf.c` refuses I/O memory), live by the caller's
             // guarantee.
@@ -229,10 +243,6 @@ pub(crate) struct Buffer {
     /// What the channel is charged: `span` for tdrv's own memory, 0 for
     /// imports.
     charged: u64,
-    /// This buffer's live dma-buf exports, so that unbind can zap their
-    /// mappings (see `dmabuf.rs`).
-    #[pin]
-    exports: Mutex<KVec<ExportMapping>>,
     channel: u32,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry.
@@ -243,6 +253,17 @@ pub(crate) struct Buffer {
     #[pin]
     pub(crate) fence: Fence,
 }
+
+// Every buffer is one `Arc` allocation: a refcount, padded to 8 bytes,
+// then the buffer. Without lock debugging (which grows every lock) that
+// must fit kmalloc's 256-byte class, or each buffer pays for the next
+// class, 512 bytes; per-buffer state that few buffers use (dma-buf
+// exports) lives elsewhere for this reason.
+#[cfg(not(any(CONFIG_DEBUG_LOCK_ALLOC, CONFIG_DEBUG_MUTEXES, CONFIG_DEBUG_SPINLOCK)))]
+const _: () = assert!(
+    core::mem::size_of::<u64>() + core::mem::size_of::<Buffer>() <= 256,
+    "Buffer no longer fits the 256-byte kmalloc class"
+);
 
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
@@ -260,24 +281,53 @@ struct Layout {
 }
 
 /// Allocates `size` bytes (a multiple of pages) as pieces of `1 << shift`
-/// bytes.
-fn alloc_pieces(
-    bound: &Device<Bound>,
+/// bytes, each from `alloc(len)`.
+fn alloc_pieces<T>(
     size: usize,
     shift: u32,
-) -> Result<CoherentPieces> {
+    alloc: impl Fn(usize) -> Result<T>,
+) -> Result<OwnedPieces<T>> {
     let piece = 1usize << shift;
     let count = size.div_ceil(piece);
-    let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
     if count == 1 {
-        return Ok(CoherentPieces::One(Coherent::<u8>::zeroed_slice(bound, size, flags)?));
+        return Ok(OwnedPieces::One(alloc(size)?));
     }
     let mut mem = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
     for i in 0..count {
         let len = (size - i * piece).min(piece);
-        mem.push(Coherent::<u8>::zeroed_slice(bound, len, flags)?, GFP_KERNEL_ACCOUNT)?;
+        mem.push(alloc(len)?, GFP_KERNEL_ACCOUNT)?;
     }
-    Ok(CoherentPieces::Many(mem))
+    Ok(OwnedPieces::Many(mem))
+}
+
+/// Allocates `size` bytes (a multiple of pages) in as few pieces as the
+/// allocator can give: one piece if it can (up to [`MAX_PIECE`]), else
+/// pieces of half the size, until pages do not come at all. Returns the
+/// pieces, their addresses and the shift of their size.
+fn alloc_split<T>(
+    size: usize,
+    alloc: impl Fn(usize) -> Result<T>,
+    addr: impl Fn(&T) -> PieceAddr,
+) -> Result<(OwnedPieces<T>, Pieces, u32)> {
+    let mut shift = size.next_power_of_two().min(MAX_PIECE).trailing_zeros();
+    let mem = loop {
+        match alloc_pieces(size, shift, &alloc) {
+            Ok(mem) => break mem,
+            Err(e) if e == ENOMEM && (1usize << shift) > PAGE_SIZE => shift -= 1,
+            Err(e) => return Err(e),
+        }
+    };
+    let pieces = match &mem {
+        OwnedPieces::One(m) => Pieces::One(addr(m)),
+        OwnedPieces::Many(many) => {
+            let mut pieces = KVVec::with_capacity(many.len(), GFP_KERNEL_ACCOUNT)?;
+            for m in many.iter() {
+                pieces.push(addr(m), GFP_KERNEL_ACCOUNT)?;
+            }
+            Pieces::Many(pieces)
+        }
+    };
+    Ok((mem, pieces, shift))
 }
 
 impl Buffer {
@@ -295,39 +345,34 @@ impl Buffer {
         if let Some(mem) = device.engine().alloc_memory(device, rounded, channel) {
             return Self::new_on_device(device, mem, size, channel);
         }
-        // One piece if the allocator can give it; otherwise halve the piece
-        // size until it can (or pages do not come at all).
-        let mut shift = rounded.next_power_of_two().min(MAX_PIECE).trailing_zeros();
-        let mem = loop {
-            match alloc_pieces(bound, rounded, shift) {
-                Ok(mem) => break mem,
-                Err(e) if e == ENOMEM && (1usize << shift) > PAGE_SIZE => shift -= 1,
-                Err(e) => {
-                    device.channels.release(channel, charged);
-                    device.channels.note_failure(channel);
-                    return Err(e);
-                }
-            }
+        // System pages for an engine without DMA (see the module doc).
+        let allocated = if device.engine().does_dma() {
+            let flags = GFP_KERNEL_ACCOUNT | __GFP_NOWARN;
+            alloc_split(
+                rounded,
+                |len| Coherent::<u8>::zeroed_slice(bound, len, flags),
+                |m| PieceAddr {
+                    cpu: m.as_mut_ptr().cast(),
+                    dma: m.dma_handle(),
+                },
+            )
+            .map(|(mem, pieces, shift)| (Backing::Coherent { _pieces: mem }, pieces, shift))
+        } else {
+            alloc_split(
+                rounded,
+                Pages::alloc,
+                |m| PieceAddr {
+                    cpu: m.as_ptr().cast(),
+                    dma: m.phys(),
+                },
+            )
+            .map(|(mem, pieces, shift)| (Backing::System { _pieces: mem }, pieces, shift))
         };
-        let addr = |m: &Coherent<[u8]>| PieceAddr {
-            cpu: m.as_mut_ptr().cast(),
-            dma: m.dma_handle(),
-        };
-        let addrs = || -> Result<Pieces> {
-            let many = match &mem {
-                CoherentPieces::One(m) => return Ok(Pieces::One(addr(m))),
-                CoherentPieces::Many(many) => many,
-            };
-            let mut pieces = KVVec::with_capacity(many.len(), GFP_KERNEL_ACCOUNT)?;
-            for m in many.iter() {
-                pieces.push(addr(m), GFP_KERNEL_ACCOUNT)?;
-            }
-            Ok(Pieces::Many(pieces))
-        };
-        let pieces = match addrs() {
-            Ok(pieces) => pieces,
+        let (backing, pieces, shift) = match allocated {
+            Ok(a) => a,
             Err(e) => {
                 device.channels.release(channel, charged);
+                device.channels.note_failure(channel);
                 return Err(e);
             }
         };
@@ -339,7 +384,7 @@ impl Buffer {
             charged,
             channel,
         };
-        Self::from_backing(device, Backing::Coherent { _pieces: mem }, layout)
+        Self::from_backing(device, backing, layout)
     }
 
     /// Builds a buffer in device memory the engine allocated (`mem`, zeroed,
@@ -362,9 +407,7 @@ impl Buffer {
             Ok(ok) => ok,
             Err(e) => {
                 device.channels.release(channel, charged);
-                if e == ENOMEM {
-                    device.channels.note_failure(channel);
-                }
+                device.channels.note_failure(channel);
                 return Err(e);
             }
         };
@@ -414,7 +457,6 @@ impl Buffer {
                 span,
                 charged,
                 channel,
-                exports <- new_mutex!(KVec::new(), "Buffer::exports"),
                 device: device.clone(),
                 registry_key,
                 on_device,
@@ -482,28 +524,6 @@ impl Buffer {
     /// The device the buffer belongs to.
     pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
         &self.device
-    }
-
-    /// Records a live dma-buf export of this buffer.
-    pub(crate) fn add_export(&self, mapping: ExportMapping) -> Result {
-        self.exports.lock().push(mapping, GFP_KERNEL)?;
-        Ok(())
-    }
-
-    /// Forgets the export `dmabuf`, which is being released; the caller
-    /// drops the record outside the lock.
-    pub(crate) fn remove_export(&self, dmabuf: *mut core::ffi::c_void) -> Option<ExportMapping> {
-        let mut exports = self.exports.lock();
-        let i = exports.iter().position(|m| m.is(dmabuf))?;
-        exports.remove(i).ok()
-    }
-
-    /// Unbind: removes the pages of every mapping of this buffer's
-    /// exported dma-bufs (after [`Buffer::detach`], so none comes back).
-    pub(crate) fn zap_exports(&self) {
-        for m in self.exports.lock().iter() {
-            m.zap();
-        }
     }
 
     pub(crate) fn size(&self) -> usize {

@@ -33,6 +33,7 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     channel::Channels,
+    dmabuf::Exports,
     engine::{
         Engine,
         EngineCounters, //
@@ -195,6 +196,9 @@ pub(crate) struct TdrvDevice {
     /// and debugfs can show who holds what.
     #[pin]
     files: Mutex<KVec<(u64, Arc<dyn Client>)>>,
+    /// Live dma-buf exports of the device's buffers, for unbind.
+    #[pin]
+    pub(crate) exports: Exports,
     pub(crate) stats: DeviceStats,
 }
 
@@ -220,6 +224,7 @@ impl TdrvDevice {
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
+                exports <- Exports::new(),
                 stats: DeviceStats::new(),
             }),
             GFP_KERNEL,
@@ -364,7 +369,7 @@ impl TdrvDevice {
         for (_, file) in self.files.lock().iter() {
             file.zap_mappings();
         }
-        self.for_each_buffer(|buf| buf.zap_exports());
+        self.exports.zap_all();
         self.for_each_buffer(|buf| {
             // SAFETY: The device is unbound, its engine stopped (above), no
             // active guard exists (drained) or can be taken (`bound` is

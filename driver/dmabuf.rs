@@ -18,8 +18,8 @@
 //!
 //! - mmap of the dma-buf fd maps the buffer like tdrv's own mmap (shared,
 //!   not executable, pages inserted at fault time, SIGBUS after unbind).
-//!   Unbind zaps these mappings too: every buffer lists its live exports,
-//!   each with a reference to its file's inode (see [`ExportMapping`]).
+//!   Unbind zaps these mappings too: every device lists its live exports,
+//!   each with a reference to its file's inode (see [`Exports`]).
 //!   The dma-buf's size is the buffer's, rounded up to pages.
 //! - `DMA_BUF_IOCTL_SYNC` with `DMA_BUF_SYNC_START` waits, like COPY_OUT
 //!   (read) or COPY_IN (write), for the device writes (read) or all device
@@ -62,9 +62,14 @@ use kernel::{
     mm::virt::VmaNew,
     page::PAGE_SIZE,
     prelude::*,
+    rbtree::{
+        RBTree,
+        RBTreeNode, //
+    },
     sync::{
         Arc,
-        ArcBorrow, //
+        ArcBorrow,
+        Mutex, //
     }, //
 };
 
@@ -113,7 +118,51 @@ mod ffi {
     }
 }
 
-/// A live export, as its buffer records it: the dma-buf (only as a key,
+/// The live exports of one device's buffers, by dma-buf, so that unbind
+/// can zap their mappings.
+///
+/// Kept per device, not per buffer: few buffers are ever exported, and a
+/// lock and list in every buffer would cost every buffer a larger slab
+/// object.
+#[pin_data]
+pub(crate) struct Exports {
+    #[pin]
+    live: Mutex<RBTree<usize, ExportMapping>>,
+}
+
+impl Exports {
+    pub(crate) fn new() -> impl PinInit<Self> {
+        pin_init!(Self {
+            live <- kernel::new_mutex!(RBTree::new(), "Exports::live"),
+        })
+    }
+
+    /// Records a new export.
+    fn add(&self, mapping: ExportMapping) -> Result {
+        let node = RBTreeNode::new(mapping.dmabuf as usize, mapping, GFP_KERNEL)?;
+        // A dma-buf leaves the registry in its release, before its memory
+        // can be reused for another one: no key is ever replaced.
+        let old = self.live.lock().insert(node);
+        drop(old);
+        Ok(())
+    }
+
+    /// Forgets the export `dmabuf`, which is being released; the record is
+    /// dropped (its inode reference put) outside the lock.
+    fn remove(&self, dmabuf: *mut Opaque) -> Option<ExportMapping> {
+        self.live.lock().remove(&(dmabuf as usize))
+    }
+
+    /// Unbind: removes the pages of every mapping of every live export
+    /// (after the buffers were detached, so none comes back).
+    pub(crate) fn zap_all(&self) {
+        for m in self.live.lock().values() {
+            m.zap();
+        }
+    }
+}
+
+/// A live export, as its device records it: the dma-buf (only as a key,
 /// never dereferenced) and a reference to the inode of its file, whose
 /// address space every mmap of the dma-buf hangs off.
 ///
@@ -142,11 +191,6 @@ impl ExportMapping {
         // SAFETY: `dmabuf` and its file are alive (the caller's reference).
         let inode = unsafe { ffi::tdrv_dmabuf_hold_inode(dmabuf) };
         Self { dmabuf, inode }
-    }
-
-    /// Whether this records the export `dmabuf`.
-    pub(crate) fn is(&self, dmabuf: *mut Opaque) -> bool {
-        self.dmabuf == dmabuf
     }
 
     /// Removes every user page table entry of the dma-buf's mappings.
@@ -199,7 +243,7 @@ impl Drop for PendingExport {
 }
 
 /// Exports `buf` as a dma-buf and reserves an fd for it (O_CLOEXEC; the
-/// file is O_RDWR). The buffer records the export so that unbind can zap
+/// file is O_RDWR). The device records the export so that unbind can zap
 /// its mappings.
 pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
     // SAFETY: No preconditions.
@@ -228,7 +272,7 @@ pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
     // SAFETY: The dma-buf holds the reference `raw` came from until its
     // release, which cannot run while `pending` holds the dma-buf. (On
     // failure `mapping` is dropped, then `pending`.)
-    unsafe { &*raw }.add_export(mapping)?;
+    unsafe { &*raw }.device().exports.add(mapping)?;
     Ok(pending)
 }
 
@@ -334,7 +378,7 @@ unsafe extern "C" fn tdrv_dmabuf_release_buffer(buf: *const Buffer, dmabuf: *mut
     // SAFETY: The reference `export` moved into the dma-buf.
     let buf = unsafe { Arc::from_raw(buf) };
     // (`dmabuf` is only compared: its file may be gone by now.)
-    drop(buf.remove_export(dmabuf));
+    drop(buf.device().exports.remove(dmabuf));
     drop(buf);
 }
 

@@ -30,6 +30,30 @@ unsigned long tdrv_kaddr_to_pfn(const void *addr)
 	return page_to_pfn(virt_to_page(addr));
 }
 
+/* size bytes (a multiple of pages) of zeroed, physically contiguous
+ * pages for memory no device accesses by DMA, charged to the caller's
+ * memory cgroup; NULL if none. Costly sizes do not retry hard: the
+ * caller falls back to smaller blocks. Returns the linear-map address;
+ * *phys gets the physical one. */
+void *tdrv_pages_alloc(size_t size, u64 *phys)
+{
+	gfp_t gfp = GFP_KERNEL_ACCOUNT | __GFP_ZERO | __GFP_NOWARN;
+	void *addr;
+
+	if (get_order(size) > PAGE_ALLOC_COSTLY_ORDER)
+		gfp |= __GFP_NORETRY;
+	addr = alloc_pages_exact(size, gfp);
+	if (addr)
+		*phys = virt_to_phys(addr);
+	return addr;
+}
+
+/* Frees a block of tdrv_pages_alloc. */
+void tdrv_pages_free(void *addr, size_t size)
+{
+	free_pages_exact(addr, size);
+}
+
 /* Sets up a VMA for pages inserted one by one by the fault handler:
  * raw PFNs (no struct page refcounting), never copied on fork, never
  * grown by mremap, not dumped, and never executable. Returns -EACCES if

@@ -10,6 +10,8 @@ struct miscdevice;
 struct vm_area_struct;
 
 unsigned long tdrv_kaddr_to_pfn(const void *addr);
+void *tdrv_pages_alloc(size_t size, u64 *phys);
+void tdrv_pages_free(void *addr, size_t size);
 int tdrv_vma_init(struct vm_area_struct *vma, bool wc);
 struct device;
 bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr);

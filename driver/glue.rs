@@ -8,6 +8,8 @@ use kernel::{bindings, prelude::*};
 mod ffi {
     extern "C" {
         pub(super) fn tdrv_kaddr_to_pfn(addr: *const core::ffi::c_void) -> core::ffi::c_ulong;
+        pub(super) fn tdrv_pages_alloc(size: usize, phys: *mut u64) -> *mut core::ffi::c_void;
+        pub(super) fn tdrv_pages_free(addr: *mut core::ffi::c_void, size: usize);
         // (Opaque here: bindgen's `vm_area_struct` has zero-sized members
         // that the FFI lint rejects.)
         pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void, wc: bool) -> core::ffi::c_int;
@@ -18,6 +20,61 @@ mod ffi {
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
         pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
+    }
+}
+
+/// A block of zeroed, physically contiguous system pages, for memory that no
+/// device accesses by DMA (it needs no DMA mapping, and the page allocator
+/// serves multi-page blocks without a CMA area). Freed on drop.
+///
+/// # Invariants
+///
+/// `addr` is the linear-map address of a block of `size` bytes from
+/// `tdrv_pages_alloc`, owned by this value.
+pub(crate) struct Pages {
+    addr: core::ptr::NonNull<u8>,
+    phys: u64,
+    size: usize,
+}
+
+// SAFETY: The block is plain memory owned by the value; it may be freed
+// from any thread.
+unsafe impl Send for Pages {}
+// SAFETY: `Pages` only hands out the address; accesses through it are the
+// owner's to synchronise.
+unsafe impl Sync for Pages {}
+
+impl Pages {
+    /// Allocates `size` zeroed bytes, a non-zero multiple of pages;
+    /// ENOMEM if the page allocator has no such block.
+    pub(crate) fn alloc(size: usize) -> Result<Self> {
+        if size == 0 || size % kernel::page::PAGE_SIZE != 0 {
+            return Err(EINVAL);
+        }
+        let mut phys = 0u64;
+        // SAFETY: `phys` is a valid place for the result; no other
+        // precondition.
+        let addr = unsafe { ffi::tdrv_pages_alloc(size, &mut phys) };
+        let addr = core::ptr::NonNull::new(addr.cast::<u8>()).ok_or(ENOMEM)?;
+        // INVARIANT: A fresh block of `size` bytes, now ours.
+        Ok(Self { addr, phys, size })
+    }
+
+    /// The block's kernel (linear-map) address.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.addr.as_ptr()
+    }
+
+    /// The block's physical address.
+    pub(crate) fn phys(&self) -> u64 {
+        self.phys
+    }
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: By the type invariant the block is ours, of this size.
+        unsafe { ffi::tdrv_pages_free(self.addr.as_ptr().cast(), self.size) };
     }
 }
 

@@ -280,20 +280,13 @@ mod tests {
     use crate::storage::{DmaBuffer, Memory, Storage};
     use crate::sys::Device;
     use crate::Tensor;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::Ordering;
 
     /// A `Dma` tensor over a fake buffer of a `/dev/null` device: enough
     /// for the logic above the ioctls.
     pub(crate) fn fake_dma_tensor(dma_addr: u64) -> (std::sync::Arc<Device>, Tensor) {
         let dev = Device::fake_for_tests();
-        let buf = DmaBuffer {
-            device: dev.clone(),
-            handle: 7,
-            channel: 0,
-            dma_addr,
-            mapping: None,
-            counted: AtomicBool::new(true),
-        };
+        let buf = DmaBuffer::new(dev.clone(), 7, 0, dma_addr, None, true);
         let t = Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf)));
         (dev, t)
     }

@@ -10,7 +10,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, Result};
 use crate::fence::HostSync;
@@ -55,7 +55,12 @@ pub(crate) struct DmaBuffer {
     pub handle: u64,
     pub channel: u32,
     pub dma_addr: u64,
-    pub mapping: Option<Mapping>,
+    /// Where to map the buffer (offset and length), when the driver
+    /// supports mmap.
+    pub map_at: Option<(u64, u64)>,
+    /// The host mapping, made at the first host access (see DESIGN.md,
+    /// "Mapping on first host access").
+    pub mapping: OnceLock<Mapping>,
     /// Set before anything can make the kernel's completion count of the
     /// buffer non-zero (a job writing it, or handing out the raw handle).
     /// While clear, a new view's completion baseline is 0 without asking the
@@ -64,6 +69,47 @@ pub(crate) struct DmaBuffer {
 }
 
 impl DmaBuffer {
+    /// A buffer record for `handle`, not mapped yet.
+    pub(crate) fn new(
+        device: Arc<Device>,
+        handle: u64,
+        channel: u32,
+        dma_addr: u64,
+        map_at: Option<(u64, u64)>,
+        counted: bool,
+    ) -> Self {
+        Self {
+            device,
+            handle,
+            channel,
+            dma_addr,
+            map_at,
+            mapping: OnceLock::new(),
+            counted: AtomicBool::new(counted),
+        }
+    }
+
+    /// The host mapping, made now if this is the first host access. `None`
+    /// if the driver has no mmap or mapping fails (for example at the
+    /// process's `vm.max_map_count`): callers then move the bytes with
+    /// COPY_IN/COPY_OUT, and a later access tries to map again.
+    pub(crate) fn mapping(&self) -> Option<&Mapping> {
+        if let Some(m) = self.mapping.get() {
+            return Some(m);
+        }
+        let (offset, len) = self.map_at?;
+        match self.device.map(offset, len) {
+            // Two threads may map at once: one mapping is kept, the other
+            // (returned by `set`) is unmapped at once.
+            Ok(m) => drop(self.mapping.set(m)),
+            Err(e) => {
+                log_warn!("mapping tdrv buffer {}: {e}; using copies", self.handle);
+                return None;
+            }
+        }
+        self.mapping.get()
+    }
+
     /// Waits (without limit, through signals) for the kernel fence `kind`.
     pub(crate) fn fence(&self, kind: FenceKind) -> Result<()> {
         loop {
@@ -79,7 +125,7 @@ impl Drop for DmaBuffer {
     fn drop(&mut self) {
         // Unmap first, then drop the handle; the kernel frees the memory
         // once no mapping and no in-flight job use it.
-        self.mapping = None;
+        drop(self.mapping.take());
         if let Err(e) = self.device.free(self.handle) {
             log_warn!("freeing tdrv buffer {}: {e}", self.handle);
         }
@@ -157,7 +203,7 @@ impl Storage {
         Ok(Self::new(size, Memory::User(ptr)))
     }
 
-    /// A device buffer on `channel`, mapped when the driver supports mmap.
+    /// A device buffer on `channel`, mapped at the first host access.
     pub(crate) fn new_dma(device: &Arc<Device>, channel: u32, size: usize) -> Result<Arc<Storage>> {
         if channel >= device.num_channels() {
             return Err(Error::invalid(format!(
@@ -179,23 +225,15 @@ impl Storage {
                 },
                 e => e.into(),
             })?;
-        let mut buf = DmaBuffer {
-            device: device.clone(),
-            handle: a.handle,
-            channel,
-            dma_addr: a.dma_addr,
-            mapping: None,
-            counted: AtomicBool::new(false),
-        };
-        if device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()) {
-            // On failure `buf` is dropped, which frees the handle.
-            buf.mapping = Some(device.map(a.mmap_offset, size as u64)?);
-        }
+        let map_at = device
+            .has_features(tdrv_uapi::TDRV_FEAT_MMAP.into())
+            .then_some((a.mmap_offset, size as u64));
+        let buf = DmaBuffer::new(device.clone(), a.handle, channel, a.dma_addr, map_at, false);
         Ok(Self::new(size, Memory::Dma(buf)))
     }
 
     /// A device buffer for the dma-buf `fd` (`TDRV_IOC_IMPORT`), mapped
-    /// when the driver supports mmap. Its completion count may already be
+    /// at the first host access. Its completion count may already be
     /// non-zero (another owner's jobs), so it is always asked for.
     pub(crate) fn from_dmabuf(
         device: &Arc<Device>,
@@ -210,19 +248,12 @@ impl Storage {
         }
         let i = device.import(fd, channel)?;
         let size = usize::try_from(i.size).map_err(|_| Error::OutOfMemory(usize::MAX))?;
-        let mut buf = DmaBuffer {
-            device: device.clone(),
-            handle: i.handle,
-            channel: i.channel,
-            dma_addr: 0,
-            mapping: None,
-            counted: AtomicBool::new(true),
-        };
+        let map_at = device
+            .has_features(tdrv_uapi::TDRV_FEAT_MMAP.into())
+            .then_some((i.mmap_offset, i.size));
+        let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map_at, true);
         // On failure `buf` is dropped, which frees the handle.
         buf.dma_addr = device.buf_info(i.handle)?.dma_addr;
-        if device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()) {
-            buf.mapping = Some(device.map(i.mmap_offset, i.size)?);
-        }
         Ok(Self::new(size, Memory::Dma(buf)))
     }
 
@@ -240,7 +271,7 @@ impl Storage {
         match &self.mem {
             Memory::Malloc(h) => Some(h.ptr),
             Memory::User(p) => Some(*p),
-            Memory::Dma(b) => b.mapping.as_ref().and_then(|m| NonNull::new(m.as_ptr())),
+            Memory::Dma(b) => b.mapping().and_then(|m| NonNull::new(m.as_ptr())),
             Memory::Fake => None,
         }
     }

@@ -355,19 +355,24 @@ impl SimEngine {
     /// that waited for it) and completes; a transfer wakes its waiter.
     /// Call with no lock held.
     fn end(self: &Arc<Self>, op: ListArc<Op>) {
-        match &op.kind {
-            OpKind::Job(job) => {
-                {
-                    let mut s = self.sched.lock();
-                    if let Some(i) = s.running.iter().position(|r| Arc::ptr_eq(&r.job, job)) {
-                        let _ = s.running.remove(i);
-                    }
-                    self.schedule(&mut s);
-                }
-                job.complete(op.result());
-            }
-            OpKind::Sync => op.signal(),
-        }
+        let job = match &op.kind {
+            OpKind::Job(job) => job.clone(),
+            OpKind::Sync => return op.signal(),
+        };
+        // The job completes (fences released, its completion counted) and
+        // lets go of its buffers (its outcome reaches JOB_WAIT) before it
+        // leaves the scheduler: a job that waited for it may then start on
+        // another queue at once, and must never be seen done first.
+        job.complete(op.result());
+        drop(op);
+        let entry = {
+            let mut s = self.sched.lock();
+            let i = s.running.iter().position(|r| Arc::ptr_eq(&r.job, &job));
+            i.and_then(|i| s.running.remove(i).ok())
+        };
+        // Dropped outside the lock: the last reference ends the job.
+        drop((entry, job));
+        self.schedule(&mut self.sched.lock());
     }
 
     fn end_all(self: &Arc<Self>, mut done: List<Op>) {
@@ -378,8 +383,10 @@ impl SimEngine {
 
     /// Interrupt thread of queue `q`.
     pub(crate) fn on_irq(self: &Arc<Self>, q: u32) {
+        let queue = &self.queues[q as usize];
+        let _ending = queue.ending.lock();
         let mut done = List::new();
-        if self.queues[q as usize].reap(&self.hw, &mut done) == 0 {
+        if queue.reap(&self.hw, &mut done) == 0 {
             self.spurious_irqs.add(1, Relaxed);
         }
         self.end_all(done);
@@ -402,6 +409,7 @@ impl SimEngine {
             !s.pending.is_empty() && s.running.is_empty()
         };
         for q in self.queues.iter() {
+            let _ending = q.ending.lock();
             let mut done = List::new();
             match q.check(&self.hw, self.timeout, &mut done, &self.polled) {
                 Health::Idle => {}

@@ -207,6 +207,11 @@ pub(crate) struct Queue {
     pub(crate) irqs: Atomic<u64>,
     /// Ops the queue holds (for picking the least loaded queue).
     pub(crate) load: Atomic<u32>,
+    /// Held from reaping finished ops until they are ended, by whoever
+    /// reaps them (the interrupt thread or the watchdog), so that a
+    /// queue's ops end in the order the device finished them.
+    #[pin]
+    pub(crate) ending: Mutex<()>,
 }
 
 impl Queue {
@@ -228,6 +233,7 @@ impl Queue {
             ),
             irqs: Atomic::new(0),
             load: Atomic::new(0),
+            ending <- new_mutex!((), "SimQueue::ending"),
         })
     }
 

@@ -37,13 +37,21 @@ fn unmapped_addr() -> u64 {
     }
 }
 
+/// A field of /proc/meminfo in KiB, if the kernel has it.
+fn meminfo_kib(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+}
+
 fn used(dev: &Dev, ch: u32) -> Result<u64, String> {
     ok("channel_info", dev.channel_info(ch)).map(|c| c.used_bytes)
 }
 
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
-    let mut t = Tap::new(19);
+    let mut t = Tap::new(20);
 
     t.run(
         "alloc returns a handle, DMA address and mmap offset",
@@ -498,6 +506,42 @@ fn main() {
         }
         expect_eq("released", used(&dev, 0)?, base)
     });
+
+    // A device whose engine does no DMA gets system pages: multi-page
+    // buffers must not come from the CMA area (as `dma_alloc_coherent`
+    // would take them), which is slower and absent from stock kernels.
+    let cma = meminfo_kib("CmaTotal").filter(|&k| k > 0);
+    if version.device_kind != TDRV_DEVICE_SOFT {
+        t.skip("multi-page buffers do not come from CMA", "DMA device");
+    } else if cma.is_none() {
+        t.skip(
+            "multi-page buffers do not come from CMA",
+            "kernel has no CMA",
+        );
+    } else {
+        t.run("multi-page buffers do not come from CMA", || -> R {
+            let free0 = meminfo_kib("CmaFree").ok_or("no CmaFree")?;
+            let mut handles = Vec::new();
+            for size in [16 << 10, 64 << 10, 256 << 10, 1 << 20, 1 << 20] {
+                let a = ok("alloc", dev.alloc(size, 0))?;
+                // The pages are usable through the mapping.
+                let mut m = ok("mmap", dev.map(&a))?;
+                let s = m.as_mut_slice();
+                expect_eq("zeroed", (s[0], s[s.len() - 1]), (0, 0))?;
+                s[s.len() - 1] = 7;
+                handles.push(a.handle);
+            }
+            let taken = free0.saturating_sub(meminfo_kib("CmaFree").ok_or("no CmaFree")?);
+            for h in handles {
+                ok("free", dev.free(h))?;
+            }
+            // 2.3 MiB allocated; allow for unrelated CMA users.
+            if taken >= 512 {
+                return Err(format!("CMA went down by {taken} KiB"));
+            }
+            Ok(())
+        });
+    }
 
     t.finish();
 }

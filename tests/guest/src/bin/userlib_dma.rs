@@ -176,6 +176,79 @@ fn va_through_mapping(c: &Ctx) -> R {
     same("kernel view of va writes", &k, &[0xA5; 100])
 }
 
+/// Mappings of the device node in this process (lines of /proc/self/maps).
+fn device_mappings(path: &str) -> Result<usize, String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|err| err.to_string())?;
+    Ok(maps.lines().filter(|l| l.ends_with(path)).count())
+}
+
+fn mapped_on_first_host_access(c: &Ctx) -> R {
+    let before = device_mappings(&c.path)?;
+    let ts = (0..50)
+        .map(|_| c.alloc(4096, "lazy"))
+        .collect::<Result<Vec<_>, _>>()?;
+    expect_eq(
+        "mappings after 50 allocations",
+        device_mappings(&c.path)?,
+        before,
+    )?;
+    let data = pattern(4096, 0x5C);
+    e("write", ts[7].write(0, &data))?;
+    expect_eq(
+        "mappings after one write",
+        device_mappings(&c.path)?,
+        before + 1,
+    )?;
+    same("read back", &read_all(&ts[7])?, &data)?;
+    // A slice of the same storage shares the one mapping.
+    let s = e("slice", ts[7].slice(100, 10, None))?;
+    same("slice read", &read_all(&s)?, &data[100..110])?;
+    expect_eq(
+        "mappings after a slice read",
+        device_mappings(&c.path)?,
+        before + 1,
+    )?;
+    drop((s, ts));
+    expect_eq("mappings after drop", device_mappings(&c.path)?, before)
+}
+
+/// Restores `vm.max_map_count` when dropped.
+struct MapCountLimit(String);
+
+impl Drop for MapCountLimit {
+    fn drop(&mut self) {
+        let _ = std::fs::write("/proc/sys/vm/max_map_count", &self.0);
+    }
+}
+
+fn host_access_past_map_count(c: &Ctx) -> R {
+    let ts = (0..60)
+        .map(|_| c.alloc(4096, "maplimit"))
+        .collect::<Result<Vec<_>, _>>()?;
+    let data: Vec<Vec<u8>> = (0..60).map(|i| pattern(4096, i as u8)).collect();
+    let mut got = vec![0u8; 4096];
+    let old =
+        std::fs::read_to_string("/proc/sys/vm/max_map_count").map_err(|err| err.to_string())?;
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|err| err.to_string())?;
+    // Room for 20 more mappings: the other 40 tensors cannot be mapped.
+    let limit = maps.lines().count() + 20;
+    let _restore = MapCountLimit(old);
+    std::fs::write("/proc/sys/vm/max_map_count", limit.to_string())
+        .map_err(|err| err.to_string())?;
+    for (t, d) in ts.iter().zip(&data) {
+        e("write", t.write(0, d))?;
+    }
+    for (i, (t, d)) in ts.iter().zip(&data).enumerate() {
+        e("read", t.read(0, &mut got))?;
+        same(&format!("tensor {i}"), &got, d)?;
+    }
+    let mapped = device_mappings(&c.path)?;
+    if mapped >= 60 {
+        return Err(format!("{mapped} mappings: the limit did not bite"));
+    }
+    Ok(())
+}
+
 fn pa_and_device_info(c: &Ctx) -> R {
     let t = c.alloc(16384, "pa")?;
     let h = t.dma_handle().ok_or("no handle")?;
@@ -845,6 +918,14 @@ fn main() {
         ("dropping the last view frees the buffer", drop_frees),
         ("write and read back byte-exact", write_read_exact),
         ("va addresses the mapping", va_through_mapping),
+        (
+            "device tensors are mapped at the first host access",
+            mapped_on_first_host_access,
+        ),
+        (
+            "host access past vm.max_map_count falls back to copies",
+            host_access_past_map_count,
+        ),
         ("pa and device allocation info", pa_and_device_info),
         (
             "slices share storage, compose offsets, outlive parents",
