@@ -71,6 +71,24 @@ pub(crate) trait Engine: Send + Sync {
     /// recovers from a stuck transfer.
     fn submit(&self, job: ListArc<Job>) -> Result;
 
+    /// Claims the idle engine for `job`, to be run by the submitting
+    /// thread itself with [`Engine::run_claimed`] once it has dropped its
+    /// locks; false if the job must be queued with [`Engine::submit`]. An
+    /// engine claimed this way holds back every later job until the claimed
+    /// one completed, as if it were queued first. Only for a job with no
+    /// in-fences, called under its file's tracker lock (so a file's jobs
+    /// still reach the engine in id order).
+    fn claim(&self, _job: &Job) -> bool {
+        false
+    }
+
+    /// Runs and completes `job`, for which [`Engine::claim`] returned
+    /// true, in the caller's context, then hands the engine to the jobs
+    /// queued meanwhile. Never called unless `claim` can return true.
+    fn run_claimed(&self, job: ListArc<Job>) {
+        job.complete(Err(EINVAL));
+    }
+
     /// The file of `tracker` closed: completes its queued jobs with
     /// ECANCELED now; a running one stops at its next piece or chunk.
     fn cancel(&self, tracker: &JobTracker);

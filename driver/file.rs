@@ -53,7 +53,8 @@ use crate::{
     job::{
         JobStatus,
         JobTracker,
-        Transfer, //
+        Transfer,
+        Transfers, //
     },
     mmap,
     node::DeviceNode,
@@ -697,7 +698,7 @@ impl TdrvFile {
         // Bounded by MAX_JOB_DESCS * MAX_DESC_SIZE: no overflow.
         let mut reader =
             UserSlice::new(UserPtr::from_addr(a.descs as usize), count * stride).reader();
-        let mut transfers = KVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
+        let mut transfers = Transfers::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
         let mut tail = [0u8; MAX_DESC_SIZE];
         let mut bytes: u64 = 0;
         for _ in 0..count {

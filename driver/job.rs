@@ -13,6 +13,11 @@
 //!    with in-fences, and any later job of its file, is held by the file
 //!    until they signal, then handed over by the file's dispatch work
 //!    (see `fence_fd.rs`).
+//!    An idle engine may instead let the submitting thread run a small
+//!    job itself, after the tracker lock is dropped
+//!    ([`Engine::claim`](crate::engine::Engine::claim);
+//!    the software device does, see `backends/soft.rs`): the job is then
+//!    complete, and its waiters woken, before SUBMIT returns.
 //! 3. The engine runs the transfers and calls [`Job::complete`] exactly
 //!    once, with the result. That drops the pending marks (waking fence
 //!    waiters when a count reaches zero), bumps the completion count of
@@ -104,12 +109,71 @@ pub(crate) struct Transfer {
     pub(crate) dst_offset: usize,
 }
 
+/// The transfers of a job. A single one, the common case, is stored in
+/// the job itself, so that submitting it allocates nothing but the job.
+#[derive(Default)]
+pub(crate) enum Transfers {
+    #[default]
+    Empty,
+    One(Transfer),
+    Many(KVec<Transfer>),
+}
+
+impl Transfers {
+    /// Room for `count` transfers: allocates only for more than one.
+    pub(crate) fn with_capacity(count: usize, flags: kernel::alloc::Flags) -> Result<Self> {
+        Ok(if count <= 1 {
+            Self::Empty
+        } else {
+            Self::Many(KVec::with_capacity(count, flags)?)
+        })
+    }
+
+    /// Appends `t`; allocates only past the capacity asked for.
+    pub(crate) fn push(&mut self, t: Transfer, flags: kernel::alloc::Flags) -> Result {
+        match self {
+            Self::Empty => *self = Self::One(t),
+            Self::Many(v) => v.push(t, flags)?,
+            Self::One(_) => {
+                let mut v = KVec::with_capacity(2, flags)?;
+                if let Self::One(first) = core::mem::take(self) {
+                    v.push(first, flags)?;
+                }
+                v.push(t, flags)?;
+                *self = Self::Many(v);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl core::ops::Deref for Transfers {
+    type Target = [Transfer];
+
+    fn deref(&self) -> &[Transfer] {
+        match self {
+            Self::Empty => &[],
+            Self::One(t) => core::slice::from_ref(t),
+            Self::Many(v) => v,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Transfers {
+    type Item = &'a Transfer;
+    type IntoIter = core::slice::Iter<'a, Transfer>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
 /// A submitted job.
 #[pin_data(PinnedDrop)]
 pub(crate) struct Job {
     /// Set under the tracker lock before the job is queued.
     id: Atomic<u64>,
-    pub(crate) transfers: KVec<Transfer>,
+    pub(crate) transfers: Transfers,
     /// Bytes the job moves (sum of its transfers).
     bytes: u64,
     tracker: Arc<JobTracker>,
@@ -177,6 +241,11 @@ impl Job {
     /// The bytes `transfers` move.
     pub(crate) fn total_bytes(transfers: &[Transfer]) -> u64 {
         transfers.iter().map(|t| t.src_range.len as u64).sum()
+    }
+
+    /// The bytes the job moves.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
     }
 
     /// True once the submitting file has closed: the engine drops the job
@@ -419,7 +488,7 @@ impl JobTracker {
     pub(crate) fn submit(
         self: &Arc<Self>,
         device: &Arc<TdrvDevice>,
-        transfers: KVec<Transfer>,
+        transfers: Transfers,
         limits: &Limits,
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,
@@ -448,6 +517,8 @@ impl JobTracker {
         mark(&job.transfers)?;
         let undo = job.clone_arc();
         let mut failed = None;
+        // The job, when the engine let this thread run it (see `soft.rs`).
+        let mut claimed = None;
         let mut state = self.state.lock();
         let id = state.next_id;
         job.id.store(id, Relaxed);
@@ -477,6 +548,10 @@ impl JobTracker {
                 failed = Some(e);
                 return Ok(());
             }
+            if job.in_fences.is_none() && device.engine().claim(&job) {
+                claimed = Some(job);
+                return Ok(());
+            }
             device.engine().submit(job)
         });
         if let Err(e) = queued {
@@ -496,6 +571,12 @@ impl JobTracker {
         if let Some(e) = failed {
             undo.complete(Err(e));
         }
+        if let Some(job) = claimed {
+            device.engine().run_claimed(job);
+        }
+        // The last reference of a job that ended here: reports it (taking
+        // the tracker lock) and signals its out-fence before SUBMIT returns.
+        drop(undo);
         Ok(id)
     }
 

@@ -231,6 +231,11 @@ struct tdrv_copy {
  *
  * It returns at once; every source gets a pending read and every
  * destination a pending write until the job ends (successfully or not).
+ * The software device (TDRV_DEVICE_SOFT) runs a job of at most 256 KiB
+ * within the call when its engine is idle and the job has no in-fences:
+ * the job may then be done (fences released, completion counted, waiters
+ * woken, out-fence signalled) when the call returns. Callers must not
+ * rely on either outcome; jobs still run in submission order.
  *
  * Fence fds (ABI 1.2, TDRV_FEAT_FENCE_FD):
  *

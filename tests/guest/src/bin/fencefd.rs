@@ -30,7 +30,7 @@ use tdrv_uapi::*;
 type R = Result<(), String>;
 
 const PCI_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
-const TESTS: usize = 14;
+const TESTS: usize = 15;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -246,6 +246,54 @@ fn main() {
                 "driver name after signalling",
                 s.driver.as_str(),
                 "detached-driver",
+            )
+        },
+    );
+
+    sw_sync(
+        &mut t,
+        "soft: a small job's out-fence has signalled when SUBMIT returns; a gated one waits",
+        &|tl| -> R {
+            // The software device runs a small job on an idle engine in
+            // SUBMIT itself (issue 12), but never one gated by in-fences.
+            let soft = version.device_kind == TDRV_DEVICE_SOFT;
+            let (a, b, data) = pair(&dev, 4096, 7)?;
+            let d = [desc(a.handle, 0, b.handle, 0, 4096)];
+            let (id, fd) = ok("submit", dev.submit_fences(&d, &[], true))?;
+            let fence = owned(fd)?;
+            if soft {
+                expect_eq("fence status at return", status(fence.as_raw_fd())?, 1)?;
+                expect_eq("job at return", job_state(&dev, id)?, (TDRV_JOB_DONE, 0))?;
+            }
+            expect_eq("fence status", wait_fence(fence.as_raw_fd())?, 1)?;
+            check_copied(&dev, &b, &data)?;
+            let gate = ok("sw_sync fence", tl.fence(1))?;
+            let (id, fd) = ok(
+                "submit gated",
+                dev.submit_fences(&d, &[gate.as_raw_fd()], true),
+            )?;
+            let fence = owned(fd)?;
+            expect_eq(
+                "gated job at return",
+                job_state(&dev, id)?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
+            expect_eq("gated fence at return", status(fence.as_raw_fd())?, 0)?;
+            // Behind the gated job: held by the file, so not run either.
+            let id2 = ok("submit behind", dev.submit(&d))?;
+            expect_eq(
+                "job behind at return",
+                job_state(&dev, id2)?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
+            ok("sw_sync inc", tl.inc(1))?;
+            expect_eq("gated fence status", wait_fence(fence.as_raw_fd())?, 1)?;
+            let (state, status) = ok("job_wait", dev.job_wait(id2, -1))?;
+            expect_eq("job behind", (state, status), (TDRV_JOB_DONE, 0))?;
+            expect_eq(
+                "completions",
+                ok("buf_info", dev.buf_info(b.handle))?.completion_count,
+                3,
             )
         },
     );

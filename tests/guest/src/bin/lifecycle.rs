@@ -7,6 +7,7 @@
 
 use std::{
     fs,
+    os::fd::AsRawFd,
     sync::atomic::{AtomicBool, AtomicUsize, Ordering},
     thread,
     time::{Duration, Instant},
@@ -15,7 +16,9 @@ use std::{
 use tdrv_guest_tests::{
     desc, expect_eq, expect_err, ok, open_device_or_skip,
     raw::{page_size, Dev},
-    stat, Tap,
+    stat,
+    sync::Timeline,
+    Tap,
 };
 use tdrv_uapi::*;
 
@@ -292,7 +295,27 @@ fn main() {
             let d = ok("open", Dev::open(&path))?;
             let a = ok("alloc", d.alloc(page, 0))?;
             let b = ok("alloc", d.alloc(page, 0))?;
-            busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
+            // The software device runs a small job in SUBMIT once its engine
+            // is idle, so a busy job that ends before the cap (how soon
+            // depends on the guest's clock) would let the small jobs finish
+            // as fast as they come. A first job gated on a sw_sync fence
+            // holds every later job of the file instead, deterministically.
+            let gate = if version.device_kind == TDRV_DEVICE_SOFT && Timeline::available() {
+                let tl = ok("sw_sync timeline", Timeline::new())?;
+                let fence = ok("sw_sync fence", tl.fence(1))?;
+                ok(
+                    "submit gated job",
+                    d.submit_fences(
+                        &[desc(a.handle, 0, b.handle, 0, 8)],
+                        &[fence.as_raw_fd()],
+                        false,
+                    ),
+                )?;
+                Some(tl)
+            } else {
+                busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
+                None
+            };
             if sim {
                 // And the queue of the small jobs that follow.
                 stall_next(&path)?;
@@ -310,6 +333,7 @@ fn main() {
             expect_eq("errno at the cap", err, libc::EAGAIN)?;
             expect_eq("jobs queued at the cap (file_max_jobs)", queued, 1024)?;
             drop(d);
+            drop(gate);
             if sim {
                 settle()?;
             }
