@@ -33,25 +33,37 @@ unsigned long tdrv_kaddr_to_pfn(const void *addr)
 /* size bytes (a multiple of pages) of zeroed, physically contiguous
  * pages for memory no device accesses by DMA, charged to the caller's
  * memory cgroup; NULL if none. Costly sizes do not retry hard: the
- * caller falls back to smaller blocks. Returns the linear-map address;
- * *phys gets the physical one. */
+ * caller falls back to smaller blocks. A power-of-two size is one block
+ * of the page allocator, freed as one; another size is split into pages
+ * and its tail given back (alloc_pages_exact), which costs a call per
+ * page at free. Returns the linear-map address; *phys gets the physical
+ * one. */
 void *tdrv_pages_alloc(size_t size, u64 *phys)
 {
 	gfp_t gfp = GFP_KERNEL_ACCOUNT | __GFP_ZERO | __GFP_NOWARN;
+	unsigned int order = get_order(size);
 	void *addr;
 
-	if (get_order(size) > PAGE_ALLOC_COSTLY_ORDER)
+	if (order > PAGE_ALLOC_COSTLY_ORDER)
 		gfp |= __GFP_NORETRY;
-	addr = alloc_pages_exact(size, gfp);
+	if (size == PAGE_SIZE << order)
+		addr = (void *)__get_free_pages(gfp, order);
+	else
+		addr = alloc_pages_exact(size, gfp);
 	if (addr)
 		*phys = virt_to_phys(addr);
 	return addr;
 }
 
-/* Frees a block of tdrv_pages_alloc. */
+/* Frees a block of tdrv_pages_alloc of the same size. */
 void tdrv_pages_free(void *addr, size_t size)
 {
-	free_pages_exact(addr, size);
+	unsigned int order = get_order(size);
+
+	if (size == PAGE_SIZE << order)
+		free_pages((unsigned long)addr, order);
+	else
+		free_pages_exact(addr, size);
 }
 
 /* Sets up a VMA for pages inserted one by one by the fault handler:
