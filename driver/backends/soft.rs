@@ -8,30 +8,36 @@
 //! The engine is one FIFO queue drained by a work item. Going through it
 //! costs a small job two context switches before its waiter runs: SUBMIT
 //! queues the work, a kworker is switched in, copies and completes the job,
-//! and the waiter is woken from there. So when the engine is idle (no job
-//! queued or running) and a job is small, SUBMIT runs the job itself,
+//! and the waiter is woken from there. So when nothing is queued and a job
+//! is small and conflicts with no running job, SUBMIT runs the job itself,
 //! after its file's locks are dropped, and the completion wakes the waiter
-//! from the submitting thread, as sw_sync or an eventfd do (issue 12):
+//! from the submitting thread, as sw_sync or an eventfd do (issue 12).
+//! Submitters on several CPUs thus copy in parallel, which one work item
+//! could not:
 //!
-//! - *Idle* means no other job is queued or running, so every earlier job
-//!   has completed: the job cannot overtake one it conflicts with. While
-//!   it runs the engine counts as busy, and later jobs (of any file) queue
-//!   behind it; when it ends, the submitter hands the engine to the work
-//!   item if any did. Jobs with in-fences, and those held behind them,
-//!   reach the engine from the dispatch work and always queue.
-//! - *Small* means at most [`INLINE_MAX_BYTES`] (256 KiB): tens of
-//!   microseconds of copying (at the CPU's memcpy rate), which the
-//!   submitter pays in its own time slice, with `cond_resched` between
-//!   pieces as in the work item. Other files' jobs wait at most that long
-//!   behind it, no longer than behind a queued job of the same size, so
-//!   no file can starve another this way; larger jobs go through the work
-//!   item as before.
+//! - *Nothing queued* means every earlier job has completed or is running;
+//!   *no conflict* (no buffer shared with a running job where either
+//!   writes) means it cannot overtake a job it must follow. While any job
+//!   is queued, new jobs queue behind it, and the work item waits before
+//!   starting a queued job until no job run by its submitter conflicts
+//!   with it. So jobs that share a buffer one of them writes run one after
+//!   the other in submission order, and others may overlap. Jobs with
+//!   in-fences, and those held behind them, reach the engine from the
+//!   dispatch work and always queue.
+//! - *Small* means at most [`INLINE_MAX_BYTES`] (256 KiB) in at most
+//!   `INLINE_MAX_DESCS` descriptors: tens of microseconds of copying (at
+//!   the CPU's memcpy rate), which the submitter pays in its own time
+//!   slice, with `cond_resched` between pieces as in the work item. A
+//!   queued job waits at most for the jobs running when it was queued (no
+//!   new one starts while it waits), each that short, so no file can
+//!   starve another this way; larger jobs go through the work item as
+//!   before.
 //! - Everything else is the queued path's: the job is started, completed
 //!   and reported through `Job`, so fences, completion counts, the error
 //!   latch, out-fences, statistics and fault injection (`fail_job`) behave
 //!   the same; `cancel` has nothing queued to take back from it, and a
 //!   closing file cannot close under a running SUBMIT anyway; `shutdown`
-//!   waits for a running one like it waits for the work item.
+//!   waits for the running ones like it waits for the work item.
 //!
 //! The uapi says so on `struct tdrv_submit`: a job may be done when SUBMIT
 //! returns. debugfs `stats` counts these jobs (`inline_jobs`).
@@ -148,19 +154,63 @@ impl PinnedDrop for SoftDevice {
 /// the module documentation).
 pub(crate) const INLINE_MAX_BYTES: u64 = 256 * 1024;
 
+/// Most descriptors of a job that SUBMIT runs itself: the conflict checks
+/// against the running jobs, under the queue lock, stay short.
+const INLINE_MAX_DESCS: usize = 16;
+
+/// A job being run now, by the work item or by its submitter.
+///
+/// # Invariants
+///
+/// Points to a live job: whoever runs the job adds the entry before it
+/// starts and removes it, under the queue lock, before dropping its
+/// reference.
+#[derive(Clone, Copy)]
+struct RunningJob(*const Job);
+
+// SAFETY: Only dereferenced under the queue lock while the job is alive
+// (the type invariant), and `Job` is `Sync`.
+unsafe impl Send for RunningJob {}
+
 struct SoftQueue {
     jobs: List<Job>,
     stopped: bool,
-    /// A job is running, by the work item or by its submitter; later jobs
-    /// queue. Whoever set it drains `jobs` or hands them to the work item,
-    /// so that jobs run one at a time, in queue order.
+    /// The work item owns `jobs`: it is queued or running, and drains
+    /// them in order, one at a time.
     busy: bool,
-    /// The running job is run by its submitter (`shutdown` waits for it).
-    inline: bool,
+    /// The job the work item runs now, if any.
+    worker: Option<RunningJob>,
+    /// The jobs their submitters run now (`shutdown` waits for none). No
+    /// two running jobs conflict.
+    running: KVec<RunningJob>,
 }
 
-/// CPU copy engine: a work item drains the queue in FIFO order; an idle
-/// engine lets SUBMIT run a small job itself.
+impl SoftQueue {
+    /// Whether `job` conflicts with a running job (see [`conflict`]).
+    fn conflicts_with_running(&self, job: &Job) -> bool {
+        Iterator::chain(self.running.iter(), self.worker.iter()).any(|r| {
+            // SAFETY: By the type invariant the job is alive while it is
+            // in `running` or `worker`, which we hold the lock of.
+            conflict(unsafe { &*r.0 }, job)
+        })
+    }
+}
+
+/// Whether two jobs touch a common buffer that one of them writes: such
+/// jobs must run one after the other, in submission order.
+fn conflict(a: &Job, b: &Job) -> bool {
+    let writes = |w: &Arc<crate::buffer::Buffer>, other: &Job| {
+        other
+            .transfers
+            .iter()
+            .any(|t| Arc::ptr_eq(w, &t.src) || Arc::ptr_eq(w, &t.dst))
+    };
+    a.transfers.iter().any(|t| writes(&t.dst, b)) || b.transfers.iter().any(|t| writes(&t.dst, a))
+}
+
+/// CPU copy engine: a work item drains the queue in FIFO order; with
+/// nothing queued, SUBMIT runs a small job that conflicts with no running
+/// one itself.
 ///
 /// Fault injection for tests (debugfs `inject`): `fail_job` makes the next
 /// job the engine runs fail with EIO, copying nothing.
@@ -168,7 +218,7 @@ struct SoftQueue {
 struct SoftEngine {
     #[pin]
     queue: Mutex<SoftQueue>,
-    /// Notified when a job run by its submitter ends.
+    /// Notified when a running job ends.
     #[pin]
     inline_done: CondVar,
     #[pin]
@@ -214,13 +264,13 @@ impl WorkItem for SoftEngine {
     fn run(this: Arc<SoftEngine>) {
         // One job at a time, so that a closing file can take its queued
         // jobs back while this one runs.
-        let mut next = this.next_job();
+        let mut next = this.next_job(None);
         while let Some(job) = next {
             this.run_one(&job);
             // The next job (or idleness) before this one is dropped, which
             // reports it: whoever sees it done and submits again finds
             // the engine idle unless other jobs are queued.
-            next = this.next_job();
+            next = this.next_job(Some(&job));
             drop(job);
         }
     }
@@ -235,7 +285,8 @@ impl SoftEngine {
                         jobs: List::new(),
                         stopped: false,
                         busy: false,
-                        inline: false,
+                        worker: None,
+                        running: KVec::new(),
                     },
                     "SoftEngine::queue"
                 ),
@@ -248,15 +299,31 @@ impl SoftEngine {
         )
     }
 
-    /// Takes the first queued job for the work item, which owns the busy
-    /// engine; with none left, the engine goes idle.
-    fn next_job(&self) -> Option<ListArc<Job>> {
+    /// For the work item, which owns `jobs`: ends `done`, the job it ran
+    /// (if any), and takes the first queued job once no job run by its
+    /// submitter conflicts with it; with none left, the work item lets go.
+    fn next_job(&self, done: Option<&Job>) -> Option<ListArc<Job>> {
         let mut q = self.queue.lock();
-        let job = q.jobs.pop_front();
-        if job.is_none() {
-            q.busy = false;
+        if done.is_some() {
+            q.worker = None;
         }
-        job
+        loop {
+            let Some(job) = q.jobs.pop_front() else {
+                q.busy = false;
+                return None;
+            };
+            if !q.conflicts_with_running(&job) {
+                // INVARIANT: The work item holds the job until it asks for
+                // the next one, which clears this first.
+                q.worker = Some(RunningJob(&*job));
+                return Some(job);
+            }
+            // Back to the front (no job can claim the engine while one is
+            // queued) until the running job it conflicts with, run by its
+            // submitter, ends.
+            q.jobs.push_front(job);
+            self.inline_done.wait(&mut q);
+        }
     }
 
     /// Runs and completes one job (the engine is busy for it).
@@ -293,18 +360,18 @@ impl Engine for SoftBackend {
     }
 
     fn claim(&self, job: &Job) -> bool {
-        if job.bytes() > INLINE_MAX_BYTES {
+        if job.bytes() > INLINE_MAX_BYTES || job.transfers.len() > INLINE_MAX_DESCS {
             return false;
         }
         let mut q = self.0.queue.lock();
-        // Not busy: nothing is queued either (a job is queued only while
-        // the engine is busy), so every earlier job has completed.
-        if q.stopped || q.busy {
+        // Nothing queued: every earlier job has completed or is running,
+        // and it may start now unless it conflicts with a running one.
+        if q.stopped || !q.jobs.is_empty() || q.conflicts_with_running(job) {
             return false;
         }
-        q.busy = true;
-        q.inline = true;
-        true
+        // INVARIANT: The submitter holds the job until `run_claimed`
+        // removed the entry.
+        q.running.push(RunningJob(job), GFP_KERNEL).is_ok()
     }
 
     fn run_claimed(&self, job: ListArc<Job>) {
@@ -312,15 +379,12 @@ impl Engine for SoftBackend {
         self.0.run_one(&job);
         {
             let mut q = self.0.queue.lock();
-            if q.jobs.is_empty() {
-                q.busy = false;
-            } else {
-                // Jobs queued behind this one: the work item owns the
-                // engine now (`busy` stays set). Queued under the lock, as
-                // in `submit`, so `shutdown` flushes it.
-                let _ = queue().enqueue(self.0.clone());
+            let me: *const Job = &*job;
+            if let Some(i) = q.running.iter().position(|r| core::ptr::eq(r.0, me)) {
+                let _ = q.running.remove(i);
             }
-            q.inline = false;
+            // The work item, if it waits for this job to end, and
+            // `shutdown`.
             self.0.inline_done.notify_all();
         }
         // Not under the queue lock, and after the engine was handed on:
@@ -350,9 +414,8 @@ impl Engine for SoftBackend {
         {
             let mut q = self.0.queue.lock();
             q.stopped = true;
-            // A job run by its submitter: wait until it completed (and
-            // handed any queued jobs to the work item, flushed below).
-            while q.inline {
+            // Jobs run by their submitters: wait until they completed.
+            while !q.running.is_empty() {
                 self.0.inline_done.wait(&mut q);
             }
         }

@@ -100,7 +100,7 @@ fn alarm_in(us: u32) {
 
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
-    let mut t = Tap::new(19);
+    let mut t = Tap::new(20);
     t.note(format!("device {path}: kind {}", version.device_kind));
     // The edu engine moves ~4 KiB per 0.2 s of virtual time: "large" jobs
     // are smaller there, so the suite stays quick without losing coverage
@@ -869,6 +869,59 @@ fn main() {
                 ok("free", dev.free(*h))?;
             }
             ok("free", dev.free(s_buf.handle))
+        },
+    );
+
+    t.run(
+        "a job never reads a buffer while another thread's job writes it",
+        || -> R {
+            // Thread A keeps rewriting X (256 KiB, small enough to run in
+            // SUBMIT) from one of two uniform sources; thread B copies X to
+            // Y and reads Y back. A copy of X that overlapped a write of it
+            // would leave Y mixed; jobs on disjoint buffers may overlap,
+            // these must not.
+            const LEN: usize = 256 << 10;
+            let rounds: usize = if edu { 3 } else { 120 };
+            let x = ok("alloc X", dev.alloc(LEN as u64, 0))?.handle;
+            let y = ok("alloc Y", dev.alloc(LEN as u64, 0))?.handle;
+            let mut srcs = Vec::new();
+            for v in [0x11u8, 0x22] {
+                let h = ok("alloc src", dev.alloc(LEN as u64, 0))?.handle;
+                ok("copy_in", dev.copy_in(h, 0, &vec![v; LEN]))?;
+                srcs.push(h);
+            }
+            let dev = &dev;
+            std::thread::scope(|sc| -> R {
+                let writer = sc.spawn(|| -> R {
+                    let mut last = 0;
+                    for k in 0..rounds {
+                        last = ok(
+                            "submit write",
+                            dev.submit(&[desc(srcs[k % 2], 0, x, 0, LEN as u64)]),
+                        )?;
+                    }
+                    wait_done(dev, last)
+                });
+                let mut got = vec![0u8; LEN];
+                for k in 0..rounds {
+                    let id = ok("submit read", dev.submit(&[desc(x, 0, y, 0, LEN as u64)]))?;
+                    wait_done(dev, id)?;
+                    ok("copy_out", dev.copy_out(y, 0, &mut got))?;
+                    let first = got[0];
+                    if ![0, 0x11, 0x22].contains(&first) || got.iter().any(|&b| b != first) {
+                        let other = got.iter().position(|&b| b != first).unwrap_or(0);
+                        return Err(format!(
+                            "round {k}: Y mixes {first:#x} and {:#x} at byte {other}",
+                            got[other]
+                        ));
+                    }
+                }
+                writer.join().map_err(|_| "writer panicked".to_string())?
+            })?;
+            for h in srcs.into_iter().chain([x, y]) {
+                ok("free", dev.free(h))?;
+            }
+            Ok(())
         },
     );
 
