@@ -312,6 +312,21 @@ fn main() {
                     ),
                 )?;
                 Some(tl)
+            } else if version.device_kind == TDRV_DEVICE_SOFT {
+                // No sw_sync (Debian's kernel): a long job that also writes
+                // `a`, which every small job reads. The software device
+                // starts a job that conflicts with no running one at once,
+                // so the small jobs must conflict with the busy one to
+                // queue behind it.
+                let size = 8 << 20;
+                let x = ok("alloc", d.alloc(size, 0))?;
+                let y = ok("alloc", d.alloc(size, 0))?;
+                let mut descs: Vec<_> = (0..48)
+                    .map(|_| desc(x.handle, 0, y.handle, 0, size))
+                    .collect();
+                descs.push(desc(x.handle, 0, a.handle, 0, page));
+                ok("submit busy job", d.submit(&descs))?;
+                None
             } else {
                 busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
                 None
