@@ -259,8 +259,12 @@ impl Fence {
             }
             if c.error != 0 && c.idle(FENCE_WRITES) {
                 // What the caller waits for depends on a write that failed
-                // and none is pending that could still deliver it.
-                return Err((EIO, *c));
+                // and none is pending that could still deliver it. A write
+                // that failed because the device went away says so, as
+                // the fence's death (which unbind sets a moment later)
+                // would.
+                let e = if c.error == ENODEV.to_errno() { ENODEV } else { EIO };
+                return Err((e, *c));
             }
             match timeout {
                 Timeout::Poll => return Err((ETIMEDOUT, *c)),
@@ -396,6 +400,20 @@ mod tests {
         f.end_failed_write(-110);
         f.reset_completions();
         assert_eq!((f.counts().error, f.counts().completions), (0, 0));
+        Ok(())
+    }
+
+    #[test]
+    fn write_failed_by_unbind_ends_waits_with_enodev() -> Result {
+        // Unbind fails the job in flight with ENODEV before it marks the
+        // fence dead; a waiter woken in between must see ENODEV too.
+        let f = fence()?;
+        f.try_begin(true)?;
+        f.end_failed_write(ENODEV.to_errno());
+        assert_eq!(
+            f.wait_until(Timeout::Forever, |c| c.completions >= 1).map_err(|(e, _)| e),
+            Err(ENODEV)
+        );
         Ok(())
     }
 
