@@ -232,10 +232,12 @@ struct tdrv_copy {
  * It returns at once; every source gets a pending read and every
  * destination a pending write until the job ends (successfully or not).
  * The software device (TDRV_DEVICE_SOFT) runs a job of at most 256 KiB
- * within the call when its engine is idle and the job has no in-fences:
- * the job may then be done (fences released, completion counted, waiters
- * woken, out-fence signalled) when the call returns. Callers must not
- * rely on either outcome; jobs still run in submission order.
+ * within the call when no job is queued on its engine, none running
+ * conflicts with it and the job has no in-fences: the job may then be
+ * done (fences released, completion counted, waiters woken, out-fence
+ * signalled) when the call returns. Callers must not rely on either
+ * outcome. Jobs that share a buffer one of them writes run in submission
+ * order on every device; others may run at the same time.
  *
  * Fence fds (ABI 1.2, TDRV_FEAT_FENCE_FD):
  *
