@@ -83,16 +83,19 @@ fn queue_jobs(dev: &Dev, size: u64, jobs: usize, stall: Option<&str>) -> Result<
 /// Submits on `dev` one big job that keeps the engine busy (several passes
 /// over 8 MiB). On a sim device (`stall`: its node) the job's queue is
 /// stalled, after the buffers were allocated (allocation zeroes by DMA).
-fn busy_job(dev: &Dev, passes: usize, stall: Option<&str>) -> R {
+fn busy_job(dev: &Dev, passes: usize, stall: Option<&str>, also_writes: Option<u64>) -> R {
     let size = 8 << 20;
     let a = ok("alloc", dev.alloc(size, 0))?;
     let b = ok("alloc", dev.alloc(size, 0))?;
     if let Some(path) = stall {
         stall_next(path)?;
     }
-    let descs: Vec<_> = (0..passes)
+    let mut descs: Vec<_> = (0..passes)
         .map(|_| desc(a.handle, 0, b.handle, 0, size))
         .collect();
+    // And a page into `also_writes`, so that jobs touching that buffer
+    // queue behind this one.
+    descs.extend(also_writes.map(|h| desc(a.handle, 0, h, 0, page_size() as u64)));
     ok("submit busy job", dev.submit(&descs)).map(drop)
 }
 
@@ -318,17 +321,15 @@ fn main() {
                 // starts a job that conflicts with no running one at once,
                 // so the small jobs must conflict with the busy one to
                 // queue behind it.
-                let size = 8 << 20;
-                let x = ok("alloc", d.alloc(size, 0))?;
-                let y = ok("alloc", d.alloc(size, 0))?;
-                let mut descs: Vec<_> = (0..48)
-                    .map(|_| desc(x.handle, 0, y.handle, 0, size))
-                    .collect();
-                descs.push(desc(x.handle, 0, a.handle, 0, page));
-                ok("submit busy job", d.submit(&descs))?;
+                busy_job(&d, 48, None, Some(a.handle))?;
                 None
             } else {
-                busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
+                busy_job(
+                    &d,
+                    if edu { 1 } else { 48 },
+                    sim.then_some(path.as_str()),
+                    None,
+                )?;
                 None
             };
             if sim {
@@ -360,7 +361,12 @@ fn main() {
             let lone = ok("open", Dev::open(&path))?;
             let c = ok("alloc", lone.alloc(8 << 20, 0))?;
             let e = ok("alloc", lone.alloc(8 << 20, 0))?;
-            busy_job(&d, if edu { 1 } else { 48 }, sim.then_some(path.as_str()))?;
+            busy_job(
+                &d,
+                if edu { 1 } else { 48 },
+                sim.then_some(path.as_str()),
+                None,
+            )?;
             let many: Vec<_> = (0..200)
                 .map(|_| desc(big.handle, 0, big2.handle, 0, 8 << 20))
                 .collect();
