@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: GPL-2.0
 
-//! Per-open-file table of buffer handles.
+//! Per-open-file table of buffer handles, with lock-free lookups.
 //!
 //! A handle is `generation << SLOT_BITS | slot`. Freeing a slot bumps its
 //! generation, so a stale handle (kept by a buggy or malicious caller after
@@ -8,8 +8,55 @@
 //! driver reused handles LIFO with no generation, and accepted any process's
 //! handle; here each open file has its own table, so a handle from another
 //! file simply does not exist.
+//!
+//! Every ioctl that names a buffer looks its handle up, several times per
+//! SUBMIT, so lookups take no lock: the slots are an XArray that readers
+//! walk with `xa_load` under `rcu_read_lock`. Each slot points to an
+//! [`Entry`] holding the item and its own reference count, of which the
+//! table owns one. A lookup takes a reference only while the count is not
+//! zero (inc-not-zero), and keeps it in a [`Ref`]. Removal (FREE, close)
+//! erases the slot first and then drops the table's reference. Whoever
+//! drops the last reference drops the item at once, in its own process
+//! context (so FREE still releases the memory before it returns when
+//! nobody else uses the buffer), and frees the entry's memory only after
+//! an RCU grace period (`kvfree_call_rcu`): a lookup that loaded the
+//! pointer before the erase may still read the count. It then finds zero
+//! and misses (ENOENT), or it took its reference before the count reached
+//! zero, which orders it before the FREE. The item cannot simply be an
+//! `Arc` read under RCU: `Arc` frees its memory as soon as the count
+//! reaches zero, not after a grace period.
+//!
+//! `kernel::xarray::XArray` is not used because its reads take the
+//! XArray's spinlock; the table calls the C XArray directly instead.
+//!
+//! Writers (insert and remove) are serialised by the owner's lock: they
+//! take the [`Slots`] (generations, free list, count) that the owner keeps
+//! under that lock, beside its accounting. The XArray's own lock orders its
+//! internal updates; `Slots` makes each check-then-update of a slot atomic.
 
-use kernel::prelude::*;
+use core::{
+    marker::PhantomData,
+    mem::ManuallyDrop,
+    ops::Deref,
+    ptr::{
+        addr_of,
+        addr_of_mut,
+        NonNull, //
+    }, //
+};
+use kernel::{
+    bindings,
+    prelude::*,
+    sync::{
+        atomic::{
+            Atomic,
+            Full,
+            Relaxed, //
+        },
+        rcu, //
+    },
+    types::Opaque, //
+};
 
 /// Bits of the slot index in a handle.
 const SLOT_BITS: u32 = 24;
@@ -24,25 +71,33 @@ pub(crate) const MAX_HANDLES: usize = 1 << SLOT_BITS;
 const SLOT_MASK: u64 = (1 << SLOT_BITS) - 1;
 const GEN_MASK: u32 = (1 << GEN_BITS) - 1;
 
-struct Slot<T> {
-    /// Generation of the current (or next) occupant; never 0.
-    generation: u32,
-    item: Option<T>,
+fn encode(slot: u32, generation: u32) -> u64 {
+    (u64::from(generation) << SLOT_BITS) | u64::from(slot)
 }
 
-/// Maps handles to items of type `T`. Not synchronised: the owner wraps it
-/// in a lock.
-pub(crate) struct HandleTable<T> {
-    slots: KVec<Slot<T>>,
+fn decode(handle: u64) -> Option<(usize, u32)> {
+    let generation = handle >> SLOT_BITS;
+    if generation == 0 || generation > u64::from(GEN_MASK) {
+        return None;
+    }
+    Some(((handle & SLOT_MASK) as usize, generation as u32))
+}
+
+/// The writers' half of a table: which slots are free and the generation
+/// of each slot's current (or next) occupant. Not synchronised: the owner
+/// keeps it under the lock that serialises the table's writers.
+pub(crate) struct Slots {
+    /// Generation of each slot's current or next occupant; never 0.
+    generations: KVec<u32>,
     /// Free slot indices. LIFO reuse is fine because the generation changes.
     free: KVec<u32>,
     live: usize,
 }
 
-impl<T> HandleTable<T> {
+impl Slots {
     pub(crate) const fn new() -> Self {
         Self {
-            slots: KVec::new(),
+            generations: KVec::new(),
             free: KVec::new(),
             live: 0,
         }
@@ -53,89 +108,326 @@ impl<T> HandleTable<T> {
         self.live
     }
 
-    fn encode(slot: u32, generation: u32) -> u64 {
-        (u64::from(generation) << SLOT_BITS) | u64::from(slot)
-    }
-
-    fn decode(handle: u64) -> Option<(usize, u32)> {
-        let generation = handle >> SLOT_BITS;
-        if generation == 0 || generation > u64::from(GEN_MASK) {
-            return None;
-        }
-        Some(((handle & SLOT_MASK) as usize, generation as u32))
-    }
-
-    /// Stores `item` and returns its new handle.
-    pub(crate) fn insert(&mut self, item: T) -> Result<u64> {
+    /// Takes a free slot (growing the table if there is none) and returns
+    /// it with its generation.
+    fn take(&mut self) -> Result<(u32, u32)> {
         if self.live >= MAX_HANDLES {
             return Err(ENOSPC);
         }
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
-                // Reserve the free-list space now, so that `remove` never
-                // has to allocate: room for every slot, this one included.
-                let want = (self.slots.len() + 1).saturating_sub(self.free.len());
+                // Reserve the free-list space now, so that `put` never has
+                // to allocate: room for every slot, this one included.
+                let want = (self.generations.len() + 1).saturating_sub(self.free.len());
                 self.free.reserve(want, GFP_KERNEL)?;
-                self.slots.push(
-                    Slot {
-                        generation: 1,
-                        item: None,
-                    },
-                    GFP_KERNEL,
-                )?;
-                (self.slots.len() - 1) as u32
+                self.generations.push(1, GFP_KERNEL)?;
+                (self.generations.len() - 1) as u32
             }
         };
-        let entry = &mut self.slots[slot as usize];
-        entry.item = Some(item);
         self.live += 1;
-        Ok(Self::encode(slot, entry.generation))
+        Ok((slot, self.generations[slot as usize]))
     }
 
-    /// Returns the item behind `handle`, if the handle is current.
-    pub(crate) fn get(&self, handle: u64) -> Option<&T> {
-        let (slot, generation) = Self::decode(handle)?;
-        let entry = self.slots.get(slot)?;
-        if entry.generation != generation {
+    /// Gives back a slot taken by [`Slots::take`]; `retire` bumps its
+    /// generation (the handle was published and is now dead).
+    fn put(&mut self, slot: u32, retire: bool) {
+        if retire {
+            let g = &mut self.generations[slot as usize];
+            // Skip 0 on wrap: generation 0 marks no handle at all.
+            *g = (*g % GEN_MASK) + 1;
+        }
+        self.live -= 1;
+        // Cannot fail: `take` reserved one free-list entry per slot.
+        let _ = self.free.push(slot, GFP_KERNEL);
+    }
+}
+
+/// Maps handles to items of type `T`, for an owner that wraps it in a lock
+/// for readers and writers alike (the device's buffer registry).
+pub(crate) struct HandleTable<T> {
+    slots: Slots,
+    items: KVec<Option<T>>,
+}
+
+impl<T> HandleTable<T> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            slots: Slots::new(),
+            items: KVec::new(),
+        }
+    }
+
+    /// Stores `item` and returns its new handle.
+    pub(crate) fn insert(&mut self, item: T) -> Result<u64> {
+        let (slot, generation) = self.slots.take()?;
+        if slot as usize == self.items.len() {
+            if let Err(e) = self.items.push(None, GFP_KERNEL) {
+                self.slots.put(slot, false);
+                return Err(e.into());
+            }
+        }
+        self.items[slot as usize] = Some(item);
+        Ok(encode(slot, generation))
+    }
+
+    /// The slot of `handle`, if the handle is current.
+    fn slot(&self, handle: u64) -> Option<usize> {
+        let (slot, generation) = decode(handle)?;
+        if *self.slots.generations.get(slot)? != generation {
             return None;
         }
-        entry.item.as_ref()
+        Some(slot)
     }
 
     /// Returns the item behind `handle` for update, if the handle is current.
     pub(crate) fn get_mut(&mut self, handle: u64) -> Option<&mut T> {
-        let (slot, generation) = Self::decode(handle)?;
-        let entry = self.slots.get_mut(slot)?;
-        if entry.generation != generation {
-            return None;
-        }
-        entry.item.as_mut()
+        let slot = self.slot(handle)?;
+        self.items.get_mut(slot)?.as_mut()
     }
 
     /// Removes and returns the item behind `handle`; the handle (and every
     /// copy of it) is dead afterwards.
     pub(crate) fn remove(&mut self, handle: u64) -> Option<T> {
-        let (slot, generation) = Self::decode(handle)?;
-        let entry = self.slots.get_mut(slot)?;
-        if entry.generation != generation {
-            return None;
-        }
-        let item = entry.item.take()?;
-        // Skip 0 on wrap: generation 0 marks no handle at all.
-        entry.generation = (entry.generation % GEN_MASK) + 1;
-        self.live -= 1;
-        // Cannot fail: `insert` reserved one free-list entry per slot.
-        let _ = self.free.push(slot as u32, GFP_KERNEL);
+        let slot = self.slot(handle)?;
+        let item = self.items.get_mut(slot)?.take()?;
+        self.slots.put(slot as u32, true);
         Some(item)
     }
 
     /// Calls `f` on every live item.
     pub(crate) fn for_each(&self, mut f: impl FnMut(&T)) {
-        self.slots
-            .iter()
-            .filter_map(|s| s.item.as_ref())
-            .for_each(&mut f);
+        self.items.iter().filter_map(Option::as_ref).for_each(&mut f);
+    }
+}
+
+/// What a slot of the XArray points to.
+///
+/// # Invariants
+///
+/// - `refs` counts the [`Ref`]s to the entry plus one while the entry is in
+///   the XArray; `item` is live while `refs` is not zero.
+/// - Once `refs` is zero it stays zero, the entry is in no XArray, and its
+///   memory (a `KBox` allocation) is freed after an RCU grace period.
+/// - `generation` does not change after the entry is published.
+struct Entry<T> {
+    refs: Atomic<u32>,
+    generation: u32,
+    rcu: Opaque<bindings::callback_head>,
+    item: ManuallyDrop<T>,
+}
+
+// The XArray keeps its own tags in the low two bits of an entry.
+const _: () = assert!(core::mem::align_of::<Entry<u8>>() >= 4);
+
+/// A counted reference to an item of a [`RcuHandleTable`]: the item stays
+/// alive while it exists, whether or not its handle has been removed.
+pub(crate) struct Ref<T> {
+    /// Invariant: holds one of the entry's `refs`.
+    entry: NonNull<Entry<T>>,
+}
+
+// SAFETY: A `Ref` gives `&T` on any thread and may drop the `T` on any
+// thread, as an `Arc<T>` does.
+unsafe impl<T: Send + Sync> Send for Ref<T> {}
+// SAFETY: As above.
+unsafe impl<T: Send + Sync> Sync for Ref<T> {}
+
+impl<T> Deref for Ref<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        // SAFETY: This `Ref` holds a reference, so `item` is live (type
+        // invariants), and nobody gets `&mut` to it before the last
+        // reference is dropped.
+        unsafe { &*addr_of!((*self.entry.as_ptr()).item) }
+    }
+}
+
+impl<T> Drop for Ref<T> {
+    fn drop(&mut self) {
+        let p = self.entry.as_ptr();
+        // SAFETY: This `Ref` holds a reference, so the entry is allocated.
+        // Only shared references to fields that others read are made.
+        let refs = unsafe { &*addr_of!((*p).refs) };
+        // Full ordering: every holder's use of the item happens before the
+        // last holder drops it.
+        if refs.fetch_sub(1, Full) != 1 {
+            return;
+        }
+        // SAFETY: The count reached zero, so (type invariants) the entry is
+        // in no XArray and no `Ref` is left: nothing else can reach `item`.
+        // Lookups that loaded the pointer earlier read only `refs` and
+        // `generation`, never `item`.
+        unsafe { ManuallyDrop::drop(&mut *addr_of_mut!((*p).item)) };
+        // SAFETY: `p` is a `KBox` (kmalloc) allocation whose remaining
+        // fields need no drop, and `rcu` lies inside it and is used by
+        // nobody else. The memory is freed after a grace period, when no
+        // lookup (each runs under `rcu_read_lock`) can still hold `p`.
+        unsafe { bindings::kvfree_call_rcu((*p).rcu.get(), p.cast()) };
+    }
+}
+
+/// Maps handles to items of type `T`. Lookups ([`RcuHandleTable::get`]) may
+/// run concurrently with anything; writers pass the table's [`Slots`],
+/// which the owner keeps under one lock.
+///
+/// # Invariants
+///
+/// `xa` is an initialised XArray whose entries are pointers to [`Entry`]s,
+/// each holding one of its `refs` for the table.
+#[pin_data(PinnedDrop)]
+pub(crate) struct RcuHandleTable<T> {
+    #[pin]
+    xa: Opaque<bindings::xarray>,
+    _p: PhantomData<T>,
+}
+
+// SAFETY: The table may move to another thread with its items, and drops
+// them there.
+unsafe impl<T: Send + Sync> Send for RcuHandleTable<T> {}
+// SAFETY: Shared access gives `&T` (through `Ref`s) on several threads and
+// may drop items on any of them; the XArray synchronises itself.
+unsafe impl<T: Send + Sync> Sync for RcuHandleTable<T> {}
+
+impl<T> RcuHandleTable<T> {
+    pub(crate) fn new() -> impl PinInit<Self> {
+        pin_init!(Self {
+            // SAFETY: `xa` is valid for writes while the closure runs.
+            // INVARIANT: An empty XArray.
+            xa <- Opaque::ffi_init(|xa| unsafe { bindings::xa_init_flags(xa, 0) }),
+            _p: PhantomData,
+        })
+    }
+
+    /// Returns the item behind `handle`, if the handle is current. Takes no
+    /// lock.
+    pub(crate) fn get(&self, handle: u64) -> Option<Ref<T>> {
+        let (slot, generation) = decode(handle)?;
+        let _rcu = rcu::read_lock();
+        // SAFETY: `xa` is initialised (type invariants); `xa_load` may run
+        // under `rcu_read_lock` alone.
+        let p = unsafe { bindings::xa_load(self.xa.get(), slot) }.cast::<Entry<T>>();
+        let entry = NonNull::new(p)?;
+        // SAFETY: `p` was in the XArray during this RCU read section, and an
+        // entry is freed only a grace period after it left the XArray, so
+        // its memory is valid until `_rcu` is dropped. `generation` is
+        // never written after publication (which `xa_load` orders before
+        // this read); `refs` is atomic.
+        let (entry_generation, refs) = unsafe { ((*p).generation, &*addr_of!((*p).refs)) };
+        if entry_generation != generation {
+            return None;
+        }
+        let mut cur = refs.load(Relaxed);
+        loop {
+            // Zero: the last reference is gone and the item with it.
+            let next = cur.checked_add(1).filter(|_| cur != 0)?;
+            match refs.cmpxchg(cur, next, Relaxed) {
+                Ok(_) => break,
+                Err(seen) => cur = seen,
+            }
+        }
+        // INVARIANT: The reference just taken.
+        Some(Ref { entry })
+    }
+
+    /// Stores `item` and returns its new handle.
+    pub(crate) fn insert(&self, slots: &mut Slots, item: T) -> Result<u64> {
+        let (slot, generation) = slots.take()?;
+        let entry = match KBox::new(
+            Entry {
+                refs: Atomic::new(1),
+                generation,
+                rcu: Opaque::uninit(),
+                item: ManuallyDrop::new(item),
+            },
+            GFP_KERNEL,
+        ) {
+            Ok(entry) => entry,
+            Err(e) => {
+                slots.put(slot, false);
+                return Err(e.into());
+            }
+        };
+        let p = KBox::into_raw(entry);
+        // SAFETY: `xa` is initialised; `p` is an aligned, non-null pointer
+        // (not an XArray internal entry). `xa_store` takes the XArray's lock
+        // itself and may sleep to allocate.
+        // INVARIANT: On success the XArray holds `p` with its one reference.
+        let old = unsafe { bindings::xa_store(self.xa.get(), slot as usize, p.cast(), bindings::GFP_KERNEL) };
+        // SAFETY: `old` is what `xa_store` returned.
+        let err = unsafe { bindings::xa_err(old) };
+        if err != 0 {
+            slots.put(slot, false);
+            // SAFETY: The store failed, so `p` was never published and is
+            // still the `KBox` made above.
+            let entry = unsafe { KBox::from_raw(p) };
+            drop(ManuallyDrop::into_inner(KBox::into_inner(entry).item));
+            return Err(Error::from_errno(err));
+        }
+        if let Some(old) = NonNull::new(old.cast::<Entry<T>>()) {
+            // Only a `Slots` of another table gets here: the slot was taken
+            // as free. The table's reference to the replaced entry is ours.
+            drop(Ref { entry: old });
+        }
+        Ok(encode(slot, generation))
+    }
+
+    /// Removes `handle` and returns the table's reference to its item; the
+    /// handle (and every copy of it) is dead afterwards. The caller drops
+    /// the reference where dropping the item is allowed.
+    pub(crate) fn remove(&self, slots: &mut Slots, handle: u64) -> Option<Ref<T>> {
+        let (slot, generation) = decode(handle)?;
+        if *slots.generations.get(slot)? != generation {
+            return None;
+        }
+        // SAFETY: `xa` is initialised; `xa_erase` takes its lock itself.
+        let p = unsafe { bindings::xa_erase(self.xa.get(), slot) }.cast::<Entry<T>>();
+        let entry = NonNull::new(p)?;
+        slots.put(slot as u32, true);
+        // INVARIANT: The erased entry's reference for the table.
+        Some(Ref { entry })
+    }
+
+    /// Removes some handle, if any is left, and returns its reference.
+    pub(crate) fn remove_any(&self, slots: &mut Slots) -> Option<Ref<T>> {
+        let mut index = 0usize;
+        // SAFETY: `xa` is initialised; `xa_find` takes the RCU read lock
+        // itself.
+        let p = unsafe {
+            bindings::xa_find(self.xa.get(), &mut index, usize::MAX, bindings::XA_PRESENT)
+        }
+        .cast::<Entry<T>>();
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: The writers are serialised (`slots` is borrowed mutably),
+        // so the entry is still in the XArray and holds the table's
+        // reference: it is allocated.
+        let generation = unsafe { (*p).generation };
+        self.remove(slots, encode(index as u32, generation))
+    }
+}
+
+#[pinned_drop]
+impl<T> PinnedDrop for RcuHandleTable<T> {
+    fn drop(self: Pin<&mut Self>) {
+        let xa = self.xa.get();
+        let mut index = 0usize;
+        // SAFETY: `xa` is initialised.
+        let mut p = unsafe { bindings::xa_find(xa, &mut index, usize::MAX, bindings::XA_PRESENT) };
+        while let Some(entry) = NonNull::new(p.cast::<Entry<T>>()) {
+            // INVARIANT: Nothing else uses the table any more and the XArray
+            // is destroyed below, so the table's references are ours to drop.
+            drop(Ref { entry });
+            // SAFETY: As above.
+            p = unsafe {
+                bindings::xa_find_after(xa, &mut index, usize::MAX, bindings::XA_PRESENT)
+            };
+        }
+        // SAFETY: `xa` is initialised and nobody else uses it; its entries
+        // were released above.
+        unsafe { bindings::xa_destroy(self.xa.get()) };
     }
 }
 
@@ -143,46 +435,65 @@ impl<T> HandleTable<T> {
 mod tests {
     use super::*;
 
+    fn table<T>() -> Result<Pin<KBox<RcuHandleTable<T>>>> {
+        KBox::pin_init(RcuHandleTable::new(), GFP_KERNEL)
+    }
+
+    /// Counts drops of its items.
+    struct Tracked<'a>(&'a Atomic<u32>);
+
+    impl Drop for Tracked<'_> {
+        fn drop(&mut self) {
+            self.0.add(1, Relaxed);
+        }
+    }
+
     #[test]
     fn insert_get_remove() -> Result {
-        let mut t = HandleTable::new();
-        let a = t.insert(10u32)?;
-        let b = t.insert(20u32)?;
+        let t = table()?;
+        let mut s = Slots::new();
+        let a = t.insert(&mut s, 10u32)?;
+        let b = t.insert(&mut s, 20u32)?;
         assert_ne!(a, b);
-        assert_eq!(t.get(a), Some(&10));
-        assert_eq!(t.get(b), Some(&20));
-        assert_eq!(t.len(), 2);
-        assert_eq!(t.remove(a), Some(10));
-        assert_eq!(t.get(a), None);
-        assert_eq!(t.remove(a), None);
-        assert_eq!(t.len(), 1);
+        assert_eq!(t.get(a).map(|r| *r), Some(10));
+        assert_eq!(t.get(b).map(|r| *r), Some(20));
+        assert_eq!(s.len(), 2);
+        assert_eq!(t.remove(&mut s, a).map(|r| *r), Some(10));
+        assert!(t.get(a).is_none());
+        assert!(t.remove(&mut s, a).is_none());
+        assert_eq!(s.len(), 1);
         Ok(())
     }
 
     #[test]
     fn stale_handle_misses_reused_slot() -> Result {
-        let mut t = HandleTable::new();
-        let old = t.insert(1u32)?;
-        t.remove(old);
-        let new = t.insert(2u32)?;
+        let t = table()?;
+        let mut s = Slots::new();
+        let old = t.insert(&mut s, 1u32)?;
+        drop(t.remove(&mut s, old));
+        let new = t.insert(&mut s, 2u32)?;
         // Same slot, new generation.
         assert_eq!(old & SLOT_MASK, new & SLOT_MASK);
         assert_ne!(old, new);
-        assert_eq!(t.get(old), None);
-        assert_eq!(t.remove(old), None);
-        assert_eq!(t.get(new), Some(&2));
+        assert!(t.get(old).is_none());
+        assert!(t.remove(&mut s, old).is_none());
+        assert_eq!(t.get(new).map(|r| *r), Some(2));
         Ok(())
     }
 
     #[test]
     fn malformed_handles() -> Result {
-        let mut t = HandleTable::new();
-        let h = t.insert(1u32)?;
-        assert_eq!(t.get(0), None);
-        assert_eq!(t.get(h & SLOT_MASK), None);
-        assert_eq!(t.get(h + 1), None);
-        assert_eq!(t.get(u64::MAX), None);
-        assert_eq!(t.get(h | (1 << 60)), None);
+        let t = table()?;
+        let mut s = Slots::new();
+        let h = t.insert(&mut s, 1u32)?;
+        assert!(t.get(0).is_none());
+        assert!(t.get(h & SLOT_MASK).is_none());
+        assert!(t.get(h + 1).is_none());
+        assert!(t.get(u64::MAX).is_none());
+        assert!(t.get(h | (1 << 60)).is_none());
+        // A free slot's next generation names no handle yet.
+        assert!(t.get(h + (1 << SLOT_BITS)).is_none());
+        assert!(t.remove(&mut s, h + (1 << SLOT_BITS)).is_none());
         // The mmap offset of any handle is a valid positive off_t.
         let largest = (u64::from(GEN_MASK) << SLOT_BITS) | SLOT_MASK;
         assert!((largest << kernel::page::PAGE_SHIFT) < (1 << 63));
@@ -192,29 +503,112 @@ mod tests {
 
     #[test]
     fn remove_never_needs_to_allocate() -> Result {
-        let mut t = HandleTable::new();
+        let t = table()?;
+        let mut s = Slots::new();
         let mut hs = KVec::new();
         for i in 0..100u32 {
-            hs.push(t.insert(i)?, GFP_KERNEL)?;
-            assert!(t.free.capacity() >= t.slots.len());
+            hs.push(t.insert(&mut s, i)?, GFP_KERNEL)?;
+            assert!(s.free.capacity() >= s.generations.len());
         }
         for h in hs.iter() {
-            assert!(t.remove(*h).is_some());
+            assert!(t.remove(&mut s, *h).is_some());
         }
-        assert_eq!(t.free.len(), 100);
+        assert_eq!(s.free.len(), 100);
+        assert_eq!(s.len(), 0);
         Ok(())
     }
 
     #[test]
     fn generation_wraps_without_zero() -> Result {
-        let mut t = HandleTable::new();
-        let h = t.insert(1u32)?;
-        t.remove(h);
-        t.slots[0].generation = GEN_MASK;
-        let h = t.insert(2u32)?;
+        let t = table()?;
+        let mut s = Slots::new();
+        let h = t.insert(&mut s, 1u32)?;
+        drop(t.remove(&mut s, h));
+        s.generations[0] = GEN_MASK;
+        let h = t.insert(&mut s, 2u32)?;
         assert_eq!(h >> SLOT_BITS, u64::from(GEN_MASK));
-        assert_eq!(t.remove(h), Some(2));
-        assert_eq!(t.slots[0].generation, 1);
+        assert_eq!(t.remove(&mut s, h).map(|r| *r), Some(2));
+        assert_eq!(s.generations[0], 1);
+        Ok(())
+    }
+
+    /// A lookup's reference keeps the item alive past its removal, and the
+    /// last reference drops it exactly once.
+    #[test]
+    fn reference_outlives_removal() -> Result {
+        let drops = Atomic::new(0u32);
+        let t = table()?;
+        let mut s = Slots::new();
+        let h = t.insert(&mut s, Tracked(&drops))?;
+        let looked_up = t.get(h).ok_or(ENOENT)?;
+        let table_ref = t.remove(&mut s, h).ok_or(ENOENT)?;
+        assert!(t.get(h).is_none());
+        drop(table_ref);
+        assert_eq!(drops.load(Relaxed), 0);
+        assert!(core::ptr::eq(looked_up.0, &drops));
+        drop(looked_up);
+        assert_eq!(drops.load(Relaxed), 1);
+        Ok(())
+    }
+
+    /// Removing without a lookup drops the item before `remove`'s
+    /// reference is gone: FREE releases memory synchronously.
+    #[test]
+    fn last_reference_drops_item_at_once() -> Result {
+        let drops = Atomic::new(0u32);
+        let t = table()?;
+        let mut s = Slots::new();
+        let h = t.insert(&mut s, Tracked(&drops))?;
+        drop(t.get(h));
+        assert_eq!(drops.load(Relaxed), 0);
+        drop(t.remove(&mut s, h));
+        assert_eq!(drops.load(Relaxed), 1);
+        Ok(())
+    }
+
+    /// `remove_any` empties the table (slot 0 included), and dropping the
+    /// table drops what is left.
+    #[test]
+    fn remove_any_and_drop_release_everything() -> Result {
+        let drops = Atomic::new(0u32);
+        {
+            let t = table()?;
+            let mut s = Slots::new();
+            for _ in 0..5 {
+                t.insert(&mut s, Tracked(&drops))?;
+            }
+            drop(t.remove_any(&mut s));
+            drop(t.remove_any(&mut s));
+            assert_eq!(drops.load(Relaxed), 2);
+            assert_eq!(s.len(), 3);
+        }
+        assert_eq!(drops.load(Relaxed), 5);
+        let t = table()?;
+        let mut s = Slots::new();
+        t.insert(&mut s, Tracked(&drops))?;
+        while let Some(r) = t.remove_any(&mut s) {
+            drop(r);
+        }
+        assert_eq!(drops.load(Relaxed), 6);
+        assert_eq!(s.len(), 0);
+        Ok(())
+    }
+
+    /// The locked table (the device's registry) shares the slot logic.
+    #[test]
+    fn locked_table() -> Result {
+        let mut t = HandleTable::new();
+        let a = t.insert(1u32)?;
+        let b = t.insert(2u32)?;
+        *t.get_mut(b).ok_or(ENOENT)? = 3;
+        assert_eq!(t.remove(a), Some(1));
+        assert_eq!(t.remove(a), None);
+        let c = t.insert(4u32)?;
+        assert_eq!(c & SLOT_MASK, a & SLOT_MASK);
+        assert!(t.get_mut(a).is_none());
+        let mut sum = 0;
+        t.for_each(|v| sum += *v);
+        assert_eq!(sum, 7);
         Ok(())
     }
 }

@@ -453,6 +453,40 @@ impl ArgBuf {
         T::from_bytes_copy(&bytes[..ours]).ok_or(EINVAL)
     }
 
+    /// Whether the caller's struct has exactly the size of our `T`: then a
+    /// handler may read and write single fields ([`ArgBuf::read_at`],
+    /// [`ArgBuf::write_at`]) instead of the whole struct, with the result
+    /// [`ArgBuf::read`] and [`ArgBuf::write`] would give.
+    pub(crate) fn is_exactly<T>(&self) -> bool {
+        self.size == core::mem::size_of::<T>()
+    }
+
+    /// Reads an `F` at byte `offset` of the caller's struct (EINVAL past
+    /// its end).
+    pub(crate) fn read_at<F: FromBytes>(&self, offset: usize) -> Result<F> {
+        let addr = self.field(offset, core::mem::size_of::<F>())?;
+        UserSlice::new(UserPtr::from_addr(addr), core::mem::size_of::<F>())
+            .reader()
+            .read()
+    }
+
+    /// Writes `bytes` at byte `offset` of the caller's struct (EINVAL past
+    /// its end).
+    pub(crate) fn write_at(&self, offset: usize, bytes: &[u8]) -> Result {
+        let addr = self.field(offset, bytes.len())?;
+        UserSlice::new(UserPtr::from_addr(addr), bytes.len())
+            .writer()
+            .write_slice(bytes)
+    }
+
+    /// The user address of `len` bytes at `offset` in the caller's struct.
+    fn field(&self, offset: usize, len: usize) -> Result<usize> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => self.addr.checked_add(offset).ok_or(EFAULT),
+            _ => Err(EINVAL),
+        }
+    }
+
     /// Writes `value` back over the first `min(size_of::<T>(), caller's
     /// size)` bytes of the caller's struct; the caller's further bytes are
     /// left alone (they are ours to ignore, not to define).
