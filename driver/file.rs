@@ -27,7 +27,6 @@ use kernel::{
         Arc,
         Mutex, //
     },
-    transmute::AsBytes,
     uaccess::{
         UserPtr,
         UserSlice, //
@@ -559,46 +558,38 @@ impl TdrvFile {
     }
 
     /// BUF_INFO is the cheapest query of a buffer, so it does the least:
-    /// for a caller of this ABI's struct size it copies in only the handle
-    /// and the fields that must be zero, and copies out only the out fields
-    /// (`size` to `error`), in one piece each; the handle lookup takes no
-    /// lock. Other sizes take the general path with the same result.
+    /// for a caller of this ABI's struct size it copies the struct in a
+    /// word at a time and copies out only the words of the out fields, in
+    /// one user-access section each (see `glue::get_user_words`); the
+    /// handle lookup takes no lock. Other sizes take the general path, with
+    /// the same result.
     fn buf_info(&self, arg: &ArgBuf) -> Result {
-        const TAIL: usize = core::mem::offset_of!(BufInfo, channel);
-        const OUT: core::ops::Range<usize> = core::mem::offset_of!(BufInfo, size)
-            ..core::mem::offset_of!(BufInfo, error) + 4;
+        // Words 1..9 are `size` to `pad2`: all the out fields, and `pad`
+        // and `pad2`, which were zero and are written as zero.
+        const OUT: core::ops::Range<usize> = 1..9;
         const _: () = assert!(
-            core::mem::offset_of!(BufInfo, pad) == TAIL + 4
-                && core::mem::offset_of!(BufInfo, error) == TAIL + 8
-                && core::mem::offset_of!(BufInfo, pad2) == TAIL + 12
-                && core::mem::offset_of!(BufInfo, reserved) == TAIL + 16
-                && core::mem::size_of::<BufInfo>() == TAIL + 24
+            core::mem::offset_of!(BufInfo, size) == OUT.start * 8
+                && core::mem::offset_of!(BufInfo, reserved) == OUT.end * 8
+                && core::mem::size_of::<BufInfo>() == OUT.end * 8 + 8
         );
         let exact = arg.is_exactly::<BufInfo>();
-        // (`error` is output only: a reused struct may carry one.)
-        let handle = if exact {
-            let handle: u64 = arg.read_at(core::mem::offset_of!(BufInfo, handle))?;
-            let [_channel, pad, _error, pad2, reserved_lo, reserved_hi]: [u32; 6] =
-                arg.read_at(TAIL)?;
-            if pad != 0 || pad2 != 0 || reserved_lo != 0 || reserved_hi != 0 {
-                return Err(EINVAL);
-            }
-            handle
+        let a: BufInfo = if exact {
+            arg.read_words()?
         } else {
-            let a: BufInfo = arg.read()?;
-            if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
-                return Err(EINVAL);
-            }
-            a.handle
+            arg.read()?
         };
+        // (`error` is output only: a reused struct may carry one.)
+        if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
+            return Err(EINVAL);
+        }
         let out = {
-            let buf = self.state.table.get(handle).ok_or(ENOENT)?;
+            let buf = self.state.table.get(a.handle).ok_or(ENOENT)?;
             let c = buf.fence.counts();
             BufInfo {
-                handle,
+                handle: a.handle,
                 size: buf.size() as u64,
                 dma_addr: self.visible_dma_addr(&buf),
-                mmap_offset: mmap::offset_of_handle(handle),
+                mmap_offset: mmap::offset_of_handle(a.handle),
                 pending_reads: c.reads,
                 pending_writes: c.writes,
                 completion_count: c.completions,
@@ -610,9 +601,9 @@ impl TdrvFile {
             }
         };
         if exact {
-            // The caller's handle, pad, pad2 and reserved already hold what
-            // the general path would write.
-            arg.write_at(OUT.start, &out.as_bytes()[OUT])
+            // The caller's `handle` and `reserved` already hold what the
+            // general path would write.
+            arg.write_words(&out, OUT)
         } else {
             arg.write(&out)
         }

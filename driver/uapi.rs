@@ -32,6 +32,8 @@ use kernel::{
     }, //
 };
 
+use crate::glue;
+
 pub(crate) const ABI_MAJOR: u32 = 1;
 pub(crate) const ABI_MINOR: u32 = 2;
 
@@ -454,37 +456,28 @@ impl ArgBuf {
     }
 
     /// Whether the caller's struct has exactly the size of our `T`: then a
-    /// handler may read and write single fields ([`ArgBuf::read_at`],
-    /// [`ArgBuf::write_at`]) instead of the whole struct, with the result
-    /// [`ArgBuf::read`] and [`ArgBuf::write`] would give.
+    /// handler may use [`ArgBuf::read_words`] and [`ArgBuf::write_words`],
+    /// with the result [`ArgBuf::read`] and [`ArgBuf::write`] would give.
     pub(crate) fn is_exactly<T>(&self) -> bool {
         self.size == core::mem::size_of::<T>()
     }
 
-    /// Reads an `F` at byte `offset` of the caller's struct (EINVAL past
-    /// its end).
-    pub(crate) fn read_at<F: FromBytes>(&self, offset: usize) -> Result<F> {
-        let addr = self.field(offset, core::mem::size_of::<F>())?;
-        UserSlice::new(UserPtr::from_addr(addr), core::mem::size_of::<F>())
-            .reader()
-            .read()
-    }
-
-    /// Writes `bytes` at byte `offset` of the caller's struct (EINVAL past
-    /// its end).
-    pub(crate) fn write_at(&self, offset: usize, bytes: &[u8]) -> Result {
-        let addr = self.field(offset, bytes.len())?;
-        UserSlice::new(UserPtr::from_addr(addr), bytes.len())
-            .writer()
-            .write_slice(bytes)
-    }
-
-    /// The user address of `len` bytes at `offset` in the caller's struct.
-    fn field(&self, offset: usize, len: usize) -> Result<usize> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.size => self.addr.checked_add(offset).ok_or(EFAULT),
-            _ => Err(EINVAL),
+    /// Reads the caller's struct, of exactly our size, a 64-bit word at a
+    /// time ([`glue::get_user_words`]): for small, hot ioctls.
+    pub(crate) fn read_words<T: FromBytes>(&self) -> Result<T> {
+        if !self.is_exactly::<T>() {
+            return Err(EINVAL);
         }
+        glue::get_user_words(self.addr)
+    }
+
+    /// Writes the 64-bit words `words` of `value` over the caller's struct,
+    /// of exactly our size, a word at a time ([`glue::put_user_words`]).
+    pub(crate) fn write_words<T: AsBytes>(&self, value: &T, words: core::ops::Range<usize>) -> Result {
+        if !self.is_exactly::<T>() {
+            return Err(EINVAL);
+        }
+        glue::put_user_words(self.addr, value, words)
     }
 
     /// Writes `value` back over the first `min(size_of::<T>(), caller's
