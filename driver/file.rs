@@ -114,7 +114,6 @@ impl Handles {
 pub(crate) struct FileState {
     /// Handle lookups take no lock; adding and removing handles hold
     /// `handles`.
-    #[pin]
     table: RcuHandleTable<Arc<Buffer>>,
     #[pin]
     handles: Mutex<Handles>,
@@ -186,7 +185,7 @@ impl MiscDevice for TdrvFile {
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
-                table <- RcuHandleTable::new(),
+                table: RcuHandleTable::new(),
                 handles <- new_mutex!(
                     Handles {
                         slots: Slots::new(),
@@ -236,15 +235,13 @@ impl MiscDevice for TdrvFile {
         // the lock: that may free DMA memory). Buffers still used by
         // mappings (which also hold this file, so not here) or by a job
         // still running live on until it stops.
-        loop {
+        let slots = me.state.handles.lock().slots.slot_count();
+        for slot in 0..slots {
             let buf = {
                 let mut h = me.state.handles.lock();
-                me.state.table.remove_any(&mut h.slots)
+                me.state.table.remove_slot(&mut h.slots, slot)
             };
-            match buf {
-                Some(buf) => drop(buf),
-                None => break,
-            }
+            drop(buf);
         }
     }
 

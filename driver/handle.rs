@@ -10,37 +10,41 @@
 //! file simply does not exist.
 //!
 //! Every ioctl that names a buffer looks its handle up, several times per
-//! SUBMIT, so lookups take no lock: the slots are an XArray that readers
-//! walk with `xa_load` under `rcu_read_lock`. Each slot points to an
-//! [`Entry`] holding the item and its own reference count, of which the
-//! table owns one. A lookup takes a reference only while the count is not
-//! zero (inc-not-zero), and keeps it in a [`Ref`]. Removal (FREE, close)
-//! erases the slot first and then drops the table's reference. Whoever
-//! drops the last reference drops the item at once, in its own process
-//! context (so FREE still releases the memory before it returns when
-//! nobody else uses the buffer), and frees the entry's memory only after
-//! an RCU grace period (`kvfree_call_rcu`): a lookup that loaded the
-//! pointer before the erase may still read the count. It then finds zero
-//! and misses (ENOENT), or it took its reference before the count reached
+//! SUBMIT, so lookups take no lock. The slots are a two-level array that
+//! only grows: a directory of fixed-size chunks of entry pointers. Chunks
+//! and outgrown directories are kept until the table is dropped, so a
+//! reader may follow any pointer it loaded; only the entries come and go.
+//! (This is an XArray reduced to what handles need: a dense index from 0,
+//! read with three dependent loads instead of a tree walk, which was most
+//! of BUF_INFO's lookup.)
+//!
+//! Each slot points to an [`Entry`] holding the item and its own reference
+//! count, of which the table owns one. A lookup runs under
+//! `rcu_read_lock`, takes a reference only while the count is not zero
+//! (inc-not-zero), and keeps it in a [`Ref`]. Removal (FREE, close) clears
+//! the slot first and then drops the table's reference. Whoever drops the
+//! last reference drops the item at once, in its own process context (so
+//! FREE still releases the memory before it returns when nobody else uses
+//! the buffer), and frees the entry's memory only after an RCU grace
+//! period (`kvfree_call_rcu`): a lookup that loaded the pointer before the
+//! slot was cleared may still read the count. It then finds zero and
+//! misses (ENOENT), or it took its reference before the count reached
 //! zero, which orders it before the FREE. The item cannot simply be an
 //! `Arc` read under RCU: `Arc` frees its memory as soon as the count
 //! reaches zero, not after a grace period.
 //!
-//! `kernel::xarray::XArray` is not used because its reads take the
-//! XArray's spinlock; the table calls the C XArray directly instead.
-//!
 //! Writers (insert and remove) are serialised by the owner's lock: they
 //! take the [`Slots`] (generations, free list, count) that the owner keeps
-//! under that lock, beside its accounting. The XArray's own lock orders its
-//! internal updates; `Slots` makes each check-then-update of a slot atomic.
+//! under that lock, beside its accounting. That also serialises the
+//! growth of the slot array.
 
 use core::{
-    marker::PhantomData,
     mem::ManuallyDrop,
     ops::Deref,
     ptr::{
         addr_of,
         addr_of_mut,
+        null_mut,
         NonNull, //
     }, //
 };
@@ -49,14 +53,19 @@ use kernel::{
     prelude::*,
     sync::{
         atomic::{
+            Acquire,
             Atomic,
             Full,
-            Relaxed, //
+            Relaxed,
+            Release, //
         },
         rcu, //
     },
     types::Opaque, //
 };
+
+/// Slots per chunk of the slot array (a page of pointers with 4 KiB pages).
+const CHUNK_SLOTS: usize = 512;
 
 /// Bits of the slot index in a handle.
 const SLOT_BITS: u32 = 24;
@@ -106,6 +115,11 @@ impl Slots {
     /// Number of live handles.
     pub(crate) fn len(&self) -> usize {
         self.live
+    }
+
+    /// Number of slots ever used: every handle's slot is below it.
+    pub(crate) fn slot_count(&self) -> usize {
+        self.generations.len()
     }
 
     /// Takes a free slot (growing the table if there is none) and returns
@@ -201,13 +215,13 @@ impl<T> HandleTable<T> {
     }
 }
 
-/// What a slot of the XArray points to.
+/// What a slot points to.
 ///
 /// # Invariants
 ///
 /// - `refs` counts the [`Ref`]s to the entry plus one while the entry is in
-///   the XArray; `item` is live while `refs` is not zero.
-/// - Once `refs` is zero it stays zero, the entry is in no XArray, and its
+///   a slot; `item` is live while `refs` is not zero.
+/// - Once `refs` is zero it stays zero, the entry is in no slot, and its
 ///   memory (a `KBox` allocation) is freed after an RCU grace period.
 /// - `generation` does not change after the entry is published.
 struct Entry<T> {
@@ -216,9 +230,6 @@ struct Entry<T> {
     rcu: Opaque<bindings::callback_head>,
     item: ManuallyDrop<T>,
 }
-
-// The XArray keeps its own tags in the low two bits of an entry.
-const _: () = assert!(core::mem::align_of::<Entry<u8>>() >= 4);
 
 /// A counted reference to an item of a [`RcuHandleTable`]: the item stays
 /// alive while it exists, whether or not its handle has been removed.
@@ -256,7 +267,7 @@ impl<T> Drop for Ref<T> {
             return;
         }
         // SAFETY: The count reached zero, so (type invariants) the entry is
-        // in no XArray and no `Ref` is left: nothing else can reach `item`.
+        // in no slot and no `Ref` is left: nothing else can reach `item`.
         // Lookups that loaded the pointer earlier read only `refs` and
         // `generation`, never `item`.
         unsafe { ManuallyDrop::drop(&mut *addr_of_mut!((*p).item)) };
@@ -268,36 +279,113 @@ impl<T> Drop for Ref<T> {
     }
 }
 
+/// A slot: null, or an entry holding one of its `refs` for the table.
+type SlotPtr<T> = Atomic<*mut Entry<T>>;
+
+/// The chunk directory of an [`RcuHandleTable`].
+///
+/// # Invariants
+///
+/// Each of `chunks` is null or the buffer of a `KVec<SlotPtr<T>>` of
+/// length and capacity `CHUNK_SLOTS`, owned by the table. `chunks` does not
+/// change length after the directory is published. `prev` is null or the
+/// directory this one replaced, whose non-null chunks this one also lists.
+struct Dir<T> {
+    chunks: KVec<Atomic<*mut SlotPtr<T>>>,
+    prev: *mut Dir<T>,
+}
+
 /// Maps handles to items of type `T`. Lookups ([`RcuHandleTable::get`]) may
 /// run concurrently with anything; writers pass the table's [`Slots`],
 /// which the owner keeps under one lock.
 ///
 /// # Invariants
 ///
-/// `xa` is an initialised XArray whose entries are pointers to [`Entry`]s,
-/// each holding one of its `refs` for the table.
-#[pin_data(PinnedDrop)]
+/// `dir` is null or a `KBox<Dir<T>>` owned by the table; it and every
+/// directory on its `prev` chain, and their chunks, live until the table
+/// is dropped. Directories and chunks are published with release stores
+/// after they are initialised.
 pub(crate) struct RcuHandleTable<T> {
-    #[pin]
-    xa: Opaque<bindings::xarray>,
-    _p: PhantomData<T>,
+    dir: Atomic<*mut Dir<T>>,
 }
 
 // SAFETY: The table may move to another thread with its items, and drops
 // them there.
 unsafe impl<T: Send + Sync> Send for RcuHandleTable<T> {}
 // SAFETY: Shared access gives `&T` (through `Ref`s) on several threads and
-// may drop items on any of them; the XArray synchronises itself.
+// may drop items on any of them; slots are atomics, and writers are
+// serialised by the owner.
 unsafe impl<T: Send + Sync> Sync for RcuHandleTable<T> {}
 
 impl<T> RcuHandleTable<T> {
-    pub(crate) fn new() -> impl PinInit<Self> {
-        pin_init!(Self {
-            // SAFETY: `xa` is valid for writes while the closure runs.
-            // INVARIANT: An empty XArray.
-            xa <- Opaque::ffi_init(|xa| unsafe { bindings::xa_init_flags(xa, 0) }),
-            _p: PhantomData,
-        })
+    pub(crate) const fn new() -> Self {
+        // INVARIANT: No directory yet.
+        Self {
+            dir: Atomic::new(null_mut()),
+        }
+    }
+
+    /// The slot of index `slot`, if its chunk exists.
+    fn slot(&self, slot: usize) -> Option<&SlotPtr<T>> {
+        let dir = self.dir.load(Acquire);
+        if dir.is_null() {
+            return None;
+        }
+        // SAFETY: Directories live as long as the table (type invariants),
+        // which `self` borrows; the acquire load orders their contents.
+        let dir = unsafe { &*dir };
+        let chunk = dir.chunks.get(slot / CHUNK_SLOTS)?.load(Acquire);
+        if chunk.is_null() {
+            return None;
+        }
+        // SAFETY: A chunk has `CHUNK_SLOTS` slots and lives as long as the
+        // table (type invariants of `Dir`).
+        Some(unsafe { &*chunk.add(slot % CHUNK_SLOTS) })
+    }
+
+    /// The slot of index `slot`, growing the directory and adding its
+    /// chunk as needed. Writers only.
+    fn slot_or_grow(&self, slot: usize) -> Result<&SlotPtr<T>> {
+        let index = slot / CHUNK_SLOTS;
+        let mut dir = self.dir.load(Relaxed);
+        let len = if dir.is_null() {
+            0
+        } else {
+            // SAFETY: As in `slot`.
+            unsafe { (*dir).chunks.len() }
+        };
+        if index >= len {
+            let want = (index + 1).max(len * 2);
+            let mut chunks = KVec::with_capacity(want, GFP_KERNEL)?;
+            for i in 0..want {
+                let chunk = if i < len {
+                    // SAFETY: `i` is below the length of `dir`'s chunks.
+                    unsafe { (&(*dir).chunks)[i].load(Relaxed) }
+                } else {
+                    null_mut()
+                };
+                chunks.push(Atomic::new(chunk), GFP_KERNEL)?;
+            }
+            let new = KBox::into_raw(KBox::new(Dir { chunks, prev: dir }, GFP_KERNEL)?);
+            // INVARIANT: The new directory lists every chunk of the one it
+            // replaces, which stays on its `prev` chain.
+            self.dir.store(new, Release);
+            dir = new;
+        }
+        // SAFETY: As in `slot`; `dir` is not null here.
+        let entry = unsafe { &(&(*dir).chunks)[index] };
+        let mut chunk = entry.load(Relaxed);
+        if chunk.is_null() {
+            let mut v = KVec::with_capacity(CHUNK_SLOTS, GFP_KERNEL)?;
+            for _ in 0..CHUNK_SLOTS {
+                v.push(Atomic::new(null_mut()), GFP_KERNEL)?;
+            }
+            chunk = v.into_raw_parts().0;
+            // INVARIANT: A chunk of `CHUNK_SLOTS` slots, now the table's.
+            entry.store(chunk, Release);
+        }
+        // SAFETY: As in `slot`.
+        Ok(unsafe { &*chunk.add(slot % CHUNK_SLOTS) })
     }
 
     /// Returns the item behind `handle`, if the handle is current. Takes no
@@ -305,14 +393,12 @@ impl<T> RcuHandleTable<T> {
     pub(crate) fn get(&self, handle: u64) -> Option<Ref<T>> {
         let (slot, generation) = decode(handle)?;
         let _rcu = rcu::read_lock();
-        // SAFETY: `xa` is initialised (type invariants); `xa_load` may run
-        // under `rcu_read_lock` alone.
-        let p = unsafe { bindings::xa_load(self.xa.get(), slot) }.cast::<Entry<T>>();
+        let p = self.slot(slot)?.load(Acquire);
         let entry = NonNull::new(p)?;
-        // SAFETY: `p` was in the XArray during this RCU read section, and an
-        // entry is freed only a grace period after it left the XArray, so
-        // its memory is valid until `_rcu` is dropped. `generation` is
-        // never written after publication (which `xa_load` orders before
+        // SAFETY: `p` was in a slot during this RCU read section, and an
+        // entry is freed only a grace period after it left its slot, so its
+        // memory is valid until `_rcu` is dropped. `generation` is never
+        // written after publication (which the acquire load orders before
         // this read); `refs` is atomic.
         let (entry_generation, refs) = unsafe { ((*p).generation, &*addr_of!((*p).refs)) };
         if entry_generation != generation {
@@ -334,38 +420,28 @@ impl<T> RcuHandleTable<T> {
     /// Stores `item` and returns its new handle.
     pub(crate) fn insert(&self, slots: &mut Slots, item: T) -> Result<u64> {
         let (slot, generation) = slots.take()?;
-        let entry = match KBox::new(
-            Entry {
-                refs: Atomic::new(1),
-                generation,
-                rcu: Opaque::uninit(),
-                item: ManuallyDrop::new(item),
-            },
-            GFP_KERNEL,
-        ) {
-            Ok(entry) => entry,
+        let entry = self.slot_or_grow(slot as usize).and_then(|place| {
+            let entry = KBox::new(
+                Entry {
+                    refs: Atomic::new(1),
+                    generation,
+                    rcu: Opaque::uninit(),
+                    item: ManuallyDrop::new(item),
+                },
+                GFP_KERNEL,
+            )?;
+            Ok((place, entry))
+        });
+        let (place, entry) = match entry {
+            Ok(x) => x,
             Err(e) => {
                 slots.put(slot, false);
-                return Err(e.into());
+                return Err(e);
             }
         };
-        let p = KBox::into_raw(entry);
-        // SAFETY: `xa` is initialised; `p` is an aligned, non-null pointer
-        // (not an XArray internal entry). `xa_store` takes the XArray's lock
-        // itself and may sleep to allocate.
-        // INVARIANT: On success the XArray holds `p` with its one reference.
-        let old = unsafe { bindings::xa_store(self.xa.get(), slot as usize, p.cast(), bindings::GFP_KERNEL) };
-        // SAFETY: `old` is what `xa_store` returned.
-        let err = unsafe { bindings::xa_err(old) };
-        if err != 0 {
-            slots.put(slot, false);
-            // SAFETY: The store failed, so `p` was never published and is
-            // still the `KBox` made above.
-            let entry = unsafe { KBox::from_raw(p) };
-            drop(ManuallyDrop::into_inner(KBox::into_inner(entry).item));
-            return Err(Error::from_errno(err));
-        }
-        if let Some(old) = NonNull::new(old.cast::<Entry<T>>()) {
+        // INVARIANT: The slot holds the entry's one reference.
+        let old = place.xchg(KBox::into_raw(entry), Release);
+        if let Some(old) = NonNull::new(old) {
             // Only a `Slots` of another table gets here: the slot was taken
             // as free. The table's reference to the replaced entry is ours.
             drop(Ref { entry: old });
@@ -381,53 +457,54 @@ impl<T> RcuHandleTable<T> {
         if *slots.generations.get(slot)? != generation {
             return None;
         }
-        // SAFETY: `xa` is initialised; `xa_erase` takes its lock itself.
-        let p = unsafe { bindings::xa_erase(self.xa.get(), slot) }.cast::<Entry<T>>();
-        let entry = NonNull::new(p)?;
+        let entry = NonNull::new(self.slot(slot)?.xchg(null_mut(), Relaxed))?;
         slots.put(slot as u32, true);
-        // INVARIANT: The erased entry's reference for the table.
+        // INVARIANT: The cleared slot's reference, now the caller's.
         Some(Ref { entry })
     }
 
-    /// Removes some handle, if any is left, and returns its reference.
-    pub(crate) fn remove_any(&self, slots: &mut Slots) -> Option<Ref<T>> {
-        let mut index = 0usize;
-        // SAFETY: `xa` is initialised; `xa_find` takes the RCU read lock
-        // itself.
-        let p = unsafe {
-            bindings::xa_find(self.xa.get(), &mut index, usize::MAX, bindings::XA_PRESENT)
-        }
-        .cast::<Entry<T>>();
-        if p.is_null() {
-            return None;
-        }
-        // SAFETY: The writers are serialised (`slots` is borrowed mutably),
-        // so the entry is still in the XArray and holds the table's
-        // reference: it is allocated.
-        let generation = unsafe { (*p).generation };
-        self.remove(slots, encode(index as u32, generation))
+    /// Removes the handle in slot `slot`, if any, and returns its
+    /// reference (emptying the table slot by slot, below
+    /// [`Slots::slot_count`]).
+    pub(crate) fn remove_slot(&self, slots: &mut Slots, slot: usize) -> Option<Ref<T>> {
+        let generation = *slots.generations.get(slot)?;
+        self.remove(slots, encode(slot as u32, generation))
     }
 }
 
-#[pinned_drop]
-impl<T> PinnedDrop for RcuHandleTable<T> {
-    fn drop(self: Pin<&mut Self>) {
-        let xa = self.xa.get();
-        let mut index = 0usize;
-        // SAFETY: `xa` is initialised.
-        let mut p = unsafe { bindings::xa_find(xa, &mut index, usize::MAX, bindings::XA_PRESENT) };
-        while let Some(entry) = NonNull::new(p.cast::<Entry<T>>()) {
-            // INVARIANT: Nothing else uses the table any more and the XArray
-            // is destroyed below, so the table's references are ours to drop.
-            drop(Ref { entry });
-            // SAFETY: As above.
-            p = unsafe {
-                bindings::xa_find_after(xa, &mut index, usize::MAX, bindings::XA_PRESENT)
-            };
+impl<T> Drop for RcuHandleTable<T> {
+    fn drop(&mut self) {
+        let dir = self.dir.load(Relaxed);
+        if dir.is_null() {
+            return;
         }
-        // SAFETY: `xa` is initialised and nobody else uses it; its entries
-        // were released above.
-        unsafe { bindings::xa_destroy(self.xa.get()) };
+        // SAFETY: The table owns its directories (type invariants) and
+        // nobody else uses them any more.
+        let dir = unsafe { KBox::from_raw(dir) };
+        for chunk in dir.chunks.iter() {
+            let chunk = chunk.load(Relaxed);
+            if chunk.is_null() {
+                continue;
+            }
+            // SAFETY: A chunk is a `KVec` buffer of `CHUNK_SLOTS` slots owned
+            // by the table (type invariants of `Dir`), listed once in the
+            // newest directory.
+            let chunk = unsafe { KVec::from_raw_parts(chunk, CHUNK_SLOTS, CHUNK_SLOTS) };
+            for slot in chunk.iter() {
+                if let Some(entry) = NonNull::new(slot.load(Relaxed)) {
+                    // INVARIANT: The slot's reference for the table.
+                    drop(Ref { entry });
+                }
+            }
+        }
+        // Older directories list a subset of the chunks freed above.
+        let mut prev = dir.prev;
+        drop(dir);
+        while !prev.is_null() {
+            // SAFETY: As above.
+            let dir = unsafe { KBox::from_raw(prev) };
+            prev = dir.prev;
+        }
     }
 }
 
@@ -435,8 +512,8 @@ impl<T> PinnedDrop for RcuHandleTable<T> {
 mod tests {
     use super::*;
 
-    fn table<T>() -> Result<Pin<KBox<RcuHandleTable<T>>>> {
-        KBox::pin_init(RcuHandleTable::new(), GFP_KERNEL)
+    fn table<T>() -> Result<KBox<RcuHandleTable<T>>> {
+        Ok(KBox::new(RcuHandleTable::new(), GFP_KERNEL)?)
     }
 
     /// Counts drops of its items.
@@ -566,10 +643,10 @@ mod tests {
         Ok(())
     }
 
-    /// `remove_any` empties the table (slot 0 included), and dropping the
-    /// table drops what is left.
+    /// `remove_slot` empties the table, and dropping the table drops what
+    /// is left.
     #[test]
-    fn remove_any_and_drop_release_everything() -> Result {
+    fn remove_slot_and_drop_release_everything() -> Result {
         let drops = Atomic::new(0u32);
         {
             let t = table()?;
@@ -577,8 +654,10 @@ mod tests {
             for _ in 0..5 {
                 t.insert(&mut s, Tracked(&drops))?;
             }
-            drop(t.remove_any(&mut s));
-            drop(t.remove_any(&mut s));
+            drop(t.remove_slot(&mut s, 0));
+            drop(t.remove_slot(&mut s, 3));
+            drop(t.remove_slot(&mut s, 3));
+            drop(t.remove_slot(&mut s, 99));
             assert_eq!(drops.load(Relaxed), 2);
             assert_eq!(s.len(), 3);
         }
@@ -586,11 +665,30 @@ mod tests {
         let t = table()?;
         let mut s = Slots::new();
         t.insert(&mut s, Tracked(&drops))?;
-        while let Some(r) = t.remove_any(&mut s) {
-            drop(r);
+        for slot in 0..s.slot_count() {
+            drop(t.remove_slot(&mut s, slot));
         }
         assert_eq!(drops.load(Relaxed), 6);
         assert_eq!(s.len(), 0);
+        Ok(())
+    }
+
+    /// The slot array grows over several chunks and directories without
+    /// losing a handle.
+    #[test]
+    fn growth_keeps_every_handle() -> Result {
+        let t = table()?;
+        let mut s = Slots::new();
+        let mut hs = KVec::new();
+        let n = 5 * CHUNK_SLOTS as u32 + 7;
+        for i in 0..n {
+            hs.push(t.insert(&mut s, i)?, GFP_KERNEL)?;
+        }
+        for (i, h) in hs.iter().enumerate() {
+            assert_eq!(t.get(*h).map(|r| *r), Some(i as u32));
+        }
+        assert!(t.get(encode(n, 1)).is_none());
+        assert!(t.get(encode(MAX_HANDLES as u32 - 1, 1)).is_none());
         Ok(())
     }
 
