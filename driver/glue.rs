@@ -188,9 +188,8 @@ pub(crate) fn get_user_words<T: FromBytes>(addr: usize) -> Result<T> {
     // SAFETY: `value` is valid for writes of `words` aligned words; the C
     // side checks the user range and handles faults. No Rust reference to
     // `value` exists during the call.
-    let r = unsafe {
-        ffi::tdrv_get_user_words(value.as_mut_ptr().cast(), addr as *const u64, words)
-    };
+    let r =
+        unsafe { ffi::tdrv_get_user_words(value.as_mut_ptr().cast(), addr as *const u64, words) };
     if r != 0 {
         return Err(Error::from_errno(r));
     }
@@ -213,7 +212,9 @@ pub(crate) fn put_user_words<T: AsBytes>(
         return Err(EINVAL);
     }
     let len = u32::try_from(words.len()).map_err(|_| EINVAL)?;
-    let src = core::ptr::from_ref(value).cast::<u64>().wrapping_add(words.start);
+    let src = core::ptr::from_ref(value)
+        .cast::<u64>()
+        .wrapping_add(words.start);
     let dst = addr.wrapping_add(words.start * 8) as *mut u64;
     // SAFETY: `src` points to `words.len()` initialised (`AsBytes`), aligned
     // words inside `*value`, borrowed for the call; the C side checks the

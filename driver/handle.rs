@@ -211,7 +211,10 @@ impl<T> HandleTable<T> {
 
     /// Calls `f` on every live item.
     pub(crate) fn for_each(&self, mut f: impl FnMut(&T)) {
-        self.items.iter().filter_map(Option::as_ref).for_each(&mut f);
+        self.items
+            .iter()
+            .filter_map(Option::as_ref)
+            .for_each(&mut f);
     }
 }
 

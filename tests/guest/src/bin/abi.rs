@@ -136,7 +136,9 @@ fn main() {
     t.run(
         "BUF_INFO answers alike for this ABI's struct and a larger one",
         || -> Result<(), String> {
-            let a = dev.alloc(5000, 0).map_err(|e| format!("alloc: errno {e}"))?;
+            let a = dev
+                .alloc(5000, 0)
+                .map_err(|e| format!("alloc: errno {e}"))?;
             let ours = size_of::<tdrv_buf_info>();
             let ask = |size: usize| -> Result<Vec<u8>, String> {
                 let mut buf = vec![0x5au8; size];
