@@ -537,7 +537,7 @@ impl TdrvFile {
 
     /// Removes `handle` from the table; the caller drops the buffer outside
     /// the lock (that may free DMA memory).
-    fn remove_handle(&self, handle: u64) -> Option<Ref<Arc<Buffer>>> {
+    fn remove_handle(&self, handle: u64) -> Option<Ref<'_, Arc<Buffer>>> {
         let mut h = self.state.handles.lock();
         let buf = self.state.table.remove(&mut h.slots, handle)?;
         h.uncharge(buf.channel(), buf.charged());

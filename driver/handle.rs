@@ -13,43 +13,47 @@
 //! SUBMIT, so lookups take no lock. The slots are a two-level array that
 //! only grows: a directory of fixed-size chunks of entry pointers. Chunks
 //! and outgrown directories are kept until the table is dropped, so a
-//! reader may follow any pointer it loaded; only the entries come and go.
-//! (This is an XArray reduced to what handles need: a dense index from 0,
-//! read with three dependent loads instead of a tree walk, which was most
-//! of BUF_INFO's lookup.)
+//! reader may follow any pointer it loaded. (This is an XArray reduced to
+//! what handles need: a dense index from 0, read with three dependent
+//! loads instead of a tree walk.)
 //!
-//! Each slot points to an [`Entry`] holding the item and its own reference
-//! count, of which the table owns one. A lookup runs under
-//! `rcu_read_lock`, takes a reference only while the count is not zero
-//! (inc-not-zero), and keeps it in a [`Ref`]. Removal (FREE, close) clears
-//! the slot first and then drops the table's reference. Whoever drops the
-//! last reference drops the item at once, in its own process context (so
-//! FREE still releases the memory before it returns when nobody else uses
-//! the buffer), and frees the entry's memory only after an RCU grace
-//! period (`kvfree_call_rcu`): a lookup that loaded the pointer before the
-//! slot was cleared may still read the count. It then finds zero and
-//! misses (ENOENT), or it took its reference before the count reached
-//! zero, which orders it before the FREE. The item cannot simply be an
-//! `Arc` read under RCU: `Arc` frees its memory as soon as the count
-//! reaches zero, not after a grace period.
+//! Each slot points to an [`Entry`] holding one handle's item and a
+//! reference count, of which the slot owns one. A lookup takes a reference
+//! only while the count is not zero (inc-not-zero) and keeps it in a
+//! [`Ref`]. Removal (FREE, close) clears the slot first and then drops the
+//! slot's reference. Whoever drops the last reference drops the item at
+//! once, in its own process context (so FREE still releases the memory
+//! before it returns when nobody else uses the buffer), and puts the entry
+//! on the table's free list for a later insert. Entries are freed only
+//! with the table, so the pointer a lookup loaded always points to an
+//! entry and needs no RCU: the lookup checks, after taking its reference,
+//! that the entry still serves its handle (the handle's generation makes
+//! that unambiguous), and lets go otherwise. A lookup racing FREE thus
+//! finds the entry released (count zero, ENOENT), recycled (another
+//! handle, ENOENT), or still holding the item, which orders it before the
+//! FREE. The item cannot simply be an `Arc` read under RCU: `Arc` frees
+//! its memory as soon as the count reaches zero, not after a grace period;
+//! and an entry freed after a grace period (tried first) cost ALLOC and
+//! FREE an allocation and an RCU callback each.
+//!
+//! Memory: a table keeps as many entries (32 bytes each) and slots as the
+//! file ever had live handles at once, until the file is closed.
 //!
 //! Writers (insert and remove) are serialised by the owner's lock: they
-//! take the [`Slots`] (generations, free list, count) that the owner keeps
+//! take the [`Slots`] (generations, free slots, count) that the owner keeps
 //! under that lock, beside its accounting. That also serialises the
-//! growth of the slot array.
+//! growth of the slot array and the taking of free entries.
 
 use core::{
-    mem::ManuallyDrop,
+    cell::UnsafeCell,
+    mem::MaybeUninit,
     ops::Deref,
     ptr::{
-        addr_of,
-        addr_of_mut,
         null_mut,
         NonNull, //
     }, //
 };
 use kernel::{
-    bindings,
     prelude::*,
     sync::{
         atomic::{
@@ -58,10 +62,8 @@ use kernel::{
             Full,
             Relaxed,
             Release, //
-        },
-        rcu, //
-    },
-    types::Opaque, //
+        }, //
+    }, //
 };
 
 /// Slots per chunk of the slot array (a page of pointers with 4 KiB pages).
@@ -218,67 +220,74 @@ impl<T> HandleTable<T> {
     }
 }
 
-/// What a slot points to.
+/// What a slot points to: one handle's item and its reference count.
+/// Entries are recycled within their table and freed only when it is
+/// dropped, so a pointer loaded from a slot always points to an `Entry`,
+/// though perhaps to a later handle's.
 ///
 /// # Invariants
 ///
 /// - `refs` counts the [`Ref`]s to the entry plus one while the entry is in
-///   a slot; `item` is live while `refs` is not zero.
-/// - Once `refs` is zero it stays zero, the entry is in no slot, and its
-///   memory (a `KBox` allocation) is freed after an RCU grace period.
-/// - `generation` does not change after the entry is published.
+///   a slot; `item` is initialised while `refs` is not zero.
+/// - `handle` names the handle the entry serves or last served; it and
+///   `item` change only while `refs` is zero and the entry is in no slot
+///   and on no free list (taken by the table's one writer).
+/// - While `refs` is zero the entry is being released or is on its table's
+///   free list, linked by `next`; it is a `KBox` allocation owned by the
+///   table.
 struct Entry<T> {
     refs: Atomic<u32>,
-    generation: u32,
-    rcu: Opaque<bindings::callback_head>,
-    item: ManuallyDrop<T>,
+    handle: Atomic<u64>,
+    next: Atomic<*mut Entry<T>>,
+    item: UnsafeCell<MaybeUninit<T>>,
 }
 
 /// A counted reference to an item of a [`RcuHandleTable`]: the item stays
 /// alive while it exists, whether or not its handle has been removed.
-pub(crate) struct Ref<T> {
+pub(crate) struct Ref<'a, T> {
     /// Invariant: holds one of the entry's `refs`.
     entry: NonNull<Entry<T>>,
+    table: &'a RcuHandleTable<T>,
 }
 
 // SAFETY: A `Ref` gives `&T` on any thread and may drop the `T` on any
-// thread, as an `Arc<T>` does.
-unsafe impl<T: Send + Sync> Send for Ref<T> {}
+// thread, as an `Arc<T>` does; the table is `Sync` for such `T`.
+unsafe impl<T: Send + Sync> Send for Ref<'_, T> {}
 // SAFETY: As above.
-unsafe impl<T: Send + Sync> Sync for Ref<T> {}
+unsafe impl<T: Send + Sync> Sync for Ref<'_, T> {}
 
-impl<T> Deref for Ref<T> {
-    type Target = T;
-
-    fn deref(&self) -> &T {
-        // SAFETY: This `Ref` holds a reference, so `item` is live (type
-        // invariants), and nobody gets `&mut` to it before the last
-        // reference is dropped.
-        unsafe { &*addr_of!((*self.entry.as_ptr()).item) }
+impl<T> Ref<'_, T> {
+    fn entry(&self) -> &Entry<T> {
+        // SAFETY: Entries live as long as their table, which `self`
+        // borrows.
+        unsafe { self.entry.as_ref() }
     }
 }
 
-impl<T> Drop for Ref<T> {
+impl<T> Deref for Ref<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        // SAFETY: This `Ref` holds a reference, so `item` is initialised and
+        // does not change (type invariants); nobody gets `&mut` to it
+        // before the last reference is dropped.
+        unsafe { (*self.entry().item.get()).assume_init_ref() }
+    }
+}
+
+impl<T> Drop for Ref<'_, T> {
     fn drop(&mut self) {
-        let p = self.entry.as_ptr();
-        // SAFETY: This `Ref` holds a reference, so the entry is allocated.
-        // Only shared references to fields that others read are made.
-        let refs = unsafe { &*addr_of!((*p).refs) };
+        let entry = self.entry();
         // Full ordering: every holder's use of the item happens before the
         // last holder drops it.
-        if refs.fetch_sub(1, Full) != 1 {
+        if entry.refs.fetch_sub(1, Full) != 1 {
             return;
         }
         // SAFETY: The count reached zero, so (type invariants) the entry is
-        // in no slot and no `Ref` is left: nothing else can reach `item`.
-        // Lookups that loaded the pointer earlier read only `refs` and
-        // `generation`, never `item`.
-        unsafe { ManuallyDrop::drop(&mut *addr_of_mut!((*p).item)) };
-        // SAFETY: `p` is a `KBox` (kmalloc) allocation whose remaining
-        // fields need no drop, and `rcu` lies inside it and is used by
-        // nobody else. The memory is freed after a grace period, when no
-        // lookup (each runs under `rcu_read_lock`) can still hold `p`.
-        unsafe { bindings::kvfree_call_rcu((*p).rcu.get(), p.cast()) };
+        // in no slot and no `Ref` is left: nothing else reads or writes
+        // `item` until the entry is reused, which needs it on the free list.
+        unsafe { (*entry.item.get()).assume_init_drop() };
+        self.table.push_free(self.entry);
     }
 }
 
@@ -307,9 +316,12 @@ struct Dir<T> {
 /// `dir` is null or a `KBox<Dir<T>>` owned by the table; it and every
 /// directory on its `prev` chain, and their chunks, live until the table
 /// is dropped. Directories and chunks are published with release stores
-/// after they are initialised.
+/// after they are initialised. `free` heads a list (through `next`) of
+/// entries whose count is zero, released and owned by the table. Every
+/// entry of the table is in a slot, on `free`, or held by `Ref`s.
 pub(crate) struct RcuHandleTable<T> {
     dir: Atomic<*mut Dir<T>>,
+    free: Atomic<*mut Entry<T>>,
 }
 
 // SAFETY: The table may move to another thread with its items, and drops
@@ -322,9 +334,10 @@ unsafe impl<T: Send + Sync> Sync for RcuHandleTable<T> {}
 
 impl<T> RcuHandleTable<T> {
     pub(crate) const fn new() -> Self {
-        // INVARIANT: No directory yet.
+        // INVARIANT: No directory and no entry yet.
         Self {
             dir: Atomic::new(null_mut()),
+            free: Atomic::new(null_mut()),
         }
     }
 
@@ -393,69 +406,126 @@ impl<T> RcuHandleTable<T> {
 
     /// Returns the item behind `handle`, if the handle is current. Takes no
     /// lock.
-    pub(crate) fn get(&self, handle: u64) -> Option<Ref<T>> {
-        let (slot, generation) = decode(handle)?;
-        let _rcu = rcu::read_lock();
-        let p = self.slot(slot)?.load(Acquire);
-        let entry = NonNull::new(p)?;
-        // SAFETY: `p` was in a slot during this RCU read section, and an
-        // entry is freed only a grace period after it left its slot, so its
-        // memory is valid until `_rcu` is dropped. `generation` is never
-        // written after publication (which the acquire load orders before
-        // this read); `refs` is atomic.
-        let (entry_generation, refs) = unsafe { ((*p).generation, &*addr_of!((*p).refs)) };
-        if entry_generation != generation {
+    pub(crate) fn get(&self, handle: u64) -> Option<Ref<'_, T>> {
+        let (slot, _) = decode(handle)?;
+        let entry = NonNull::new(self.slot(slot)?.load(Acquire))?;
+        // SAFETY: Entries live as long as the table (type invariants).
+        let e = unsafe { entry.as_ref() };
+        if e.handle.load(Relaxed) != handle {
             return None;
         }
-        let mut cur = refs.load(Relaxed);
+        // Acquire: the entry's `item` and `handle` as its last insert wrote
+        // them (the count's release sequence starts there).
+        let mut cur = e.refs.load(Relaxed);
         loop {
             // Zero: the last reference is gone and the item with it.
             let next = cur.checked_add(1).filter(|_| cur != 0)?;
-            match refs.cmpxchg(cur, next, Relaxed) {
+            match e.refs.cmpxchg(cur, next, Acquire) {
                 Ok(_) => break,
                 Err(seen) => cur = seen,
             }
         }
         // INVARIANT: The reference just taken.
-        Some(Ref { entry })
+        let r = Ref { entry, table: self };
+        // The entry may have been recycled for another handle between the
+        // check above and the increment: then it is not ours (and dropping
+        // `r` may release that handle's item, if it was the last).
+        if e.handle.load(Relaxed) != handle {
+            return None;
+        }
+        Some(r)
+    }
+
+    /// Puts an entry whose count reached zero on the free list (any thread).
+    fn push_free(&self, entry: NonNull<Entry<T>>) {
+        // SAFETY: Entries live as long as the table.
+        let e = unsafe { entry.as_ref() };
+        let mut head = self.free.load(Relaxed);
+        loop {
+            e.next.store(head, Relaxed);
+            match self.free.cmpxchg(head, entry.as_ptr(), Release) {
+                Ok(_) => return,
+                Err(seen) => head = seen,
+            }
+        }
+    }
+
+    /// Takes an entry off the free list. Writers only: with one taker, an
+    /// entry on the list stays there (its `next` unchanged) until taken, so
+    /// the compare-exchange cannot succeed on a stale `next` (no ABA).
+    fn pop_free(&self) -> Option<NonNull<Entry<T>>> {
+        let mut head = self.free.load(Acquire);
+        loop {
+            let entry = NonNull::new(head)?;
+            // SAFETY: Entries live as long as the table.
+            let next = unsafe { entry.as_ref() }.next.load(Relaxed);
+            match self.free.cmpxchg(head, next, Acquire) {
+                Ok(_) => return Some(entry),
+                Err(seen) => head = seen,
+            }
+        }
     }
 
     /// Stores `item` and returns its new handle.
     pub(crate) fn insert(&self, slots: &mut Slots, item: T) -> Result<u64> {
         let (slot, generation) = slots.take()?;
-        let entry = self.slot_or_grow(slot as usize).and_then(|place| {
-            let entry = KBox::new(
-                Entry {
-                    refs: Atomic::new(1),
-                    generation,
-                    rcu: Opaque::uninit(),
-                    item: ManuallyDrop::new(item),
-                },
-                GFP_KERNEL,
-            )?;
-            Ok((place, entry))
-        });
-        let (place, entry) = match entry {
-            Ok(x) => x,
+        let place = match self.slot_or_grow(slot as usize) {
+            Ok(place) => place,
             Err(e) => {
                 slots.put(slot, false);
                 return Err(e);
             }
         };
-        // INVARIANT: The slot holds the entry's one reference.
-        let old = place.xchg(KBox::into_raw(entry), Release);
+        let entry = match self.pop_free() {
+            Some(entry) => entry,
+            None => {
+                let new = KBox::new(
+                    Entry {
+                        refs: Atomic::new(0),
+                        handle: Atomic::new(0),
+                        next: Atomic::new(null_mut()),
+                        item: UnsafeCell::new(MaybeUninit::uninit()),
+                    },
+                    GFP_KERNEL,
+                );
+                match new {
+                    // INVARIANT: A released entry, now the table's.
+                    // SAFETY: `into_raw` returns a non-null pointer.
+                    Ok(new) => unsafe { NonNull::new_unchecked(KBox::into_raw(new)) },
+                    Err(e) => {
+                        slots.put(slot, false);
+                        return Err(e.into());
+                    }
+                }
+            }
+        };
+        let handle = encode(slot, generation);
+        // SAFETY: Entries live as long as the table.
+        let e = unsafe { entry.as_ref() };
+        // SAFETY: The entry's count is zero and it is in no slot and on no
+        // list: only this writer touches `item` (lookups that still hold
+        // the pointer read `item` only after a successful increment).
+        unsafe { (*e.item.get()).write(item) };
+        e.handle.store(handle, Relaxed);
+        // INVARIANT: The slot's reference; the release store publishes
+        // `item` and `handle` to whoever increments the count.
+        e.refs.store(1, Release);
+        let old = place.xchg(entry.as_ptr(), Release);
         if let Some(old) = NonNull::new(old) {
             // Only a `Slots` of another table gets here: the slot was taken
             // as free. The table's reference to the replaced entry is ours.
-            drop(Ref { entry: old });
+            drop(Ref {
+                entry: old,
+                table: self,
+            });
         }
-        Ok(encode(slot, generation))
+        Ok(handle)
     }
 
     /// Removes `handle` and returns the table's reference to its item; the
     /// handle (and every copy of it) is dead afterwards. The caller drops
     /// the reference where dropping the item is allowed.
-    pub(crate) fn remove(&self, slots: &mut Slots, handle: u64) -> Option<Ref<T>> {
+    pub(crate) fn remove(&self, slots: &mut Slots, handle: u64) -> Option<Ref<'_, T>> {
         let (slot, generation) = decode(handle)?;
         if *slots.generations.get(slot)? != generation {
             return None;
@@ -463,13 +533,13 @@ impl<T> RcuHandleTable<T> {
         let entry = NonNull::new(self.slot(slot)?.xchg(null_mut(), Relaxed))?;
         slots.put(slot as u32, true);
         // INVARIANT: The cleared slot's reference, now the caller's.
-        Some(Ref { entry })
+        Some(Ref { entry, table: self })
     }
 
     /// Removes the handle in slot `slot`, if any, and returns its
     /// reference (emptying the table slot by slot, below
     /// [`Slots::slot_count`]).
-    pub(crate) fn remove_slot(&self, slots: &mut Slots, slot: usize) -> Option<Ref<T>> {
+    pub(crate) fn remove_slot(&self, slots: &mut Slots, slot: usize) -> Option<Ref<'_, T>> {
         let generation = *slots.generations.get(slot)?;
         self.remove(slots, encode(slot as u32, generation))
     }
@@ -477,36 +547,47 @@ impl<T> RcuHandleTable<T> {
 
 impl<T> Drop for RcuHandleTable<T> {
     fn drop(&mut self) {
+        // No `Ref` is left (they borrow the table): every entry is in a slot
+        // with only the table's reference, or on the free list.
         let dir = self.dir.load(Relaxed);
-        if dir.is_null() {
-            return;
-        }
-        // SAFETY: The table owns its directories (type invariants) and
-        // nobody else uses them any more.
-        let dir = unsafe { KBox::from_raw(dir) };
-        for chunk in dir.chunks.iter() {
-            let chunk = chunk.load(Relaxed);
-            if chunk.is_null() {
-                continue;
-            }
-            // SAFETY: A chunk is a `KVec` buffer of `CHUNK_SLOTS` slots owned
-            // by the table (type invariants of `Dir`), listed once in the
-            // newest directory.
-            let chunk = unsafe { KVec::from_raw_parts(chunk, CHUNK_SLOTS, CHUNK_SLOTS) };
-            for slot in chunk.iter() {
-                if let Some(entry) = NonNull::new(slot.load(Relaxed)) {
-                    // INVARIANT: The slot's reference for the table.
-                    drop(Ref { entry });
+        if !dir.is_null() {
+            // SAFETY: The table owns its directories (type invariants) and
+            // nobody else uses them any more.
+            let dir = unsafe { KBox::from_raw(dir) };
+            for chunk in dir.chunks.iter() {
+                let chunk = chunk.load(Relaxed);
+                if chunk.is_null() {
+                    continue;
+                }
+                // SAFETY: A chunk is a `KVec` buffer of `CHUNK_SLOTS` slots
+                // owned by the table (type invariants of `Dir`), listed once
+                // in the newest directory.
+                let chunk = unsafe { KVec::from_raw_parts(chunk, CHUNK_SLOTS, CHUNK_SLOTS) };
+                for slot in chunk.iter() {
+                    if let Some(entry) = NonNull::new(slot.load(Relaxed)) {
+                        // INVARIANT: The slot's reference, the entry's last:
+                        // dropping it puts the entry on the free list.
+                        drop(Ref {
+                            entry,
+                            table: &*self,
+                        });
+                    }
                 }
             }
+            // Older directories list a subset of the chunks freed above.
+            let mut prev = dir.prev;
+            drop(dir);
+            while !prev.is_null() {
+                // SAFETY: As above.
+                let dir = unsafe { KBox::from_raw(prev) };
+                prev = dir.prev;
+            }
         }
-        // Older directories list a subset of the chunks freed above.
-        let mut prev = dir.prev;
-        drop(dir);
-        while !prev.is_null() {
-            // SAFETY: As above.
-            let dir = unsafe { KBox::from_raw(prev) };
-            prev = dir.prev;
+        while let Some(entry) = self.pop_free() {
+            // SAFETY: A released entry is a `KBox` owned by the table (type
+            // invariants); its `item` was dropped and `MaybeUninit` does not
+            // drop it again.
+            drop(unsafe { KBox::from_raw(entry.as_ptr()) });
         }
     }
 }
@@ -673,6 +754,30 @@ mod tests {
         }
         assert_eq!(drops.load(Relaxed), 6);
         assert_eq!(s.len(), 0);
+        Ok(())
+    }
+
+    /// A released entry is reused by the next insert, and the old handle
+    /// does not reach it; items are dropped once, when the last reference
+    /// goes, also when the table drops its free entries.
+    #[test]
+    fn entries_are_recycled() -> Result {
+        let drops = Atomic::new(0u32);
+        let t = table()?;
+        let mut s = Slots::new();
+        let old = t.insert(&mut s, Tracked(&drops))?;
+        let first = t.slot(0).ok_or(ENOENT)?.load(Relaxed);
+        drop(t.remove(&mut s, old));
+        assert_eq!(drops.load(Relaxed), 1);
+        let new = t.insert(&mut s, Tracked(&drops))?;
+        assert!(core::ptr::eq(t.slot(0).ok_or(ENOENT)?.load(Relaxed), first));
+        assert!(t.get(old).is_none());
+        let r = t.get(new).ok_or(ENOENT)?;
+        assert!(core::ptr::eq(r.0, &drops));
+        drop(t.remove(&mut s, new));
+        assert_eq!(drops.load(Relaxed), 1);
+        drop(r);
+        assert_eq!(drops.load(Relaxed), 2);
         Ok(())
     }
 
