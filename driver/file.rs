@@ -50,7 +50,7 @@ use crate::{
     },
     glue,
     handle::{
-        RcuHandleTable,
+        SharedHandleTable,
         Ref,
         Slots, //
     },
@@ -82,7 +82,7 @@ unsafe impl Send for FileMapping {}
 // SAFETY: As above.
 unsafe impl Sync for FileMapping {}
 
-/// The writers' side of a file's buffer handles (see [`RcuHandleTable`]) and
+/// The writers' side of a file's buffer handles (see [`SharedHandleTable`]) and
 /// the bytes they hold (page-rounded), in all and per channel, for the
 /// per-file limits and the statistics.
 struct Handles {
@@ -114,7 +114,7 @@ impl Handles {
 pub(crate) struct FileState {
     /// Handle lookups take no lock; adding and removing handles hold
     /// `handles`.
-    table: RcuHandleTable<Arc<Buffer>>,
+    table: SharedHandleTable<Arc<Buffer>>,
     #[pin]
     handles: Mutex<Handles>,
     jobs: Arc<JobTracker>,
@@ -185,7 +185,7 @@ impl MiscDevice for TdrvFile {
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
-                table: RcuHandleTable::new(),
+                table: SharedHandleTable::new(),
                 handles <- new_mutex!(
                     Handles {
                         slots: Slots::new(),

@@ -33,8 +33,8 @@
 //! handle, ENOENT), or still holding the item, which orders it before the
 //! FREE. The item cannot simply be an `Arc` read under RCU: `Arc` frees
 //! its memory as soon as the count reaches zero, not after a grace period;
-//! and an entry freed after a grace period (tried first) cost ALLOC and
-//! FREE an allocation and an RCU callback each.
+//! and freeing entries after a grace period instead would cost every ALLOC
+//! and FREE an allocation and an RCU callback.
 //!
 //! Memory: a table keeps as many entries (32 bytes each) and slots as the
 //! file ever had live handles at once, until the file is closed.
@@ -242,12 +242,12 @@ struct Entry<T> {
     item: UnsafeCell<MaybeUninit<T>>,
 }
 
-/// A counted reference to an item of a [`RcuHandleTable`]: the item stays
+/// A counted reference to an item of a [`SharedHandleTable`]: the item stays
 /// alive while it exists, whether or not its handle has been removed.
 pub(crate) struct Ref<'a, T> {
     /// Invariant: holds one of the entry's `refs`.
     entry: NonNull<Entry<T>>,
-    table: &'a RcuHandleTable<T>,
+    table: &'a SharedHandleTable<T>,
 }
 
 // SAFETY: A `Ref` gives `&T` on any thread and may drop the `T` on any
@@ -294,7 +294,7 @@ impl<T> Drop for Ref<'_, T> {
 /// A slot: null, or an entry holding one of its `refs` for the table.
 type SlotPtr<T> = Atomic<*mut Entry<T>>;
 
-/// The chunk directory of an [`RcuHandleTable`].
+/// The chunk directory of an [`SharedHandleTable`].
 ///
 /// # Invariants
 ///
@@ -307,7 +307,7 @@ struct Dir<T> {
     prev: *mut Dir<T>,
 }
 
-/// Maps handles to items of type `T`. Lookups ([`RcuHandleTable::get`]) may
+/// Maps handles to items of type `T`. Lookups ([`SharedHandleTable::get`]) may
 /// run concurrently with anything; writers pass the table's [`Slots`],
 /// which the owner keeps under one lock.
 ///
@@ -319,20 +319,20 @@ struct Dir<T> {
 /// after they are initialised. `free` heads a list (through `next`) of
 /// entries whose count is zero, released and owned by the table. Every
 /// entry of the table is in a slot, on `free`, or held by `Ref`s.
-pub(crate) struct RcuHandleTable<T> {
+pub(crate) struct SharedHandleTable<T> {
     dir: Atomic<*mut Dir<T>>,
     free: Atomic<*mut Entry<T>>,
 }
 
 // SAFETY: The table may move to another thread with its items, and drops
 // them there.
-unsafe impl<T: Send + Sync> Send for RcuHandleTable<T> {}
+unsafe impl<T: Send + Sync> Send for SharedHandleTable<T> {}
 // SAFETY: Shared access gives `&T` (through `Ref`s) on several threads and
 // may drop items on any of them; slots are atomics, and writers are
 // serialised by the owner.
-unsafe impl<T: Send + Sync> Sync for RcuHandleTable<T> {}
+unsafe impl<T: Send + Sync> Sync for SharedHandleTable<T> {}
 
-impl<T> RcuHandleTable<T> {
+impl<T> SharedHandleTable<T> {
     pub(crate) const fn new() -> Self {
         // INVARIANT: No directory and no entry yet.
         Self {
@@ -545,7 +545,7 @@ impl<T> RcuHandleTable<T> {
     }
 }
 
-impl<T> Drop for RcuHandleTable<T> {
+impl<T> Drop for SharedHandleTable<T> {
     fn drop(&mut self) {
         // No `Ref` is left (they borrow the table): every entry is in a slot
         // with only the table's reference, or on the free list.
@@ -596,8 +596,8 @@ impl<T> Drop for RcuHandleTable<T> {
 mod tests {
     use super::*;
 
-    fn table<T>() -> Result<KBox<RcuHandleTable<T>>> {
-        Ok(KBox::new(RcuHandleTable::new(), GFP_KERNEL)?)
+    fn table<T>() -> Result<KBox<SharedHandleTable<T>>> {
+        Ok(KBox::new(SharedHandleTable::new(), GFP_KERNEL)?)
     }
 
     /// Counts drops of its items.
