@@ -84,7 +84,8 @@ use crate::{
         queue,
         take_jobs_of,
         take_one,
-        Engine, //
+        Engine,
+        Hold, //
     },
     glue,
     job::{
@@ -183,6 +184,9 @@ struct SoftQueue {
     /// The jobs their submitters run now (`shutdown` waits for none). No
     /// two running jobs conflict.
     running: KVec<RunningJob>,
+    /// `hold_job`: the work item leaves the held job at the front of
+    /// `jobs`, so every later job queues behind it.
+    hold: Hold,
 }
 
 impl SoftQueue {
@@ -213,7 +217,9 @@ fn conflict(a: &Job, b: &Job) -> bool {
 /// one itself.
 ///
 /// Fault injection for tests (debugfs `inject`): `fail_job` makes the next
-/// job the engine runs fail with EIO, copying nothing.
+/// job the engine runs fail with EIO, copying nothing; `hold_job` holds the
+/// next job (SUBMIT then runs none itself: it queues) and every later one
+/// until `release` (see [`Hold`]).
 #[pin_data]
 struct SoftEngine {
     #[pin]
@@ -287,6 +293,7 @@ impl SoftEngine {
                         busy: false,
                         worker: None,
                         running: KVec::new(),
+                        hold: Hold::default(),
                     },
                     "SoftEngine::queue"
                 ),
@@ -312,6 +319,15 @@ impl SoftEngine {
                 q.busy = false;
                 return None;
             };
+            if !q.stopped && q.hold.holds(&job) {
+                // Held at the front until `release`, its file's `cancel` or
+                // `shutdown` wakes us. Interruptible, as a hold may last
+                // longer than the hung-task timeout; a kworker gets no
+                // signals, so this never returns early for one.
+                q.jobs.push_front(job);
+                let _ = self.inline_done.wait_interruptible(&mut q);
+                continue;
+            }
             if !q.conflicts_with_running(&job) {
                 // INVARIANT: The work item holds the job until it asks for
                 // the next one, which clears this first.
@@ -366,7 +382,7 @@ impl Engine for SoftBackend {
         let mut q = self.0.queue.lock();
         // Nothing queued: every earlier job has completed or is running,
         // and it may start now unless it conflicts with a running one.
-        if q.stopped || !q.jobs.is_empty() || q.conflicts_with_running(job) {
+        if q.stopped || !q.jobs.is_empty() || q.hold.active() || q.conflicts_with_running(job) {
             return false;
         }
         // INVARIANT: The submitter holds the job until `run_claimed`
@@ -394,7 +410,15 @@ impl Engine for SoftBackend {
     }
 
     fn cancel(&self, tracker: &JobTracker) {
-        let taken = take_jobs_of(&mut self.0.queue.lock().jobs, tracker);
+        let taken = {
+            let mut q = self.0.queue.lock();
+            let taken = take_jobs_of(&mut q.jobs, tracker);
+            if q.hold.taken(&taken) {
+                // The work item waits on the held job, now gone.
+                self.0.inline_done.notify_all();
+            }
+            taken
+        };
         fail_all(taken, ecanceled());
     }
 
@@ -405,6 +429,12 @@ impl Engine for SoftBackend {
     fn inject(&self, cmd: &[u8]) -> Result {
         match cmd {
             b"fail_job" => self.0.inject_fail.add(1, Relaxed),
+            b"hold_job" => self.0.queue.lock().hold.arm()?,
+            b"release" => {
+                if self.0.queue.lock().hold.release() {
+                    self.0.inline_done.notify_all();
+                }
+            }
             _ => return Err(EINVAL),
         }
         Ok(())
@@ -414,6 +444,10 @@ impl Engine for SoftBackend {
         {
             let mut q = self.0.queue.lock();
             q.stopped = true;
+            // A held job goes on (the work item ignores the hold once
+            // stopped).
+            q.hold.release();
+            self.0.inline_done.notify_all();
             // Jobs run by their submitters: wait until they completed.
             while !q.running.is_empty() {
                 self.0.inline_done.wait(&mut q);
