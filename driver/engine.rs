@@ -71,21 +71,30 @@ pub(crate) trait Engine: Send + Sync {
     /// recovers from a stuck transfer.
     fn submit(&self, job: ListArc<Job>) -> Result;
 
+    /// Whether [`Engine::claim`] could take a job of `bytes` bytes in
+    /// `descs` transfers, checked before the job exists: the core then
+    /// keeps such a job on the submitter's stack (no allocation), and
+    /// moves it to the heap if the engine does not take it.
+    fn may_claim(&self, _bytes: u64, _descs: usize) -> bool {
+        false
+    }
+
     /// Claims the idle engine for `job`, to be run by the submitting
     /// thread itself with [`Engine::run_claimed`] once it has dropped its
     /// locks; false if the job must be queued with [`Engine::submit`]. An
     /// engine claimed this way holds back every later job until the claimed
-    /// one completed, as if it were queued first. Only for a job with no
-    /// in-fences, called under its file's tracker lock (so a file's jobs
-    /// still reach the engine in id order).
+    /// one completed, as if it were queued first. Only for a job without
+    /// fences that [`Engine::may_claim`] allowed, called under its file's
+    /// tracker lock (so a file's jobs still reach the engine in id order).
     fn claim(&self, _job: &Job) -> bool {
         false
     }
 
     /// Runs and completes `job`, for which [`Engine::claim`] returned
     /// true, in the caller's context, then hands the engine to the jobs
-    /// queued meanwhile. Never called unless `claim` can return true.
-    fn run_claimed(&self, job: ListArc<Job>) {
+    /// queued meanwhile; the caller drops the job afterwards. Never called
+    /// unless `claim` can return true.
+    fn run_claimed(&self, job: &Job) {
         job.complete(Err(EINVAL));
     }
 
