@@ -180,6 +180,78 @@ pub(crate) trait Engine: Send + Sync {
     }
 }
 
+/// The `hold_job` and `release` fault injection (debugfs `inject`, tests
+/// only), kept under an engine's queue lock: `hold_job` makes the engine
+/// hold the next job it would start, and start no job at all while it
+/// holds one, until `release`. A test thus gets a busy engine with a
+/// queue that does not move, on any device and clock, without depending
+/// on how long a job takes.
+///
+/// The held job stays queued, never started: closing its file cancels it
+/// like any queued job, which ends the hold (the engine serves the other
+/// files again), and a stopped engine ignores the hold, so neither close
+/// nor unbind nor `rmmod` ever waits for a `release`.
+#[derive(Default)]
+pub(crate) struct Hold {
+    /// `hold_job` was written and no job has been caught yet.
+    armed: bool,
+    /// The held job's address: only compared, never dereferenced.
+    held: Option<usize>,
+}
+
+impl Hold {
+    /// `hold_job`: EBUSY while a hold is armed or a job held.
+    pub(crate) fn arm(&mut self) -> Result {
+        if self.armed || self.held.is_some() {
+            return Err(EBUSY);
+        }
+        self.armed = true;
+        Ok(())
+    }
+
+    /// Whether the engine must leave `job`, the next job it would start,
+    /// queued: it is held (an armed hold catches it), or another is.
+    pub(crate) fn holds(&mut self, job: &Job) -> bool {
+        if self.armed && self.held.is_none() {
+            self.armed = false;
+            self.held = Some(core::ptr::from_ref(job) as usize);
+        }
+        self.held.is_some()
+    }
+
+    /// Whether a job is held, or an armed hold would catch the next one.
+    pub(crate) fn active(&self) -> bool {
+        self.armed || self.held.is_some()
+    }
+
+    /// Whether a job is held.
+    pub(crate) fn holding(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// `release` (or shutdown): ends the hold and disarms it; true if a
+    /// job was held.
+    pub(crate) fn release(&mut self) -> bool {
+        self.armed = false;
+        self.held.take().is_some()
+    }
+
+    /// The engine took `jobs` out of its queue (their file closed): if the
+    /// held job is one of them, the hold ends. True if it did.
+    pub(crate) fn taken(&mut self, jobs: &List<Job>) -> bool {
+        let Some(held) = self.held else {
+            return false;
+        };
+        // The jobs are alive (in `jobs`), so no other job has the held
+        // job's address.
+        if jobs.iter().any(|j| core::ptr::from_ref::<Job>(&*j) as usize == held) {
+            self.held = None;
+            return true;
+        }
+        false
+    }
+}
+
 /// Decrements a pending fault-injection count; false if it was zero.
 pub(crate) fn take_one(count: &Atomic<u32>) -> bool {
     let mut v = count.load(Relaxed);

@@ -83,7 +83,8 @@ use crate::{
         queue,
         take_jobs_of,
         take_one,
-        Engine, //
+        Engine,
+        Hold, //
     },
     glue,
     job::{
@@ -186,8 +187,11 @@ struct SoftQueue {
     /// The jobs their submitters run now (`shutdown` waits for none). No
     /// two running jobs conflict.
     running: KVec<RunningJob>,
-    /// Threads waiting for a running job to end.
+    /// Threads waiting for a running job to end, or for a held job.
     sleepers: u32,
+    /// `hold_job`: the work item leaves the held job at the front of
+    /// `jobs`, so every later job queues behind it.
+    hold: Hold,
 }
 
 impl Sleepers for SoftQueue {
@@ -224,7 +228,9 @@ fn conflict(a: &Job, b: &Job) -> bool {
 /// one itself.
 ///
 /// Fault injection for tests (debugfs `inject`): `fail_job` makes the next
-/// job the engine runs fail with EIO, copying nothing.
+/// job the engine runs fail with EIO, copying nothing; `hold_job` holds the
+/// next job (SUBMIT then runs none itself: it queues) and every later one
+/// until `release` (see [`Hold`]).
 #[pin_data]
 struct SoftEngine {
     #[pin]
@@ -299,6 +305,7 @@ impl SoftEngine {
                         worker: None,
                         running: KVec::new(),
                         sleepers: 0,
+                        hold: Hold::default(),
                     },
                     "SoftEngine::queue"
                 ),
@@ -324,6 +331,15 @@ impl SoftEngine {
                 q.busy = false;
                 return None;
             };
+            if !q.stopped && q.hold.holds(&job) {
+                // Held at the front until `release`, its file's `cancel` or
+                // `shutdown` wakes us. Interruptible, as a hold may last
+                // longer than the hung-task timeout; a kworker gets no
+                // signals, so this never returns early for one.
+                q.jobs.push_front(job);
+                let _ = self.inline_done.wait_interruptible(&mut q);
+                continue;
+            }
             if !q.conflicts_with_running(&job) {
                 // INVARIANT: The work item holds the job until it asks for
                 // the next one, which clears this first.
@@ -379,7 +395,7 @@ impl Engine for SoftBackend {
         let mut q = self.0.queue.lock();
         // Nothing queued: every earlier job has completed or is running,
         // and it may start now unless it conflicts with a running one.
-        if q.stopped || !q.jobs.is_empty() || q.conflicts_with_running(job) {
+        if q.stopped || !q.jobs.is_empty() || q.hold.active() || q.conflicts_with_running(job) {
             return false;
         }
         // INVARIANT: The submitter holds the job until `run_claimed`
@@ -403,7 +419,15 @@ impl Engine for SoftBackend {
     }
 
     fn cancel(&self, tracker: &JobTracker) {
-        let taken = take_jobs_of(&mut self.0.queue.lock().jobs, tracker);
+        let taken = {
+            let mut q = self.0.queue.lock();
+            let taken = take_jobs_of(&mut q.jobs, tracker);
+            if q.hold.taken(&taken) {
+                // The work item waits on the held job, now gone.
+                self.0.inline_done.wake_all(q);
+            }
+            taken
+        };
         fail_all(taken, ecanceled());
     }
 
@@ -414,6 +438,13 @@ impl Engine for SoftBackend {
     fn inject(&self, cmd: &[u8]) -> Result {
         match cmd {
             b"fail_job" => self.0.inject_fail.add(1, Relaxed),
+            b"hold_job" => self.0.queue.lock().hold.arm()?,
+            b"release" => {
+                let mut q = self.0.queue.lock();
+                if q.hold.release() {
+                    self.0.inline_done.wake_all(q);
+                }
+            }
             _ => return Err(EINVAL),
         }
         Ok(())
@@ -423,6 +454,13 @@ impl Engine for SoftBackend {
         {
             let mut q = self.0.queue.lock();
             q.stopped = true;
+            // A held job goes on: the work item ignores the hold once
+            // stopped.
+            q.hold.release();
+            self.0.inline_done.wake_all(q);
+        }
+        {
+            let mut q = self.0.queue.lock();
             // Jobs run by their submitters: wait until they completed.
             while !q.running.is_empty() {
                 self.0.inline_done.wait(&mut q);
