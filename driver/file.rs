@@ -50,7 +50,11 @@ use crate::{
         OutFence, //
     },
     glue,
-    handle::HandleTable,
+    handle::{
+        Ref,
+        SharedHandleTable,
+        Slots, //
+    },
     job::{
         JobStatus,
         JobTracker,
@@ -79,10 +83,11 @@ unsafe impl Send for FileMapping {}
 // SAFETY: As above.
 unsafe impl Sync for FileMapping {}
 
-/// A file's buffer handles and the bytes they hold (page-rounded), in
-/// all and per channel, for the per-file limits and the statistics.
+/// The writers' side of a file's buffer handles (see [`SharedHandleTable`]) and
+/// the bytes they hold (page-rounded), in all and per channel, for the
+/// per-file limits and the statistics.
 struct Handles {
-    table: HandleTable<Arc<Buffer>>,
+    slots: Slots,
     bytes: u64,
     per_channel: KVec<u64>,
 }
@@ -108,6 +113,9 @@ impl Handles {
 /// file's mappings and debugfs can show its usage.
 #[pin_data]
 pub(crate) struct FileState {
+    /// Handle lookups take no lock; adding and removing handles hold
+    /// `handles`.
+    table: SharedHandleTable<Arc<Buffer>>,
     #[pin]
     handles: Mutex<Handles>,
     jobs: Arc<JobTracker>,
@@ -138,7 +146,7 @@ impl Client for FileState {
             "client {} pid {} buffers {} bytes {}",
             self.id,
             self.pid,
-            h.table.len(),
+            h.slots.len(),
             h.bytes
         )?;
         for (ch, bytes) in h.per_channel.iter().enumerate() {
@@ -212,9 +220,10 @@ impl MiscDevice for TdrvFile {
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
+                table: SharedHandleTable::new(),
                 handles <- new_mutex!(
                     Handles {
-                        table: HandleTable::new(),
+                        slots: Slots::new(),
                         bytes: 0,
                         per_channel,
                     },
@@ -257,12 +266,18 @@ impl MiscDevice for TdrvFile {
         me.device.engine().cancel(&me.state.jobs);
         // No in-fence callback can queue the dispatch work any more.
         me.state.jobs.flush_dispatch();
-        // Dropping the table releases the file's buffer references (outside
+        // Emptying the table releases the file's buffer references (outside
         // the lock: that may free DMA memory). Buffers still used by
         // mappings (which also hold this file, so not here) or by a job
         // still running live on until it stops.
-        let table = core::mem::replace(&mut me.state.handles.lock().table, HandleTable::new());
-        drop(table);
+        let slots = me.state.handles.lock().slots.slot_count();
+        for slot in 0..slots {
+            let buf = {
+                let mut h = me.state.handles.lock();
+                me.state.table.remove_slot(&mut h.slots, slot)
+            };
+            drop(buf);
+        }
     }
 
     fn ioctl(me: Pin<&TdrvFile>, _file: &File, cmd: u32, arg: usize) -> Result<isize> {
@@ -301,7 +316,7 @@ impl MiscDevice for TdrvFile {
                 seq_print!(m, "drm-total-hbm{}:\t{}\n", ch, bytes);
                 seq_print!(m, "drm-resident-hbm{}:\t{}\n", ch, bytes);
             }
-            seq_print!(m, "tdrv-buffers:\t{}\n", h.table.len());
+            seq_print!(m, "tdrv-buffers:\t{}\n", h.slots.len());
         }
         seq_print!(m, "drm-engine-copy:\t{} ns\n", st.jobs.busy_ns.load(Relaxed));
         seq_print!(m, "tdrv-device:\t{}\n", me.device.name());
@@ -322,9 +337,11 @@ impl MiscDevice for TdrvFile {
 }
 
 impl TdrvFile {
-    /// Looks up a buffer of this file: ENOENT for anything else.
+    /// Looks up a buffer of this file: ENOENT for anything else. Takes no
+    /// lock.
     fn buffer(&self, handle: u64) -> Result<Arc<Buffer>> {
-        self.state.handles.lock().table.get(handle).cloned().ok_or(ENOENT)
+        let buf = self.state.table.get(handle).ok_or(ENOENT)?;
+        Ok(Arc::clone(&buf))
     }
 
     /// Bus addresses are for CAP_SYS_RAWIO openers only; others see 0.
@@ -401,7 +418,7 @@ impl TdrvFile {
         let charge = a.size.next_multiple_of(PAGE_SIZE as u64);
         {
             let h = self.state.handles.lock();
-            if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+            if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
                 return Err(ENOSPC);
             }
         }
@@ -415,11 +432,11 @@ impl TdrvFile {
             let mut h = self.state.handles.lock();
             // Checked again: another thread of this file may have allocated
             // meanwhile (the allocation itself is not done under the lock).
-            if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+            if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
                 return Err(ENOSPC);
             }
             let channel = buf.channel();
-            let handle = h.table.insert(buf)?;
+            let handle = self.state.table.insert(&mut h.slots, buf)?;
             h.charge(channel, charge);
             handle
         };
@@ -443,11 +460,11 @@ impl TdrvFile {
         let limits = &self.device.limits;
         let charge = buf.charged();
         let mut h = self.state.handles.lock();
-        if h.table.len() >= limits.handles || h.bytes + charge > limits.bytes {
+        if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
             return Err(ENOSPC);
         }
         let channel = buf.channel();
-        let handle = h.table.insert(buf)?;
+        let handle = self.state.table.insert(&mut h.slots, buf)?;
         h.charge(channel, charge);
         Ok(handle)
     }
@@ -527,9 +544,9 @@ impl TdrvFile {
 
     /// Removes `handle` from the table; the caller drops the buffer outside
     /// the lock (that may free DMA memory).
-    fn remove_handle(&self, handle: u64) -> Option<Arc<Buffer>> {
+    fn remove_handle(&self, handle: u64) -> Option<Ref<'_, Arc<Buffer>>> {
         let mut h = self.state.handles.lock();
-        let buf = h.table.remove(handle)?;
+        let buf = self.state.table.remove(&mut h.slots, handle)?;
         h.uncharge(buf.channel(), buf.charged());
         Some(buf)
     }
@@ -544,28 +561,56 @@ impl TdrvFile {
         Ok(())
     }
 
+    /// BUF_INFO is the cheapest query of a buffer, so it does the least:
+    /// for a caller of this ABI's struct size it copies the struct in a
+    /// word at a time and copies out only the words of the out fields, in
+    /// one user-access section each (see `glue::get_user_words`); the
+    /// handle lookup takes no lock. Other sizes take the general path, with
+    /// the same result.
     fn buf_info(&self, arg: &ArgBuf) -> Result {
-        let a: BufInfo = arg.read()?;
+        // Words 1..9 are `size` to `pad2`: all the out fields, and `pad`
+        // and `pad2`, which were zero and are written as zero.
+        const OUT: core::ops::Range<usize> = 1..9;
+        const _: () = assert!(
+            core::mem::offset_of!(BufInfo, size) == OUT.start * 8
+                && core::mem::offset_of!(BufInfo, reserved) == OUT.end * 8
+                && core::mem::size_of::<BufInfo>() == OUT.end * 8 + 8
+        );
+        let exact = arg.is_exactly::<BufInfo>();
+        let a: BufInfo = if exact {
+            arg.read_words()?
+        } else {
+            arg.read()?
+        };
         // (`error` is output only: a reused struct may carry one.)
         if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
             return Err(EINVAL);
         }
-        let buf = self.buffer(a.handle)?;
-        let c = buf.fence.counts();
-        arg.write(&BufInfo {
-            handle: a.handle,
-            size: buf.size() as u64,
-            dma_addr: self.visible_dma_addr(&buf),
-            mmap_offset: mmap::offset_of_handle(a.handle),
-            pending_reads: c.reads,
-            pending_writes: c.writes,
-            completion_count: c.completions,
-            channel: buf.channel(),
-            pad: 0,
-            error: c.error,
-            pad2: 0,
-            reserved: 0,
-        })
+        let out = {
+            let buf = self.state.table.get(a.handle).ok_or(ENOENT)?;
+            let c = buf.fence.counts();
+            BufInfo {
+                handle: a.handle,
+                size: buf.size() as u64,
+                dma_addr: self.visible_dma_addr(&buf),
+                mmap_offset: mmap::offset_of_handle(a.handle),
+                pending_reads: c.reads,
+                pending_writes: c.writes,
+                completion_count: c.completions,
+                channel: buf.channel(),
+                pad: 0,
+                error: c.error,
+                pad2: 0,
+                reserved: 0,
+            }
+        };
+        if exact {
+            // The caller's `handle` and `reserved` already hold what the
+            // general path would write.
+            arg.write_words(&out, OUT)
+        } else {
+            arg.write(&out)
+        }
     }
 
     /// Validates a transfer argument and returns its buffer and range.

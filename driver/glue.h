@@ -21,6 +21,8 @@ bool tdrv_fatal_signal_pending(void);
 void tdrv_cond_resched(void);
 bool tdrv_capable_rawio(void);
 const struct attribute_group **tdrv_node_groups_get(void);
+int tdrv_get_user_words(u64 *dst, const u64 __user *src, unsigned int words);
+int tdrv_put_user_words(u64 __user *dst, const u64 *src, unsigned int words);
 
 /* Implemented in Rust (node.rs). */
 u64 tdrv_node_busy_ns(struct miscdevice *misc);

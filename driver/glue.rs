@@ -3,7 +3,14 @@
 //! Safe wrappers of the C helpers in `glue.c`: the few static inlines and
 //! macros that 7.2's Rust bindings do not reach.
 
-use kernel::{bindings, prelude::*};
+use kernel::{
+    bindings,
+    prelude::*,
+    transmute::{
+        AsBytes,
+        FromBytes, //
+    }, //
+};
 
 mod ffi {
     extern "C" {
@@ -20,6 +27,16 @@ mod ffi {
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
         pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
+        pub(super) fn tdrv_get_user_words(
+            dst: *mut u64,
+            src: *const u64,
+            words: core::ffi::c_uint,
+        ) -> core::ffi::c_int;
+        pub(super) fn tdrv_put_user_words(
+            dst: *mut u64,
+            src: *const u64,
+            words: core::ffi::c_uint,
+        ) -> core::ffi::c_int;
     }
 }
 
@@ -154,4 +171,57 @@ pub(crate) fn capable_rawio() -> bool {
 pub(crate) fn node_groups() -> *mut *const bindings::attribute_group {
     // SAFETY: Returns the address of a static, NULL-terminated array.
     unsafe { ffi::tdrv_node_groups_get() }
+}
+
+/// Checks that `T` is a whole number of aligned 64-bit words.
+const fn assert_words<T>() {
+    assert!(core::mem::size_of::<T>() % 8 == 0 && core::mem::align_of::<T>() >= 8);
+}
+
+/// Reads a `T` (a whole number of 64-bit words) from user address `addr`
+/// a word at a time: cheaper than `UserSliceReader` for a few words.
+/// EFAULT on a fault.
+pub(crate) fn get_user_words<T: FromBytes>(addr: usize) -> Result<T> {
+    const { assert_words::<T>() };
+    let mut value = core::mem::MaybeUninit::<T>::uninit();
+    let words = u32::try_from(core::mem::size_of::<T>() / 8).map_err(|_| EINVAL)?;
+    // SAFETY: `value` is valid for writes of `words` aligned words; the C
+    // side checks the user range and handles faults. No Rust reference to
+    // `value` exists during the call.
+    let r =
+        unsafe { ffi::tdrv_get_user_words(value.as_mut_ptr().cast(), addr as *const u64, words) };
+    if r != 0 {
+        return Err(Error::from_errno(r));
+    }
+    // SAFETY: The call succeeded, so every byte of `value` was written, and
+    // any bytes are a valid `T` (`FromBytes`).
+    Ok(unsafe { value.assume_init() })
+}
+
+/// Writes the 64-bit words `words` of `value` to user address `addr` (the
+/// address of `value`'s first word) a word at a time: cheaper than
+/// `UserSliceWriter` for a few words. EFAULT on a fault, EINVAL if `words`
+/// is not inside `T`.
+pub(crate) fn put_user_words<T: AsBytes>(
+    addr: usize,
+    value: &T,
+    words: core::ops::Range<usize>,
+) -> Result {
+    const { assert_words::<T>() };
+    if words.start > words.end || words.end > core::mem::size_of::<T>() / 8 {
+        return Err(EINVAL);
+    }
+    let len = u32::try_from(words.len()).map_err(|_| EINVAL)?;
+    let src = core::ptr::from_ref(value)
+        .cast::<u64>()
+        .wrapping_add(words.start);
+    let dst = addr.wrapping_add(words.start * 8) as *mut u64;
+    // SAFETY: `src` points to `words.len()` initialised (`AsBytes`), aligned
+    // words inside `*value`, borrowed for the call; the C side checks the
+    // user range and handles faults.
+    let r = unsafe { ffi::tdrv_put_user_words(dst, src, len) };
+    if r != 0 {
+        return Err(Error::from_errno(r));
+    }
+    Ok(())
 }

@@ -32,6 +32,8 @@ use kernel::{
     }, //
 };
 
+use crate::glue;
+
 pub(crate) const ABI_MAJOR: u32 = 1;
 pub(crate) const ABI_MINOR: u32 = 2;
 
@@ -455,6 +457,35 @@ impl ArgBuf {
             }
         }
         T::from_bytes_copy(&bytes[..ours]).ok_or(EINVAL)
+    }
+
+    /// Whether the caller's struct has exactly the size of our `T`: then a
+    /// handler may use [`ArgBuf::read_words`] and [`ArgBuf::write_words`],
+    /// with the result [`ArgBuf::read`] and [`ArgBuf::write`] would give.
+    pub(crate) fn is_exactly<T>(&self) -> bool {
+        self.size == core::mem::size_of::<T>()
+    }
+
+    /// Reads the caller's struct, of exactly our size, a 64-bit word at a
+    /// time ([`glue::get_user_words`]): for small, hot ioctls.
+    pub(crate) fn read_words<T: FromBytes>(&self) -> Result<T> {
+        if !self.is_exactly::<T>() {
+            return Err(EINVAL);
+        }
+        glue::get_user_words(self.addr)
+    }
+
+    /// Writes the 64-bit words `words` of `value` over the caller's struct,
+    /// of exactly our size, a word at a time ([`glue::put_user_words`]).
+    pub(crate) fn write_words<T: AsBytes>(
+        &self,
+        value: &T,
+        words: core::ops::Range<usize>,
+    ) -> Result {
+        if !self.is_exactly::<T>() {
+            return Err(EINVAL);
+        }
+        glue::put_user_words(self.addr, value, words)
     }
 
     /// Writes `value`, the output field of a `T` at byte `offset`, into the

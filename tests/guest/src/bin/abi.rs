@@ -33,7 +33,7 @@ fn arg_size(request: u64) -> usize {
 
 fn main() {
     let (dev, _, _) = open_device_or_skip("/dev/tdrv0", None);
-    let mut t = Tap::new(12);
+    let mut t = Tap::new(13);
 
     t.run(
         "version reports ABI 1 and features",
@@ -127,6 +127,51 @@ fn main() {
             )
             .map(drop)
             .map_err(|e| format!("VERSION with zero tail: errno {e}"))
+        },
+    );
+
+    // BUF_INFO reads and writes single fields for a struct of this ABI's
+    // size, and the whole struct otherwise: the answers must agree, and
+    // every out field must be overwritten, whatever it held.
+    t.run(
+        "BUF_INFO answers alike for this ABI's struct and a larger one",
+        || -> Result<(), String> {
+            let a = dev
+                .alloc(5000, 0)
+                .map_err(|e| format!("alloc: errno {e}"))?;
+            let ours = size_of::<tdrv_buf_info>();
+            let ask = |size: usize| -> Result<Vec<u8>, String> {
+                let mut buf = vec![0x5au8; size];
+                buf[..8].copy_from_slice(&a.handle.to_ne_bytes());
+                // pad, pad2 and reserved must be zero; the rest is output.
+                for f in [60..64, 68..ours, ours..size] {
+                    buf[f].fill(0);
+                }
+                // SAFETY: `buf` is a live heap buffer of the size encoded in
+                // the request.
+                unsafe {
+                    dev.ioctl_addr(
+                        request_with_size(TDRV_IOC_BUF_INFO, size),
+                        buf.as_mut_ptr() as usize,
+                    )
+                }
+                .map_err(|e| format!("BUF_INFO of {size} bytes: errno {e}"))?;
+                Ok(buf)
+            };
+            let exact = ask(ours)?;
+            let larger = ask(ours + 16)?;
+            expect_eq("same answer", &exact[..], &larger[..ours])?;
+            expect_eq("tail untouched", &larger[ours..], &[0u8; 16][..])?;
+            let want = dev
+                .buf_info(a.handle)
+                .map_err(|e| format!("buf_info: errno {e}"))?;
+            expect_eq("size", want.size, 5000)?;
+            // SAFETY: `tdrv_buf_info` is plain old data of `ours` bytes.
+            let want = unsafe {
+                std::slice::from_raw_parts((&want as *const tdrv_buf_info).cast::<u8>(), ours)
+            };
+            expect_eq("as BUF_INFO of a zeroed struct", &exact[..], want)?;
+            dev.free(a.handle).map_err(|e| format!("free: errno {e}"))
         },
     );
 
@@ -225,6 +270,16 @@ fn main() {
             };
             expect_err(
                 "buf_info.reserved",
+                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
+                libc::EINVAL,
+            )?;
+            let mut bi = tdrv_buf_info {
+                handle: h,
+                reserved: 1 << 63,
+                ..Default::default()
+            };
+            expect_err(
+                "buf_info.reserved high bit",
                 dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
                 libc::EINVAL,
             )?;
