@@ -161,90 +161,190 @@ fn epoch_of(storage: &Storage) -> u64 {
 }
 
 /// Freed view blocks kept for reuse, so that a slice (or any new view)
-/// usually costs no heap allocation: each thread keeps up to
-/// [`pool::CAPACITY`] blocks of the views it dropped, and takes from them
-/// before asking the allocator. A block moves freely between threads (it is
-/// plain memory of `ViewInner`'s layout); the pool of a thread is freed
-/// when the thread exits.
+/// usually costs no heap allocation (see DESIGN.md, "Slicing without an
+/// allocation"). Each thread keeps up to [`pool::CAPACITY`] blocks of the
+/// views it dropped: one in a slot that `slice` and `drop` reach inline,
+/// the others in a list threaded through the blocks themselves. A block
+/// moves freely between threads (it is plain memory of `ViewInner`'s
+/// layout).
+///
+/// The pool is a thread-local without a destructor, whose accesses are
+/// plain loads and stores (a thread-local with one tests its registration
+/// state at every access); a second, empty thread-local (`GUARD`) is
+/// registered when the thread first keeps a block and frees the pool when
+/// the thread exits.
 mod pool {
     use super::ViewInner;
     use std::alloc::Layout;
     use std::cell::Cell;
     use std::ptr::{self, NonNull};
 
-    /// Blocks a thread keeps at most: enough for the views a loop makes
-    /// and drops, small enough (`CAPACITY * size_of::<ViewInner>()`, under
-    /// 4 KiB) not to matter as idle memory.
+    /// Blocks a thread keeps at most (the slot and the list): enough for
+    /// the views a loop makes and drops, small enough
+    /// (`CAPACITY * size_of::<ViewInner>()`, under 4 KiB) not to matter as
+    /// idle memory.
     pub(super) const CAPACITY: usize = 32;
 
-    struct Pool {
-        len: Cell<usize>,
-        /// `blocks[..len]` are unused blocks allocated with `ViewInner`'s
-        /// layout; the rest are null.
-        blocks: [Cell<*mut ViewInner>; CAPACITY],
-    }
+    /// The slot of a thread that keeps no block: before `GUARD` is
+    /// registered, and after it ran. Not null, so `give`'s test sends such
+    /// threads to `give_slow`; not a block, so `take`'s test ignores it.
+    const CLOSED: *mut ViewInner = ptr::without_provenance_mut(1);
 
-    impl Drop for Pool {
-        fn drop(&mut self) {
-            for b in &self.blocks[..self.len.get()] {
-                // SAFETY: every pooled block was allocated by the global
-                // allocator with this layout and is owned by the pool alone.
-                unsafe { std::alloc::dealloc(b.get().cast(), Layout::new::<ViewInner>()) };
-            }
-        }
+    struct Pool {
+        /// A spare block, null when empty, or `CLOSED`.
+        slot: Cell<*mut ViewInner>,
+        /// More spare blocks (null if none); each block's first word holds
+        /// the next one.
+        head: Cell<*mut ViewInner>,
+        /// Blocks in `head`'s list.
+        len: Cell<usize>,
+        /// Whether `GUARD` ran (or could not be registered): the thread
+        /// keeps no block any more.
+        gone: Cell<bool>,
     }
 
     thread_local! {
         static POOL: Pool = const {
             Pool {
+                slot: Cell::new(CLOSED),
+                head: Cell::new(ptr::null_mut()),
                 len: Cell::new(0),
-                blocks: [const { Cell::new(ptr::null_mut()) }; CAPACITY],
+                gone: Cell::new(false),
             }
         };
+        static GUARD: Guard = const { Guard };
     }
 
-    /// An unused block, if this thread has one.
+    struct Guard;
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            POOL.with(|p| {
+                p.gone.set(true);
+                let spare = p.slot.replace(CLOSED);
+                if spare != CLOSED {
+                    if let Some(b) = NonNull::new(spare) {
+                        free(b);
+                    }
+                }
+                let mut b = p.head.replace(ptr::null_mut());
+                p.len.set(0);
+                while let Some(block) = NonNull::new(b) {
+                    // SAFETY: a block in the list holds the next one in its
+                    // first word.
+                    b = unsafe { block.cast::<*mut ViewInner>().read() };
+                    free(block);
+                }
+            });
+        }
+    }
+
+    /// Returns an unused block to the allocator.
+    fn free(block: NonNull<ViewInner>) {
+        // SAFETY: every block came from the global allocator with this
+        // layout (directly, or through some thread's pool), and its owner
+        // gives it up here.
+        unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
+    }
+
+    /// This thread's spare block, if its slot holds one.
+    #[inline(always)]
     pub(super) fn take() -> Option<NonNull<ViewInner>> {
-        // `try_with` fails only while the thread's locals are being
-        // destroyed: then the allocator serves.
-        POOL.try_with(|p| {
-            let n = p.len.get().checked_sub(1)?;
-            p.len.set(n);
-            NonNull::new(p.blocks[n].replace(ptr::null_mut()))
+        POOL.with(|p| {
+            let block = p.slot.get();
+            // Neither null nor `CLOSED`: a block (addresses of blocks are
+            // above both).
+            if block.addr() <= CLOSED.addr() {
+                return None;
+            }
+            p.slot.set(ptr::null_mut());
+            // SAFETY: just checked non-null.
+            Some(unsafe { NonNull::new_unchecked(block) })
         })
-        .ok()
-        .flatten()
+    }
+
+    /// An unused block from this thread's list, if it has one (after
+    /// [`take`] found the slot empty).
+    #[inline(never)]
+    pub(super) fn take_listed() -> Option<NonNull<ViewInner>> {
+        POOL.with(|p| {
+            let block = NonNull::new(p.head.get())?;
+            // SAFETY: a block in the list holds the next one in its first
+            // word (see `give_slow`); taking it out makes it ours.
+            p.head.set(unsafe { block.cast::<*mut ViewInner>().read() });
+            p.len.set(p.len.get() - 1);
+            Some(block)
+        })
+    }
+
+    /// Puts `block` in this thread's slot if the slot is empty, and says
+    /// whether it did. The block's first word must stay valid until the
+    /// caller is done reading it (it is not written here).
+    #[inline(always)]
+    pub(super) fn give_to_slot(block: NonNull<ViewInner>) -> bool {
+        POOL.with(|p| {
+            let empty = p.slot.get().is_null();
+            if empty {
+                p.slot.set(block.as_ptr());
+            }
+            empty
+        })
     }
 
     /// Keeps `block`, which no handle uses any more, for reuse; frees it if
     /// this thread's pool is full or gone.
+    #[inline(always)]
     pub(super) fn give(block: NonNull<ViewInner>) {
-        let kept = POOL
-            .try_with(|p| {
-                let n = p.len.get();
-                if n == CAPACITY {
-                    return false;
-                }
-                p.blocks[n].set(block.as_ptr());
-                p.len.set(n + 1);
-                true
-            })
-            .unwrap_or(false);
-        if !kept {
-            // SAFETY: the block came from the global allocator with this
-            // layout (directly, or through some thread's pool), and its
-            // owner gives it up here.
-            unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
+        POOL.with(|p| {
+            if p.slot.get().is_null() {
+                p.slot.set(block.as_ptr());
+            } else {
+                give_slow(p, block);
+            }
+        })
+    }
+
+    #[inline(never)]
+    fn give_slow(p: &Pool, block: NonNull<ViewInner>) {
+        if p.slot.get() == CLOSED {
+            // The first block this thread keeps: make sure the pool is
+            // freed at exit. `try_with` fails once the thread's destructors
+            // have run; `gone` says `GUARD` has run.
+            if !p.gone.get() && GUARD.try_with(|_| ()).is_ok() {
+                p.slot.set(block.as_ptr());
+            } else {
+                p.gone.set(true);
+                free(block);
+            }
+            return;
         }
+        let n = p.len.get();
+        if n + 1 < CAPACITY {
+            // SAFETY: the block is unused memory of `ViewInner`'s layout
+            // (8-byte aligned, more than a pointer), ours to write.
+            unsafe { block.cast::<*mut ViewInner>().write(p.head.get()) };
+            p.head.set(block.as_ptr());
+            p.len.set(n + 1);
+        } else {
+            free(block);
+        }
+    }
+
+    /// Blocks this thread keeps now (tests).
+    #[cfg(test)]
+    pub(super) fn kept() -> usize {
+        POOL.with(|p| {
+            let slot = p.slot.get();
+            usize::from(!slot.is_null() && slot != CLOSED) + p.len.get()
+        })
     }
 }
 
 impl Tensor {
     /// Puts `view` in a block with one handle (from this thread's pool, or
     /// the heap), or fails cleanly.
-    #[inline(always)]
     fn from_view(view: View) -> Result<Tensor> {
-        let ptr = match pool::take() {
+        let ptr = match pool::take().or_else(pool::take_listed) {
             Some(block) => block,
             None => {
                 let layout = Layout::new::<ViewInner>();
@@ -265,7 +365,6 @@ impl Tensor {
         Ok(Tensor { ptr })
     }
 
-    #[inline(always)]
     fn new_view(
         name: Option<&str>,
         storage: Option<Arc<Storage>>,
@@ -295,12 +394,21 @@ impl Tensor {
         Self::with_storage(None, storage).expect("view")
     }
 
+    /// The block's address, without the tag.
+    #[inline(always)]
+    fn untagged(&self) -> *mut ViewInner {
+        let p = self.ptr.as_ptr();
+        p.wrapping_byte_sub(p.addr() & QUIET)
+    }
+
+    #[inline(always)]
     fn inner(&self) -> &ViewInner {
         // SAFETY: the untagged pointer is a live `ViewInner`: this handle
         // holds one of its counts.
-        unsafe { &*self.ptr.as_ptr().map_addr(|a| a & !QUIET) }
+        unsafe { &*self.untagged() }
     }
 
+    #[inline(always)]
     fn view(&self) -> &View {
         &self.inner().view
     }
@@ -314,9 +422,10 @@ impl Tensor {
         }
         // SAFETY: the count is 1 and we hold it through `&mut self`, so no
         // other handle exists and none can be made meanwhile.
-        Some(unsafe { &mut (*self.ptr.as_ptr().map_addr(|a| a & !QUIET)).view })
+        Some(unsafe { &mut (*self.untagged()).view })
     }
 
+    #[inline(always)]
     fn is_quiet(&self) -> bool {
         self.ptr.as_ptr().addr() & QUIET != 0
     }
@@ -363,13 +472,60 @@ impl Tensor {
         }
         // Pairs with the Release decrements of the other handles.
         fence(Ordering::Acquire);
-        let raw = self.ptr.as_ptr().map_addr(|a| a & !QUIET);
+        let raw = self.untagged();
         // SAFETY: the count reached 0: this was the last handle, so nothing
         // else can reach the block, and the view in it is dropped once, here.
         unsafe { std::ptr::drop_in_place(raw) };
         // SAFETY: `raw` is non-null (it came from a `NonNull`); the block is
         // unused from now on.
         pool::give(unsafe { NonNull::new_unchecked(raw) });
+    }
+
+    /// The common drop, inlined: no tracing, the view's last handle, no
+    /// name to free, a storage, and room in this thread's pool slot. Then
+    /// the view needs no atomic read-modify-write of its own (a count of 1
+    /// is this handle's alone: no other handle exists to clone or drop
+    /// concurrently) and its block goes to the slot. Returns `false`,
+    /// having changed nothing, in every other case.
+    #[inline(always)]
+    fn drop_fast(&mut self) -> bool {
+        if trace::enabled() {
+            return false;
+        }
+        let raw = self.untagged();
+        // SAFETY: as in `inner`.
+        let inner = unsafe { &*raw };
+        // Acquire: see every write other (now dropped) handles made before
+        // their Release decrement.
+        if inner.refs.load(Ordering::Acquire) != 1 || inner.view.name.is_some() {
+            return false;
+        }
+        let Some(storage) = &inner.view.storage else {
+            return false;
+        };
+        let storage: *const Storage = Arc::as_ptr(storage);
+        // SAFETY: `raw` came from a `NonNull`.
+        if !pool::give_to_slot(unsafe { NonNull::new_unchecked(raw) }) {
+            return false;
+        }
+        // The view is gone: its name was `None`, its storage reference is
+        // released below, and its other fields (counts, the coherency
+        // enforcer) own nothing.
+        // SAFETY: the view held one strong count of its storage, which is
+        // ours to release now that the view is gone.
+        unsafe { Arc::decrement_strong_count(storage) };
+        true
+    }
+
+    /// Every other drop (see [`Tensor::drop_fast`]).
+    #[inline(never)]
+    fn drop_general(&mut self) {
+        // Only users' handles are traced.
+        if trace::enabled() && !self.is_quiet() {
+            self.release_traced();
+        } else {
+            self.release();
+        }
     }
 
     /// Allocates a tensor of `size` bytes. `Device` placement allocates on
@@ -495,11 +651,61 @@ impl Tensor {
     /// assert!(half.slice(256, 512, None).is_err()); // past the parent view
     /// # Ok::<(), tdrv::Error>(())
     /// ```
+    #[inline]
     pub fn slice(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
+        // The common case (no name, a storage no job has counted, a block in
+        // this thread's pool) is inlined; everything else, errors included,
+        // takes the general path, which checks again in the documented
+        // order.
+        if name.is_none() {
+            if let Some(t) = self.slice_fast(offset, size) {
+                return Ok(t);
+            }
+        }
+        self.slice_general(offset, size, name)
+    }
+
+    /// [`Tensor::slice`] without a name, when it needs neither an ioctl nor
+    /// an allocation; `None` sends the caller to the general path.
+    #[inline(always)]
+    fn slice_fast(&self, offset: usize, size: usize) -> Option<Tensor> {
+        let view = self.view();
+        let storage = view.storage.as_ref()?;
+        if offset.checked_add(size)? > view.size || !storage.zero_baseline() {
+            return None;
+        }
+        let block = pool::take()?;
+        // SAFETY: `block` is an unused block of `ViewInner`'s layout taken
+        // out of the pool (which holds only blocks no handle points to any
+        // more).
+        unsafe {
+            block.as_ptr().write(ViewInner {
+                refs: AtomicUsize::new(1),
+                view: View {
+                    name: None,
+                    storage: Some(Arc::clone(storage)),
+                    // Cannot overflow: offset + size <= view.size, and
+                    // view.offset + view.size <= storage.size.
+                    offset: view.offset + offset,
+                    size,
+                    // Baseline 0: a baseline of 0 is 0 at every reset
+                    // epoch (see `completion::effective_baseline`), so the
+                    // epoch is not needed either.
+                    completion: AtomicU64::new(0),
+                    completion_epoch: AtomicU64::new(0),
+                    coherency: crate::coherency::CoherencyEnforcer::new(),
+                },
+            })
+        };
+        Some(Tensor { ptr: block })
+    }
+
+    #[inline(never)]
+    fn slice_general(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
         let storage = self.storage_for("slice")?;
         check_range("slice", offset, size, self.view().size)?;
         let baseline = match storage.dma() {
-            Some(b) if b.counted.load(Ordering::Acquire) => {
+            Some(b) if !storage.zero_baseline() => {
                 // Epoch first: a raw reset between the two reads then
                 // shows as a newer epoch, which zeroes the baseline.
                 let epoch = b.device.completion_epoch(b.handle);
@@ -608,8 +814,9 @@ impl Tensor {
     /// [`Device`] ioctls directly. Completion baselines stay right even if
     /// they submit jobs with it.
     pub fn dma_handle(&self) -> Option<u64> {
-        let b = self.view().storage.as_ref()?.dma()?;
-        b.counted.store(true, Ordering::Release);
+        let st = self.view().storage.as_ref()?;
+        let b = st.dma()?;
+        st.set_counted();
         Some(b.handle)
     }
 
@@ -644,7 +851,7 @@ impl Tensor {
         })?;
         // Others may write the buffer from now on: completion baselines
         // must be asked for.
-        b.counted.store(true, Ordering::Release);
+        storage.set_counted();
         Ok(b.device.export(b.handle)?)
     }
 
@@ -750,23 +957,36 @@ impl Clone for Tensor {
     }
 }
 
+impl Tensor {
+    /// A user's handle dropped while tracing: the seed's tensor_free, event
+    /// 28 around dropping one view reference (and, if it was the last, the
+    /// storage reference), with the seed's payload: the count before and
+    /// the HBM index.
+    #[cold]
+    #[inline(never)]
+    fn release_traced(&mut self) {
+        let name = self.name().to_owned();
+        let refs = self.inner().refs.load(Ordering::Relaxed) as u64;
+        let hbm = self.channel().map_or(-1, i64::from);
+        let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
+        self.release();
+    }
+}
+
 impl Drop for Tensor {
+    #[inline(always)]
     fn drop(&mut self) {
-        // The seed's tensor_free: event 28 around dropping one view
-        // reference (and, if it was the last, the storage reference), with
-        // the seed's payload: the count before and the HBM index. Only for
-        // users' handles.
-        if !self.is_quiet() && trace::enabled() {
-            let name = self.name().to_owned();
-            let refs = self.inner().refs.load(Ordering::Relaxed) as u64;
-            let hbm = self.channel().map_or(-1, i64::from);
-            let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
-            self.release();
-        } else {
-            self.release();
+        if !self.drop_fast() {
+            self.drop_general();
         }
     }
 }
+
+const _: () = {
+    // `drop_fast` drops a view by hand: these fields must own nothing.
+    assert!(!std::mem::needs_drop::<AtomicU64>());
+    assert!(!std::mem::needs_drop::<crate::coherency::CoherencyEnforcer>());
+};
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -216,9 +216,12 @@ impl Drop for Scope<'_> {
     }
 }
 
-/// Whether a sink is installed (to skip work only tracing needs).
+/// Whether a sink is (or was just) installed, to skip work only tracing
+/// needs; the scope itself checks for the sink again. One relaxed load: it
+/// is on every handle's drop.
+#[inline(always)]
 pub(crate) fn enabled() -> bool {
-    current().is_some()
+    ENABLED.load(Ordering::Relaxed)
 }
 
 /// Writes Chrome trace-event JSON (the "JSON array" format) to a file.
