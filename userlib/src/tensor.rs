@@ -14,7 +14,7 @@
 
 use std::alloc::Layout;
 use std::fmt;
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -71,8 +71,29 @@ pub(crate) struct View {
 
 /// The heap block of a view: its handle count and the view.
 struct ViewInner {
+    /// Handles to the view in the low bits ([`COUNT`]), plus the flags
+    /// [`NAMED`] and [`NO_STORAGE`], which never change while a second
+    /// handle exists: a drop learns "last handle of an unnamed view with a
+    /// storage" from one load (`refs == 1`).
     refs: AtomicUsize,
     view: View,
+}
+
+/// In `ViewInner::refs`: the view has a name of its own.
+const NAMED: usize = 1 << (usize::BITS - 1);
+/// In `ViewInner::refs`: the view has no storage.
+const NO_STORAGE: usize = 1 << (usize::BITS - 2);
+/// In `ViewInner::refs`: the bits of the handle count.
+const COUNT: usize = NO_STORAGE - 1;
+/// Handle counts above this abort (as `Arc` does above `isize::MAX`): a
+/// count this high means leaked handles, and the margin up to `COUNT`
+/// covers the increments racing threads make before one aborts.
+const MAX_REFS: usize = COUNT >> 1;
+
+/// The flags of `view` in `ViewInner::refs`.
+fn flags_of(view: &View) -> usize {
+    (if view.name.is_some() { NAMED } else { 0 })
+        | (if view.storage.is_none() { NO_STORAGE } else { 0 })
 }
 
 /// Set in a handle's pointer for internal handles, whose drop is not a user
@@ -178,6 +199,7 @@ mod pool {
     use std::alloc::Layout;
     use std::cell::Cell;
     use std::ptr::{self, NonNull};
+    use std::sync::atomic::AtomicUsize;
 
     /// Blocks a thread keeps at most (the slot and the list): enough for
     /// the views a loop makes and drops, small enough
@@ -191,7 +213,10 @@ mod pool {
     const CLOSED: *mut ViewInner = ptr::without_provenance_mut(1);
 
     struct Pool {
-        /// A spare block, null when empty, or `CLOSED`.
+        /// A spare block, null when empty, or `CLOSED`. A block here has
+        /// its `refs` (1, no flag) and `view.name` (`None`) written: what
+        /// they are after the drop of an unnamed view's last handle, so
+        /// that `drop` leaves them and `slice` does not write them.
         slot: Cell<*mut ViewInner>,
         /// More spare blocks (null if none); each block's first word holds
         /// the next one.
@@ -247,7 +272,8 @@ mod pool {
         unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
     }
 
-    /// This thread's spare block, if its slot holds one.
+    /// This thread's spare block, if its slot holds one: its `refs` is 1
+    /// and its `view.name` `None`, the other fields are not initialised.
     #[inline(always)]
     pub(super) fn take() -> Option<NonNull<ViewInner>> {
         POOL.with(|p| {
@@ -278,8 +304,7 @@ mod pool {
     }
 
     /// Puts `block` in this thread's slot if the slot is empty, and says
-    /// whether it did. The block's first word must stay valid until the
-    /// caller is done reading it (it is not written here).
+    /// whether it did. Its `refs` must be 1 and its `view.name` `None`.
     #[inline(always)]
     pub(super) fn give_to_slot(block: NonNull<ViewInner>) -> bool {
         POOL.with(|p| {
@@ -297,11 +322,24 @@ mod pool {
     pub(super) fn give(block: NonNull<ViewInner>) {
         POOL.with(|p| {
             if p.slot.get().is_null() {
-                p.slot.set(block.as_ptr());
+                into_slot(p, block);
             } else {
                 give_slow(p, block);
             }
         })
+    }
+
+    /// Puts an unused block in the (empty) slot, with the fields a block
+    /// there has written.
+    fn into_slot(p: &Pool, block: NonNull<ViewInner>) {
+        let b = block.as_ptr();
+        // SAFETY: the block is unused memory of `ViewInner`'s layout, ours
+        // to write.
+        unsafe {
+            ptr::addr_of_mut!((*b).refs).write(AtomicUsize::new(1));
+            ptr::addr_of_mut!((*b).view.name).write(None);
+        }
+        p.slot.set(b);
     }
 
     #[inline(never)]
@@ -311,7 +349,7 @@ mod pool {
             // freed at exit. `try_with` fails once the thread's destructors
             // have run; `gone` says `GUARD` has run.
             if !p.gone.get() && GUARD.try_with(|_| ()).is_ok() {
-                p.slot.set(block.as_ptr());
+                into_slot(p, block);
             } else {
                 p.gone.set(true);
                 free(block);
@@ -358,7 +396,7 @@ impl Tensor {
         // blocks no handle points to any more).
         unsafe {
             ptr.as_ptr().write(ViewInner {
-                refs: AtomicUsize::new(1),
+                refs: AtomicUsize::new(1 | flags_of(&view)),
                 view,
             })
         };
@@ -417,7 +455,7 @@ impl Tensor {
     fn view_mut(&mut self) -> Option<&mut View> {
         // Acquire: see every write other (now dropped) handles made before
         // their Release decrement.
-        if self.inner().refs.load(Ordering::Acquire) != 1 {
+        if self.inner().refs.load(Ordering::Acquire) & COUNT != 1 {
             return None;
         }
         // SAFETY: the count is 1 and we hold it through `&mut self`, so no
@@ -433,7 +471,7 @@ impl Tensor {
     /// Another handle to this view, counted like a clone.
     fn counted(&self, quiet: bool) -> Tensor {
         let old = self.inner().refs.fetch_add(1, Ordering::Relaxed);
-        if old > isize::MAX as usize {
+        if old & COUNT > MAX_REFS {
             // As `Arc`: a count this high means leaked handles; wrapping
             // would free a live view.
             std::process::abort();
@@ -467,7 +505,7 @@ impl Tensor {
 
     /// Drops this handle's count, freeing the view at the last one.
     fn release(&mut self) {
-        if self.inner().refs.fetch_sub(1, Ordering::Release) != 1 {
+        if self.inner().refs.fetch_sub(1, Ordering::Release) & COUNT != 1 {
             return;
         }
         // Pairs with the Release decrements of the other handles.
@@ -496,13 +534,13 @@ impl Tensor {
         // SAFETY: as in `inner`.
         let inner = unsafe { &*raw };
         // Acquire: see every write other (now dropped) handles made before
-        // their Release decrement.
-        if inner.refs.load(Ordering::Acquire) != 1 || inner.view.name.is_some() {
+        // their Release decrement. Exactly 1: no flag, so no name and a
+        // storage.
+        if inner.refs.load(Ordering::Acquire) != 1 {
             return false;
         }
-        let Some(storage) = &inner.view.storage else {
-            return false;
-        };
+        // SAFETY: `NO_STORAGE` is clear.
+        let storage = unsafe { inner.view.storage.as_ref().unwrap_unchecked() };
         let storage: *const Storage = Arc::as_ptr(storage);
         // SAFETY: `raw` came from a `NonNull`.
         if !pool::give_to_slot(unsafe { NonNull::new_unchecked(raw) }) {
@@ -518,6 +556,7 @@ impl Tensor {
     }
 
     /// Every other drop (see [`Tensor::drop_fast`]).
+    #[cold]
     #[inline(never)]
     fn drop_general(&mut self) {
         // Only users' handles are traced.
@@ -624,6 +663,8 @@ impl Tensor {
         view.size = size;
         *view.completion.get_mut() = 0;
         *view.completion_epoch.get_mut() = 0;
+        // The only handle: no one else reads the flags now.
+        self.inner().refs.fetch_and(!NO_STORAGE, Ordering::Relaxed);
         Ok(())
     }
 
@@ -653,11 +694,12 @@ impl Tensor {
     /// ```
     #[inline]
     pub fn slice(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
-        // The common case (no name, a storage no job has counted, a block in
-        // this thread's pool) is inlined; everything else, errors included,
-        // takes the general path, which checks again in the documented
-        // order.
-        if name.is_none() {
+        // The common case (a user's handle, no name, a storage no job has
+        // counted, a block in this thread's pool slot) is inlined, where
+        // the handle's tag is known to be clear; everything else, errors
+        // included, takes the general path, which checks again in the
+        // documented order.
+        if name.is_none() && !self.is_quiet() {
             if let Some(t) = self.slice_fast(offset, size) {
                 return Ok(t);
             }
@@ -670,38 +712,48 @@ impl Tensor {
     #[inline(always)]
     fn slice_fast(&self, offset: usize, size: usize) -> Option<Tensor> {
         let view = self.view();
+        // `offset + size <= view.size`, without an overflow check.
+        let room = view.size.checked_sub(size)?;
+        if offset > room {
+            return None;
+        }
         let storage = view.storage.as_ref()?;
-        if offset.checked_add(size)? > view.size || !storage.zero_baseline() {
+        if !storage.zero_baseline() {
             return None;
         }
         let block = pool::take()?;
+        let b = block.as_ptr();
         // SAFETY: `block` is an unused block of `ViewInner`'s layout taken
-        // out of the pool (which holds only blocks no handle points to any
-        // more).
+        // out of the pool slot (which holds only blocks no handle points to
+        // any more), with `refs` (1, no flag: unnamed, with a storage) and
+        // `view.name` (`None`) written; this writes every other field.
         unsafe {
-            block.as_ptr().write(ViewInner {
-                refs: AtomicUsize::new(1),
-                view: View {
-                    name: None,
-                    storage: Some(Arc::clone(storage)),
-                    // Cannot overflow: offset + size <= view.size, and
-                    // view.offset + view.size <= storage.size.
-                    offset: view.offset + offset,
-                    size,
-                    // Baseline 0: a baseline of 0 is 0 at every reset
-                    // epoch (see `completion::effective_baseline`), so the
-                    // epoch is not needed either.
-                    completion: AtomicU64::new(0),
-                    completion_epoch: AtomicU64::new(0),
-                    coherency: crate::coherency::CoherencyEnforcer::new(),
-                },
-            })
-        };
+            ptr::addr_of_mut!((*b).view.storage).write(Some(Arc::clone(storage)));
+            // Cannot overflow: offset + size <= view.size, and
+            // view.offset + view.size <= storage.size.
+            ptr::addr_of_mut!((*b).view.offset).write(view.offset + offset);
+            ptr::addr_of_mut!((*b).view.size).write(size);
+            // Baseline 0: a baseline of 0 is 0 at every reset epoch (see
+            // `completion::effective_baseline`), so the epoch is not needed
+            // either.
+            ptr::addr_of_mut!((*b).view.completion).write(AtomicU64::new(0));
+            ptr::addr_of_mut!((*b).view.completion_epoch).write(AtomicU64::new(0));
+            ptr::addr_of_mut!((*b).view.coherency).write(crate::coherency::CoherencyEnforcer::new());
+        }
         Some(Tensor { ptr: block })
     }
 
+    // Cold for the fast path's sake: the caller lays out the fast path as
+    // the straight line.
+    #[cold]
     #[inline(never)]
     fn slice_general(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
+        if name.is_none() && self.is_quiet() {
+            // The library's own handles (the C ABI's lookups) slice often.
+            if let Some(t) = self.slice_fast(offset, size) {
+                return Ok(t);
+            }
+        }
         let storage = self.storage_for("slice")?;
         check_range("slice", offset, size, self.view().size)?;
         let baseline = match storage.dma() {
@@ -763,7 +815,7 @@ impl Tensor {
     /// Handles to this view (the view refcount), the library's own
     /// included.
     pub fn view_ref_count(&self) -> usize {
-        self.inner().refs.load(Ordering::Acquire)
+        self.inner().refs.load(Ordering::Acquire) & COUNT
     }
 
     /// Views of this storage (the storage refcount); 0 for an empty tensor.
@@ -966,7 +1018,7 @@ impl Tensor {
     #[inline(never)]
     fn release_traced(&mut self) {
         let name = self.name().to_owned();
-        let refs = self.inner().refs.load(Ordering::Relaxed) as u64;
+        let refs = (self.inner().refs.load(Ordering::Relaxed) & COUNT) as u64;
         let hbm = self.channel().map_or(-1, i64::from);
         let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
         self.release();
