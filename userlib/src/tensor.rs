@@ -523,20 +523,18 @@ impl Tensor {
     /// name to free, a storage, and room in this thread's pool slot. Then
     /// the view needs no atomic read-modify-write of its own (a count of 1
     /// is this handle's alone: no other handle exists to clone or drop
-    /// concurrently) and its block goes to the slot. Returns `false`,
-    /// having changed nothing, in every other case.
+    /// concurrently) and its block goes to the slot as it is. Returns
+    /// `false`, having changed nothing, in every other case.
     #[inline(always)]
     fn drop_fast(&mut self) -> bool {
-        if trace::enabled() {
-            return false;
-        }
         let raw = self.untagged();
         // SAFETY: as in `inner`.
         let inner = unsafe { &*raw };
-        // Acquire: see every write other (now dropped) handles made before
-        // their Release decrement. Exactly 1: no flag, so no name and a
-        // storage.
-        if inner.refs.load(Ordering::Acquire) != 1 {
+        // Exactly 1 with tracing off (and never while it is on): the last
+        // handle, and no flag, so no name and a storage. Acquire: see every
+        // write other (now dropped) handles made before their Release
+        // decrement.
+        if inner.refs.load(Ordering::Acquire) != trace::untraced_last() {
             return false;
         }
         // SAFETY: `NO_STORAGE` is clear.
