@@ -287,11 +287,8 @@ mod tests {
     pub(crate) fn fake_dma_tensor(dma_addr: u64) -> (std::sync::Arc<Device>, Tensor) {
         let dev = Device::fake_for_tests();
         let buf = DmaBuffer::new(dev.clone(), 7, 0, dma_addr, None);
-        let t = Tensor::__from_storage_for_tests(Storage::__new_for_tests(
-            64,
-            Memory::Dma(buf),
-            true,
-        ));
+        let t =
+            Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf), true));
         (dev, t)
     }
 

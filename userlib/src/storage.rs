@@ -292,7 +292,8 @@ impl Storage {
 
     /// Marks a `Dma` buffer as counted (see [`Storage::counted`]).
     pub(crate) fn set_counted(&self) {
-        self.counted.store(true, std::sync::atomic::Ordering::Release);
+        self.counted
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     pub(crate) fn dma(&self) -> Option<&DmaBuffer> {
