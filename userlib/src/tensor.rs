@@ -185,19 +185,13 @@ fn epoch_of(storage: &Storage) -> u64 {
         .map_or(0, |b| b.device.completion_epoch(b.handle))
 }
 
-/// Freed view blocks kept for reuse, so that a slice (or any new view)
-/// usually costs no heap allocation (see DESIGN.md, "Slicing without an
-/// allocation"). Each thread keeps up to [`pool::CAPACITY`] blocks of the
-/// views it dropped: one in a slot that `slice` and `drop` reach inline,
-/// the others in a list threaded through the blocks themselves. A block
-/// moves freely between threads (it is plain memory of `ViewInner`'s
-/// layout).
-///
-/// The pool is a thread-local without a destructor, whose accesses are
-/// plain loads and stores (a thread-local with one tests its registration
-/// state at every access); a second, empty thread-local (`GUARD`) is
-/// registered when the thread first keeps a block and frees the pool when
-/// the thread exits.
+/// Freed view blocks kept for reuse, per thread (DESIGN.md, "Slicing
+/// without an allocation", says why this shape): up to [`pool::CAPACITY`]
+/// blocks, one in a slot that `slice` and `drop` reach inline, the others
+/// in a list threaded through the blocks themselves. `POOL` has no
+/// destructor; `GUARD`, registered when the thread first keeps a block,
+/// frees the blocks when the thread exits. A block moves freely between
+/// threads (it is plain memory of `ViewInner`'s layout).
 mod pool {
     use super::ViewInner;
     use std::alloc::Layout;
