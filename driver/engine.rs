@@ -71,21 +71,30 @@ pub(crate) trait Engine: Send + Sync {
     /// recovers from a stuck transfer.
     fn submit(&self, job: ListArc<Job>) -> Result;
 
+    /// Whether [`Engine::claim`] could take a job of `bytes` bytes in
+    /// `descs` transfers, checked before the job exists: the core then
+    /// keeps such a job on the submitter's stack (no allocation), and
+    /// moves it to the heap if the engine does not take it.
+    fn may_claim(&self, _bytes: u64, _descs: usize) -> bool {
+        false
+    }
+
     /// Claims the idle engine for `job`, to be run by the submitting
     /// thread itself with [`Engine::run_claimed`] once it has dropped its
     /// locks; false if the job must be queued with [`Engine::submit`]. An
     /// engine claimed this way holds back every later job until the claimed
-    /// one completed, as if it were queued first. Only for a job with no
-    /// in-fences, called under its file's tracker lock (so a file's jobs
-    /// still reach the engine in id order).
+    /// one completed, as if it were queued first. Only for a job without
+    /// fences that [`Engine::may_claim`] allowed, called under its file's
+    /// tracker lock (so a file's jobs still reach the engine in id order).
     fn claim(&self, _job: &Job) -> bool {
         false
     }
 
     /// Runs and completes `job`, for which [`Engine::claim`] returned
     /// true, in the caller's context, then hands the engine to the jobs
-    /// queued meanwhile. Never called unless `claim` can return true.
-    fn run_claimed(&self, job: ListArc<Job>) {
+    /// queued meanwhile; the caller drops the job afterwards. Never called
+    /// unless `claim` can return true.
+    fn run_claimed(&self, job: &Job) {
         job.complete(Err(EINVAL));
     }
 
@@ -168,6 +177,78 @@ pub(crate) trait Engine: Send + Sync {
     /// (tests only); EINVAL for commands the engine does not know.
     fn inject(&self, _cmd: &[u8]) -> Result {
         Err(EINVAL)
+    }
+}
+
+/// The `hold_job` and `release` fault injection (debugfs `inject`, tests
+/// only), kept under an engine's queue lock: `hold_job` makes the engine
+/// hold the next job it would start, and start no job at all while it
+/// holds one, until `release`. A test thus gets a busy engine with a
+/// queue that does not move, on any device and clock, without depending
+/// on how long a job takes.
+///
+/// The held job stays queued, never started: closing its file cancels it
+/// like any queued job, which ends the hold (the engine serves the other
+/// files again), and a stopped engine ignores the hold, so neither close
+/// nor unbind nor `rmmod` ever waits for a `release`.
+#[derive(Default)]
+pub(crate) struct Hold {
+    /// `hold_job` was written and no job has been caught yet.
+    armed: bool,
+    /// The held job's address: only compared, never dereferenced.
+    held: Option<usize>,
+}
+
+impl Hold {
+    /// `hold_job`: EBUSY while a hold is armed or a job held.
+    pub(crate) fn arm(&mut self) -> Result {
+        if self.armed || self.held.is_some() {
+            return Err(EBUSY);
+        }
+        self.armed = true;
+        Ok(())
+    }
+
+    /// Whether the engine must leave `job`, the next job it would start,
+    /// queued: it is held (an armed hold catches it), or another is.
+    pub(crate) fn holds(&mut self, job: &Job) -> bool {
+        if self.armed && self.held.is_none() {
+            self.armed = false;
+            self.held = Some(core::ptr::from_ref(job) as usize);
+        }
+        self.held.is_some()
+    }
+
+    /// Whether a job is held, or an armed hold would catch the next one.
+    pub(crate) fn active(&self) -> bool {
+        self.armed || self.held.is_some()
+    }
+
+    /// Whether a job is held.
+    pub(crate) fn holding(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// `release` (or shutdown): ends the hold and disarms it; true if a
+    /// job was held.
+    pub(crate) fn release(&mut self) -> bool {
+        self.armed = false;
+        self.held.take().is_some()
+    }
+
+    /// The engine took `jobs` out of its queue (their file closed): if the
+    /// held job is one of them, the hold ends. True if it did.
+    pub(crate) fn taken(&mut self, jobs: &List<Job>) -> bool {
+        let Some(held) = self.held else {
+            return false;
+        };
+        // The jobs are alive (in `jobs`), so no other job has the held
+        // job's address.
+        if jobs.iter().any(|j| core::ptr::from_ref::<Job>(&*j) as usize == held) {
+            self.held = None;
+            return true;
+        }
+        false
     }
 }
 

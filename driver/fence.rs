@@ -12,15 +12,14 @@
 //! the process behind one global mutex/condvar pair, each buffer has its own
 //! lock and wait queue: waiters on different buffers never wake each other.
 //! Wake-ups happen only when a watched quantity changes in a way a waiter
-//! can care about (a counter reaching zero, a completion), under the same
-//! lock the waiter sleeps on, so none is lost.
+//! can care about (a counter reaching zero, a completion), and only if a
+//! waiter sleeps (see `waitqueue.rs`, which also says why none is lost).
 
 use kernel::{
     new_condvar,
     new_mutex,
     prelude::*,
     sync::{
-        CondVar,
         CondVarTimeoutResult,
         Mutex, //
     },
@@ -28,6 +27,11 @@ use kernel::{
         msecs_to_jiffies,
         Jiffies, //
     }, //
+};
+
+use crate::waitqueue::{
+    Sleepers,
+    WaitQueue, //
 };
 
 use crate::uapi::{
@@ -70,7 +74,10 @@ pub(crate) struct FenceCounts {
     pub(crate) writes: u64,
     /// Synchronous CPU accesses (COPY_IN, COPY_OUT, MEMSET, COPY) in
     /// progress: jobs are not queued on the buffer while any is.
-    pub(crate) cpu: u64,
+    pub(crate) cpu: u32,
+    /// Threads asleep on the fence's wait queue, or about to be: a change
+    /// wakes the queue only if there are any.
+    waiters: u32,
     /// Jobs that finished writing the buffer since the last reset.
     pub(crate) completions: u64,
     /// Error latch: the negative errno of the last job that failed while
@@ -80,6 +87,12 @@ pub(crate) struct FenceCounts {
     pub(crate) error: i32,
     /// Set when the device is gone: waits end with ENODEV.
     pub(crate) dead: bool,
+}
+
+impl Sleepers for FenceCounts {
+    fn sleepers(&mut self) -> &mut u32 {
+        &mut self.waiters
+    }
 }
 
 impl FenceCounts {
@@ -96,14 +109,14 @@ pub(crate) struct Fence {
     #[pin]
     counts: Mutex<FenceCounts>,
     #[pin]
-    cv: CondVar,
+    wq: WaitQueue,
 }
 
 impl Fence {
     pub(crate) fn new() -> impl PinInit<Self> {
         pin_init!(Self {
             counts <- new_mutex!(FenceCounts::default(), "Fence::counts"),
-            cv <- new_condvar!("Fence::cv"),
+            wq <- WaitQueue::new(new_condvar!("Fence::cv")),
         })
     }
 
@@ -139,7 +152,7 @@ impl Fence {
             if c.dead {
                 return Err(ENODEV);
             }
-            if self.cv.wait_interruptible(&mut c) {
+            if self.wq.wait_interruptible(&mut c) {
                 return Err(ERESTARTSYS);
             }
         }
@@ -160,7 +173,7 @@ impl Fence {
                 c.cpu += 1;
                 return Ok(());
             }
-            if self.cv.wait_interruptible(&mut c) {
+            if self.wq.wait_interruptible(&mut c) {
                 return Err(ERESTARTSYS);
             }
         }
@@ -171,7 +184,7 @@ impl Fence {
         let mut c = self.counts.lock();
         c.cpu = c.cpu.saturating_sub(1);
         if c.cpu == 0 {
-            self.cv.notify_all();
+            self.wq.wake_all(c);
         }
     }
 
@@ -204,7 +217,7 @@ impl Fence {
             c.error = errno;
         }
         if drained || (write && completed) || errno != 0 {
-            self.cv.notify_all();
+            self.wq.wake_all(c);
         }
     }
 
@@ -231,8 +244,9 @@ impl Fence {
 
     /// Marks the fence dead (device removed) and wakes every waiter.
     pub(crate) fn kill(&self) {
-        self.counts.lock().dead = true;
-        self.cv.notify_all();
+        let mut c = self.counts.lock();
+        c.dead = true;
+        self.wq.wake_all(c);
     }
 
     /// Waits until `done` holds for the counters; returns the counters it
@@ -269,11 +283,11 @@ impl Fence {
             match timeout {
                 Timeout::Poll => return Err((ETIMEDOUT, *c)),
                 Timeout::Forever => {
-                    if self.cv.wait_interruptible(&mut c) {
+                    if self.wq.wait_interruptible(&mut c) {
                         return Err((ERESTARTSYS, *c));
                     }
                 }
-                Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut c, left) {
+                Timeout::Jiffies(_) => match self.wq.wait_interruptible_timeout(&mut c, left) {
                     CondVarTimeoutResult::Woken { jiffies } => left = jiffies,
                     CondVarTimeoutResult::Timeout => {
                         return if done(&c) {

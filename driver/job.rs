@@ -4,9 +4,9 @@
 //!
 //! Life of a job:
 //! 1. `TDRV_IOC_SUBMIT` resolves the descriptors into [`Transfer`]s, which
-//!    hold references to their buffers, and [`Job::new`] marks a pending
-//!    device read on every source and a pending device write on every
-//!    destination (the seed's `tensor_async_update(.., release = false)`),
+//!    hold references to their buffers, and [`JobTracker::submit`] marks a
+//!    pending device read on every source and a pending device write on
+//!    every destination (the seed's `tensor_async_update(.., release = false)`),
 //!    waiting first for synchronous CPU copies of those buffers to end.
 //! 2. [`JobTracker::submit`] gives it the file's next id and hands it to
 //!    the device's engine (`engine.rs`), within the file's limits. A job
@@ -17,7 +17,8 @@
 //!    job itself, after the tracker lock is dropped
 //!    ([`Engine::claim`](crate::engine::Engine::claim);
 //!    the software device does, see `backends/soft.rs`): the job is then
-//!    complete, and its waiters woken, before SUBMIT returns.
+//!    complete, and its waiters woken, before SUBMIT returns. Such a job
+//!    lives on the submitter's stack, so a small job allocates nothing.
 //! 3. The engine runs the transfers and calls [`Job::complete`] exactly
 //!    once, with the result. That drops the pending marks (waking fence
 //!    waiters when a count reaches zero), bumps the completion count of
@@ -52,7 +53,6 @@ use kernel::{
             Release, //
         },
         Arc,
-        CondVar,
         CondVarTimeoutResult,
         Mutex, //
     },
@@ -81,6 +81,10 @@ use crate::{
     uapi::{
         ecanceled,
         estale, //
+    },
+    waitqueue::{
+        Sleepers,
+        WaitQueue, //
     }, //
 };
 
@@ -238,14 +242,37 @@ fn mark(transfers: &[Transfer]) -> Result {
 }
 
 impl Job {
+    /// A job of `tracker`'s file on `device`, not yet submitted.
+    fn new(
+        tracker: &Arc<JobTracker>,
+        device: &Arc<TdrvDevice>,
+        transfers: Transfers,
+        bytes: u64,
+        in_fences: Option<InFences>,
+        out_fence: Option<OutFence>,
+    ) -> impl PinInit<Self, Error> {
+        let ready = in_fences.is_none();
+        let tracker = tracker.clone();
+        let device = device.clone();
+        try_pin_init!(Job {
+            id: Atomic::new(0),
+            transfers,
+            bytes,
+            tracker,
+            device,
+            started_ns: Atomic::new(0),
+            outcome: Atomic::new(NO_OUTCOME),
+            reported: Atomic::new(false),
+            in_fences,
+            deps_ready: Atomic::new(ready),
+            out_fence,
+            links <- ListLinks::new(),
+        }? Error)
+    }
+
     /// The bytes `transfers` move.
     pub(crate) fn total_bytes(transfers: &[Transfer]) -> u64 {
         transfers.iter().map(|t| t.src_range.len as u64).sum()
-    }
-
-    /// The bytes the job moves.
-    pub(crate) fn bytes(&self) -> u64 {
-        self.bytes
     }
 
     /// True once the submitting file has closed: the engine drops the job
@@ -406,6 +433,14 @@ struct TrackerState {
     /// waiting for in-fences, and every later job of the file (a file's
     /// jobs reach the engine in id order).
     held: List<Job>,
+    /// Threads in `TDRV_IOC_JOB_WAIT`, asleep or about to be.
+    sleepers: u32,
+}
+
+impl Sleepers for TrackerState {
+    fn sleepers(&mut self) -> &mut u32 {
+        &mut self.sleepers
+    }
 }
 
 /// The jobs of one open file: ids, limits, outcomes and their waiters.
@@ -414,9 +449,12 @@ pub(crate) struct JobTracker {
     #[pin]
     state: Mutex<TrackerState>,
     #[pin]
-    cv: CondVar,
+    wq: WaitQueue,
     /// Set when the file is released.
     closed: Atomic<bool>,
+    /// `TrackerState::queued`, copied there under the lock: SUBMIT refuses
+    /// a file at its job cap early without taking the lock.
+    queued_hint: Atomic<u32>,
     /// Nanoseconds the engine spent on this file's jobs.
     pub(crate) busy_ns: Atomic<u64>,
     /// Hands held jobs to the engine once their in-fences signalled.
@@ -455,11 +493,13 @@ impl JobTracker {
                         queued: 0,
                         inflight_bytes: 0,
                         held: List::new(),
+                        sleepers: 0,
                     },
                     "JobTracker::state"
                 ),
-                cv <- new_condvar!("JobTracker::cv"),
+                wq <- WaitQueue::new(new_condvar!("JobTracker::cv")),
                 closed: Atomic::new(false),
+                queued_hint: Atomic::new(0),
                 busy_ns: Atomic::new(0),
                 dispatch <- new_work!("JobTracker::dispatch"),
             }),
@@ -488,37 +528,54 @@ impl JobTracker {
     pub(crate) fn submit(
         self: &Arc<Self>,
         device: &Arc<TdrvDevice>,
-        transfers: Transfers,
+        mut transfers: Transfers,
         limits: &Limits,
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,
     ) -> Result<u64> {
         let bytes = Job::total_bytes(&transfers);
-        // Cheap early refusal, before any allocation or waiting.
-        self.check_limits(&self.state.lock(), bytes, limits)?;
-        let ready = in_fences.is_none();
+        // Cheap early refusal, before any allocation or waiting; checked
+        // again under the lock.
+        if self.queued_hint.load(Relaxed) >= limits.jobs {
+            return Err(EAGAIN);
+        }
+        if in_fences.is_none()
+            && out_fence.is_none()
+            && device.engine().may_claim(bytes, transfers.len())
+        {
+            // A job the engine may let this thread run lives on the stack:
+            // nothing outlives SUBMIT that could hold a reference to it.
+            pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None));
+            mark(&job.transfers)?;
+            let mut state = self.state.lock();
+            if let Err(e) = self.check_limits(&state, bytes, limits) {
+                unmark(&job.transfers, job.transfers.len(), false);
+                return Err(e);
+            }
+            if state.held.is_empty() && device.engine().claim(&job) {
+                let id = state.next_id;
+                job.id.store(id, Relaxed);
+                self.issue(&mut state, bytes, device);
+                drop(state);
+                device.engine().run_claimed(&job);
+                // Dropping the job reports it (taking the tracker lock)
+                // before SUBMIT returns.
+                return Ok(id);
+            }
+            drop(state);
+            // Queued after all, as a job on the heap, which marks its
+            // buffers again. The one left here was never submitted: its
+            // drop reports nothing.
+            unmark(&job.transfers, job.transfers.len(), false);
+            transfers = core::mem::take(job.as_mut().project().transfers);
+        }
         let job = ListArc::pin_init(
-            try_pin_init!(Job {
-                id: Atomic::new(0),
-                transfers,
-                bytes,
-                tracker: self.clone(),
-                device: device.clone(),
-                started_ns: Atomic::new(0),
-                outcome: Atomic::new(NO_OUTCOME),
-                reported: Atomic::new(false),
-                in_fences,
-                deps_ready: Atomic::new(ready),
-                out_fence,
-                links <- ListLinks::new(),
-            }),
+            Job::new(self, device, transfers, bytes, in_fences, out_fence),
             GFP_KERNEL_ACCOUNT,
         )?;
         mark(&job.transfers)?;
         let undo = job.clone_arc();
         let mut failed = None;
-        // The job, when the engine let this thread run it (see `soft.rs`).
-        let mut claimed = None;
         let mut state = self.state.lock();
         let id = state.next_id;
         job.id.store(id, Relaxed);
@@ -548,10 +605,6 @@ impl JobTracker {
                 failed = Some(e);
                 return Ok(());
             }
-            if job.in_fences.is_none() && device.engine().claim(&job) {
-                claimed = Some(job);
-                return Ok(());
-            }
             device.engine().submit(job)
         });
         if let Err(e) = queued {
@@ -560,24 +613,28 @@ impl JobTracker {
             drop(state);
             return Err(e);
         }
-        // Still under the lock, so the job's completion (which takes it)
-        // comes after this.
-        state.ring[(id % JOB_WINDOW) as usize] = PENDING;
-        state.next_id += 1;
-        state.queued += 1;
-        state.inflight_bytes += bytes;
-        device.stats.jobs_submitted.add(1, Relaxed);
+        self.issue(&mut state, bytes, device);
         drop(state);
         if let Some(e) = failed {
             undo.complete(Err(e));
-        }
-        if let Some(job) = claimed {
-            device.engine().run_claimed(job);
         }
         // The last reference of a job that ended here: reports it (taking
         // the tracker lock) and signals its out-fence before SUBMIT returns.
         drop(undo);
         Ok(id)
+    }
+
+    /// Counts the job with the file's next id (already stored in it)
+    /// submitted, under the tracker lock, so that the job's completion
+    /// (which takes it) comes after this.
+    fn issue(&self, state: &mut TrackerState, bytes: u64, device: &TdrvDevice) {
+        let id = state.next_id;
+        state.ring[(id % JOB_WINDOW) as usize] = PENDING;
+        state.next_id += 1;
+        state.queued += 1;
+        self.queued_hint.store(state.queued, Relaxed);
+        state.inflight_bytes += bytes;
+        device.stats.jobs_submitted.add(1, Relaxed);
     }
 
     /// The dispatch work: hands the held jobs whose in-fences signalled to
@@ -663,8 +720,9 @@ impl JobTracker {
             Err(e) => e.to_errno(),
         };
         state.queued = state.queued.saturating_sub(1);
+        self.queued_hint.store(state.queued, Relaxed);
         state.inflight_bytes = state.inflight_bytes.saturating_sub(bytes);
-        self.cv.notify_all();
+        self.wq.wake_all(state);
     }
 
     fn status_locked(state: &TrackerState, id: u64) -> JobStatus {
@@ -698,11 +756,11 @@ impl JobTracker {
             match timeout {
                 Timeout::Poll => return Ok(status),
                 Timeout::Forever => {
-                    if self.cv.wait_interruptible(&mut state) {
+                    if self.wq.wait_interruptible(&mut state) {
                         return Err(ERESTARTSYS);
                     }
                 }
-                Timeout::Jiffies(_) => match self.cv.wait_interruptible_timeout(&mut state, left) {
+                Timeout::Jiffies(_) => match self.wq.wait_interruptible_timeout(&mut state, left) {
                     CondVarTimeoutResult::Woken { jiffies } => left = jiffies,
                     CondVarTimeoutResult::Timeout => {
                         return match Self::status_locked(&state, id) {

@@ -51,6 +51,7 @@ mod node;
 mod range;
 mod stats;
 mod uapi;
+mod waitqueue;
 
 use device::{
     Limits,

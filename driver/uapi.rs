@@ -440,6 +440,10 @@ impl ArgBuf {
         self.check_size::<T>()?;
         let ours = core::mem::size_of::<T>();
         let mut reader = UserSlice::new(UserPtr::from_addr(self.addr), self.size).reader();
+        if self.size == ours {
+            // The usual case, a caller of our ABI version: one copy.
+            return reader.read();
+        }
         let mut bytes = [0u8; MAX_OUR_SIZE];
         reader.read_slice(&mut bytes[..ours.min(self.size)])?;
         let mut rest = [0u8; 64];
@@ -451,6 +455,21 @@ impl ArgBuf {
             }
         }
         T::from_bytes_copy(&bytes[..ours]).ok_or(EINVAL)
+    }
+
+    /// Writes `value`, the output field of a `T` at byte `offset`, into the
+    /// caller's struct if it is large enough to hold the field (an older,
+    /// smaller one lacks it). For a struct of inputs with one or two
+    /// outputs, cheaper than writing all of it back.
+    pub(crate) fn write_field<F: AsBytes>(&self, offset: usize, value: &F) -> Result {
+        let n = core::mem::size_of::<F>();
+        if offset + n > self.size {
+            return Ok(());
+        }
+        let addr = self.addr.checked_add(offset).ok_or(EFAULT)?;
+        UserSlice::new(UserPtr::from_addr(addr), n)
+            .writer()
+            .write_slice(value.as_bytes())
     }
 
     /// Writes `value` back over the first `min(size_of::<T>(), caller's

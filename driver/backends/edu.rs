@@ -41,7 +41,9 @@
 //! Fault injection for tests (debugfs `inject`): `lose_irq` drops the next
 //! completion as if its interrupt were lost; `stall` makes the next chunk
 //! look stuck to the driver until the watchdog fires; `foreign_irq` makes
-//! the device raise an interrupt that is not a DMA completion.
+//! the device raise an interrupt that is not a DMA completion; `hold_job`
+//! leaves the next job queued, and starts none after it, until `release`
+//! (see [`engine::Hold`]).
 
 use kernel::{
     device::{
@@ -104,7 +106,8 @@ use crate::{
         take_jobs_of,
         take_one,
         Engine,
-        EngineCounters, //
+        EngineCounters,
+        Hold, //
     },
     job::{
         Job,
@@ -151,6 +154,8 @@ struct EduState {
     /// Injected: the chunk in flight looks stuck until the watchdog fires.
     stalled: bool,
     stopped: bool,
+    /// `hold_job`: the held job stays at the front of `queue`.
+    hold: Hold,
 }
 
 /// The edu DMA engine and its interrupt handler state.
@@ -245,6 +250,7 @@ impl EduEngine {
                         started: None,
                         stalled: false,
                         stopped: false,
+                        hold: Hold::default(),
                     },
                     "EduEngine::state"
                 ),
@@ -281,6 +287,11 @@ impl EduEngine {
                 fin.cancelled.push_back(job);
                 continue;
             }
+            if !st.stopped && st.hold.holds(&job) {
+                // `release`, or its file's `cancel`, starts the engine.
+                st.queue.push_front(job);
+                return;
+            }
             job.start();
             st.current = Some(Cursor {
                 job: job.into_arc(),
@@ -291,6 +302,14 @@ impl EduEngine {
             });
             self.program(st);
             return;
+        }
+    }
+
+    /// Starts the next job if the engine is idle (after a hold ended).
+    /// Not under a tracker lock: it may skip jobs of closed files.
+    fn start_idle(self: &Arc<Self>, st: &mut EduState, fin: &mut Finished) {
+        if st.current.is_none() && st.orphan.is_none() && !st.stopped {
+            self.start_next(st, fin);
         }
     }
 
@@ -533,8 +552,18 @@ impl Engine for EduBackend {
     }
 
     fn cancel(&self, tracker: &JobTracker) {
-        let taken = take_jobs_of(&mut self.0.state.lock().queue, tracker);
+        let mut fin = Finished::new();
+        let taken = {
+            let mut st = self.0.state.lock();
+            let taken = take_jobs_of(&mut st.queue, tracker);
+            if st.hold.taken(&taken) {
+                // The engine idled behind the held job: the next one goes.
+                self.0.start_idle(&mut st, &mut fin);
+            }
+            taken
+        };
         fail_all(taken, ecanceled());
+        fin.complete();
     }
 
     fn shutdown(&self, stopped: &mut dyn FnMut()) {
@@ -543,6 +572,7 @@ impl Engine for EduBackend {
             let mut st = e.state.lock();
             st.stopped = true;
             st.started = None;
+            st.hold.release();
             (
                 st.current.take(),
                 st.orphan.take(),
@@ -603,7 +633,22 @@ impl Engine for EduBackend {
     }
 
     fn inject(&self, cmd: &[u8]) -> Result {
-        self.0.inject(cmd)
+        let e = &self.0;
+        match cmd {
+            b"hold_job" => e.state.lock().hold.arm(),
+            b"release" => {
+                let mut fin = Finished::new();
+                {
+                    let mut st = e.state.lock();
+                    if st.hold.release() {
+                        e.start_idle(&mut st, &mut fin);
+                    }
+                }
+                fin.complete();
+                Ok(())
+            }
+            _ => e.inject(cmd),
+        }
     }
 }
 

@@ -61,7 +61,6 @@ use kernel::{
             Relaxed, //
         },
         Arc,
-        CondVar,
         Mutex, //
     },
     workqueue::{
@@ -84,7 +83,8 @@ use crate::{
         queue,
         take_jobs_of,
         take_one,
-        Engine, //
+        Engine,
+        Hold, //
     },
     glue,
     job::{
@@ -96,6 +96,10 @@ use crate::{
     uapi::{
         ecanceled,
         DEVICE_SOFT, //
+    },
+    waitqueue::{
+        Sleepers,
+        WaitQueue, //
     },
     Params, //
 };
@@ -183,6 +187,17 @@ struct SoftQueue {
     /// The jobs their submitters run now (`shutdown` waits for none). No
     /// two running jobs conflict.
     running: KVec<RunningJob>,
+    /// Threads waiting for a running job to end, or for a held job.
+    sleepers: u32,
+    /// `hold_job`: the work item leaves the held job at the front of
+    /// `jobs`, so every later job queues behind it.
+    hold: Hold,
+}
+
+impl Sleepers for SoftQueue {
+    fn sleepers(&mut self) -> &mut u32 {
+        &mut self.sleepers
+    }
 }
 
 impl SoftQueue {
@@ -213,14 +228,16 @@ fn conflict(a: &Job, b: &Job) -> bool {
 /// one itself.
 ///
 /// Fault injection for tests (debugfs `inject`): `fail_job` makes the next
-/// job the engine runs fail with EIO, copying nothing.
+/// job the engine runs fail with EIO, copying nothing; `hold_job` holds the
+/// next job (SUBMIT then runs none itself: it queues) and every later one
+/// until `release` (see [`Hold`]).
 #[pin_data]
 struct SoftEngine {
     #[pin]
     queue: Mutex<SoftQueue>,
     /// Notified when a running job ends.
     #[pin]
-    inline_done: CondVar,
+    inline_done: WaitQueue,
     #[pin]
     work: Work<SoftEngine>,
     /// Injected failures still to apply.
@@ -287,10 +304,12 @@ impl SoftEngine {
                         busy: false,
                         worker: None,
                         running: KVec::new(),
+                        sleepers: 0,
+                        hold: Hold::default(),
                     },
                     "SoftEngine::queue"
                 ),
-                inline_done <- new_condvar!("SoftEngine::inline_done"),
+                inline_done <- WaitQueue::new(new_condvar!("SoftEngine::inline_done")),
                 work <- new_work!("SoftEngine::work"),
                 inject_fail: Atomic::new(0),
                 inline_jobs: Atomic::new(0),
@@ -312,6 +331,15 @@ impl SoftEngine {
                 q.busy = false;
                 return None;
             };
+            if !q.stopped && q.hold.holds(&job) {
+                // Held at the front until `release`, its file's `cancel` or
+                // `shutdown` wakes us. Interruptible, as a hold may last
+                // longer than the hung-task timeout; a kworker gets no
+                // signals, so this never returns early for one.
+                q.jobs.push_front(job);
+                let _ = self.inline_done.wait_interruptible(&mut q);
+                continue;
+            }
             if !q.conflicts_with_running(&job) {
                 // INVARIANT: The work item holds the job until it asks for
                 // the next one, which clears this first.
@@ -359,14 +387,15 @@ impl Engine for SoftBackend {
         Ok(())
     }
 
+    fn may_claim(&self, bytes: u64, descs: usize) -> bool {
+        bytes <= INLINE_MAX_BYTES && descs <= INLINE_MAX_DESCS
+    }
+
     fn claim(&self, job: &Job) -> bool {
-        if job.bytes() > INLINE_MAX_BYTES || job.transfers.len() > INLINE_MAX_DESCS {
-            return false;
-        }
         let mut q = self.0.queue.lock();
         // Nothing queued: every earlier job has completed or is running,
         // and it may start now unless it conflicts with a running one.
-        if q.stopped || !q.jobs.is_empty() || q.conflicts_with_running(job) {
+        if q.stopped || !q.jobs.is_empty() || q.hold.active() || q.conflicts_with_running(job) {
             return false;
         }
         // INVARIANT: The submitter holds the job until `run_claimed`
@@ -374,27 +403,31 @@ impl Engine for SoftBackend {
         q.running.push(RunningJob(job), GFP_KERNEL).is_ok()
     }
 
-    fn run_claimed(&self, job: ListArc<Job>) {
+    fn run_claimed(&self, job: &Job) {
         self.0.inline_jobs.add(1, Relaxed);
-        self.0.run_one(&job);
-        {
-            let mut q = self.0.queue.lock();
-            let me: *const Job = &*job;
-            if let Some(i) = q.running.iter().position(|r| core::ptr::eq(r.0, me)) {
-                let _ = q.running.remove(i);
-            }
-            // The work item, if it waits for this job to end, and
-            // `shutdown`.
-            self.0.inline_done.notify_all();
+        self.0.run_one(job);
+        let mut q = self.0.queue.lock();
+        let me: *const Job = job;
+        if let Some(i) = q.running.iter().position(|r| core::ptr::eq(r.0, me)) {
+            let _ = q.running.remove(i);
         }
-        // Not under the queue lock, and after the engine was handed on:
-        // the job's last reference reports it, taking its file's tracker
-        // lock (in `JobTracker::submit`, which holds one more).
-        drop(job);
+        // The work item, if it waits for this job to end, and `shutdown`.
+        // The caller then drops the job, not under the queue lock and
+        // after the engine was handed on: that reports it, taking its
+        // file's tracker lock.
+        self.0.inline_done.wake_all(q);
     }
 
     fn cancel(&self, tracker: &JobTracker) {
-        let taken = take_jobs_of(&mut self.0.queue.lock().jobs, tracker);
+        let taken = {
+            let mut q = self.0.queue.lock();
+            let taken = take_jobs_of(&mut q.jobs, tracker);
+            if q.hold.taken(&taken) {
+                // The work item waits on the held job, now gone.
+                self.0.inline_done.wake_all(q);
+            }
+            taken
+        };
         fail_all(taken, ecanceled());
     }
 
@@ -405,6 +438,13 @@ impl Engine for SoftBackend {
     fn inject(&self, cmd: &[u8]) -> Result {
         match cmd {
             b"fail_job" => self.0.inject_fail.add(1, Relaxed),
+            b"hold_job" => self.0.queue.lock().hold.arm()?,
+            b"release" => {
+                let mut q = self.0.queue.lock();
+                if q.hold.release() {
+                    self.0.inline_done.wake_all(q);
+                }
+            }
             _ => return Err(EINVAL),
         }
         Ok(())
@@ -414,6 +454,13 @@ impl Engine for SoftBackend {
         {
             let mut q = self.0.queue.lock();
             q.stopped = true;
+            // A held job goes on: the work item ignores the hold once
+            // stopped.
+            q.hold.release();
+            self.0.inline_done.wake_all(q);
+        }
+        {
+            let mut q = self.0.queue.lock();
             // Jobs run by their submitters: wait until they completed.
             while !q.running.is_empty() {
                 self.0.inline_done.wait(&mut q);

@@ -9,7 +9,7 @@
 //! `[A-Za-z0-9._-]` become `_`.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 
 use crate::error::{Error, Result};
@@ -17,11 +17,15 @@ use crate::log::log_warn;
 use crate::tensor::Tensor;
 
 static OVERRIDE: RwLock<Option<PathBuf>> = RwLock::new(None);
+/// Whether `OVERRIDE` is set: every submit checks, almost always in vain.
+static DUMPING: AtomicBool = AtomicBool::new(false);
 static JOB_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// Sets the dump directory; `None` turns dumping off.
 pub fn set_input_dump_directory(dir: Option<PathBuf>) {
-    *OVERRIDE.write().unwrap_or_else(|e| e.into_inner()) = dir;
+    let mut d = OVERRIDE.write().unwrap_or_else(|e| e.into_inner());
+    DUMPING.store(dir.is_some(), Ordering::Relaxed);
+    *d = dir;
 }
 
 /// The directory inputs are dumped to, if any.
@@ -75,6 +79,9 @@ pub fn dump_tensors(dir: &Path, prefix: &str, tensors: &[Tensor]) -> Result<Vec<
 /// Dumps a job's inputs when a dump directory is set; failures are logged,
 /// never fatal to the job.
 pub(crate) fn dump_job_inputs(inputs: &[Tensor]) {
+    if !DUMPING.load(Ordering::Relaxed) {
+        return;
+    }
     let Some(dir) = input_dump_directory() else {
         return;
     };

@@ -263,7 +263,12 @@ impl Job {
         };
         let mut tensors = std::mem::take(&mut self.inputs);
         tensors.append(&mut self.outputs);
-        *self = Job::default();
+        // Empty, but with its vectors' room kept for the next job built
+        // in it (and their frees off the submit path).
+        self.device = None;
+        self.descs.clear();
+        self.in_fences.clear();
+        self.out_fence = false;
         Ok(JobHandle {
             device,
             id,

@@ -42,6 +42,11 @@
 //! `fail_desc`, `stall` and `lose_irq`, each optionally followed by a
 //! queue number; without one the fault goes to the queue of the next op
 //! (job or transfer). `fail_job` fails the next job's first descriptor.
+//! `hold_job` keeps the next job the scheduler would dispatch pending, and
+//! dispatches no job at all, until `release` (see [`engine::Hold`]); unlike
+//! `stall`, which the watchdog ends after `sim_timeout_ms`, a hold lasts
+//! as long as the test needs, and transfers (allocation, COPY_IN) still
+//! run meanwhile.
 
 use kernel::{
     bindings,
@@ -118,7 +123,8 @@ use crate::{
         fail_all,
         take_jobs_of,
         Engine,
-        EngineCounters, //
+        EngineCounters,
+        Hold, //
     },
     glue,
     job::{
@@ -203,6 +209,8 @@ struct Sched {
     pending: List<Job>,
     running: KVec<Running>,
     stopped: bool,
+    /// `hold_job`: the held job stays in `pending`.
+    hold: Hold,
 }
 
 /// The engine of one sim device.
@@ -273,6 +281,7 @@ impl SimEngine {
                         pending: List::new(),
                         running: KVec::new(),
                         stopped: false,
+                        hold: Hold::default(),
                     },
                     "SimEngine::sched"
                 ),
@@ -406,7 +415,8 @@ impl SimEngine {
             // Jobs left pending by a failed allocation get another chance;
             // with nothing running, no completion would give them one.
             self.schedule(&mut s);
-            !s.pending.is_empty() && s.running.is_empty()
+            // (A held job waits for `release`, which schedules.)
+            !s.pending.is_empty() && s.running.is_empty() && !s.hold.holding()
         };
         for q in self.queues.iter() {
             let _ending = q.ending.lock();
@@ -454,7 +464,7 @@ impl SimEngine {
 
     /// Dispatches the pending jobs that may run now (see the module docs).
     fn schedule(self: &Arc<Self>, s: &mut Sched) {
-        if s.stopped {
+        if s.stopped || s.hold.holding() {
             return;
         }
         let mut earlier: KVec<BufSet> = KVec::new();
@@ -500,6 +510,10 @@ impl SimEngine {
                     }
                     cursor.move_next();
                     continue;
+                }
+                if s.hold.holds(&next.arc()) {
+                    // It stays pending, and so does every job after it.
+                    break;
                 }
                 // Everything the dispatch needs is allocated before the job
                 // leaves the pending list: nothing can fail after that.
@@ -859,6 +873,8 @@ impl Engine for SimBackend {
         let taken = {
             let mut s = e.sched.lock();
             let taken = take_jobs_of(&mut s.pending, tracker);
+            // A held job of the file ends the hold.
+            s.hold.taken(&taken);
             e.schedule(&mut s);
             taken
         };
@@ -870,6 +886,7 @@ impl Engine for SimBackend {
         let pending = {
             let mut s = e.sched.lock();
             s.stopped = true;
+            s.hold.release();
             core::mem::take(&mut s.pending)
         };
         let mut ops = List::new();
@@ -918,6 +935,19 @@ impl Engine for SimBackend {
         let e = &self.0;
         let mut words = cmd.split(|b| *b == b' ').filter(|w| !w.is_empty());
         let word = words.next();
+        if word == Some(b"hold_job".as_slice()) || word == Some(b"release".as_slice()) {
+            if words.next().is_some() {
+                return Err(EINVAL);
+            }
+            let mut s = e.sched.lock();
+            if word == Some(b"hold_job".as_slice()) {
+                return s.hold.arm();
+            }
+            if s.hold.release() {
+                e.schedule(&mut s);
+            }
+            return Ok(());
+        }
         if word == Some(b"fail_job".as_slice()) {
             // The next job fails (EIO), like the software engine's.
             if words.next().is_some() {

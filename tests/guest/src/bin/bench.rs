@@ -1053,6 +1053,26 @@ mod profile {
         }
     }
 
+    /// Counts the samples that hit each kernel instruction, named
+    /// `symbol+0xoffset`, hottest first.
+    pub fn hot_ips(chains: &[Vec<u64>], syms: &[(u64, String)]) -> Vec<(String, usize)> {
+        let mut h: HashMap<u64, usize> = HashMap::new();
+        for chain in chains {
+            if let Some(&ip) = chain.first().filter(|&&ip| ip >= 0xffff_8000_0000_0000) {
+                *h.entry(ip).or_default() += 1;
+            }
+        }
+        let mut v: Vec<(String, usize)> = h
+            .into_iter()
+            .map(|(ip, n)| match syms.partition_point(|(a, _)| *a <= ip) {
+                0 => (format!("{ip:#x}"), n),
+                i => (format!("{}+{:#x}", syms[i - 1].1, ip - syms[i - 1].0), n),
+            })
+            .collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+
     /// Counts samples per symbol, kernel addresses through kallsyms and
     /// user addresses as one "[user]" bucket: `inclusive` counts a sample
     /// for every distinct function on its call chain, else only for the
@@ -1095,9 +1115,13 @@ fn profile_case(name: &str, cpu_wide: bool, calls: usize, f: impl FnMut()) {
         s.lost,
         syms.len()
     ));
+    // The hottest kernel instructions, as symbol+offset (for addr2line).
+    for (ip, count) in profile::hot_ips(&s.chains, &syms).into_iter().take(40) {
+        note(format!("profile {name}: ip {ip} {count}"));
+    }
     // "profile": where the samples hit (self); "profile_incl": functions
     // on the samples' call chains (inclusive).
-    for (fig, inclusive, top) in [("profile", false, 15), ("profile_incl", true, 30)] {
+    for (fig, inclusive, top) in [("profile", false, 60), ("profile_incl", true, 30)] {
         for (sym, count) in profile::histogram(&s.chains, &syms, inclusive)
             .into_iter()
             .take(top)
@@ -1452,6 +1476,40 @@ fn fig6(c: &Ctx) {
     if let Some(v) = peer_open("vgem", peer::Vgem::open()) {
         wakes.push(("vgem_fence", vgem_fence_wakes(&v, WARM, N)));
     }
+    // SUBMIT with nobody to wake: the ioctl alone (userlib's sys layer),
+    // and a `Job` built and dropped, or built and submitted, in ns.
+    let desc = tdrv_uapi::tdrv_copy_desc {
+        src_handle: src.dma_handle().expect("Dma handle"),
+        dst_handle: dst.dma_handle().expect("Dma handle"),
+        size: 64,
+        ..Default::default()
+    };
+    let mut cases: Vec<Case> = vec![
+        (
+            "sys_submit",
+            Box::new(|| {
+                black_box(c.dev.submit(&[desc]).expect("SUBMIT"));
+            }),
+        ),
+        (
+            "job_build",
+            Box::new(|| {
+                let mut job = Job::new();
+                job.copy(&src, 0, &dst, 0, 64).expect("job copy");
+                black_box(job);
+            }),
+        ),
+        (
+            "job_submit",
+            Box::new(|| {
+                let mut job = Job::new();
+                job.copy(&src, 0, &dst, 0, 64).expect("job copy");
+                drop(black_box(job.submit().expect("submit")));
+            }),
+        ),
+    ];
+    time_cases("6", "submit", (2, 9, 2000), &mut cases);
+    drop(cases);
     for (method, w) in wakes {
         emit_samples("6", "wake", method, "us", &w);
         emit("6", "wake", method, "us", &summarize(w), &[]);
@@ -1484,6 +1542,18 @@ fn fig6(c: &Ctx) {
         // in SUBMIT is all in this task.
         profile_case("fig6 submit+poll (task)", false, 1, || {
             polled_jobs(&src, &dst, 0, 3000, false);
+        });
+        // SUBMIT alone (its job runs inside it), with nobody to wake.
+        let desc = tdrv_uapi::tdrv_copy_desc {
+            src_handle: src.dma_handle().expect("Dma handle"),
+            dst_handle: dst.dma_handle().expect("Dma handle"),
+            size: 64,
+            ..Default::default()
+        };
+        profile_case("fig6 sys submit (task)", false, 1, || {
+            for _ in 0..20_000 {
+                black_box(c.dev.submit(&[desc]).expect("SUBMIT"));
+            }
         });
     }
 }

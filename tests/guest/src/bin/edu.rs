@@ -51,7 +51,7 @@ fn raise_foreign_irq(node: &str) -> R {
 
 fn main() {
     let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
-    let mut t = Tap::new(7);
+    let mut t = Tap::new(8);
 
     t.run("the interrupt counter grows with jobs", || -> R {
         let before = stat(&path, "irqs")?;
@@ -187,7 +187,70 @@ fn main() {
         unbind_during_stalled_copy,
     );
 
+    t.run(
+        "unbind ends a held job (hold_job) and the one behind it with ENODEV",
+        unbind_while_held,
+    );
+
     t.finish();
+}
+
+/// Unbind while the engine holds a job (debugfs `hold_job`, never
+/// released) with another queued behind it: both end with ENODEV, a
+/// waiter wakes, and the rebound device runs jobs.
+fn unbind_while_held() -> R {
+    let pci = bound_pci_address()?;
+    let node = edu_nodes().first().cloned().ok_or("no edu device")?;
+    let dev = std::sync::Arc::new(ok("open", Dev::open(&node))?);
+    let a = ok("alloc", dev.alloc(4096, 0))?;
+    let b = ok("alloc", dev.alloc(4096, 0))?;
+    let inject = format!(
+        "/sys/kernel/debug/tdrv/{}/inject",
+        node.trim_start_matches("/dev/")
+    );
+    fs::write(&inject, "hold_job").map_err(|e| format!("inject hold_job: {e}"))?;
+    let held = ok("submit", dev.submit(&[desc(a.handle, b.handle, 4096)]))?;
+    let behind = ok("submit", dev.submit(&[desc(b.handle, a.handle, 4096)]))?;
+    thread::sleep(Duration::from_millis(100));
+    expect_eq(
+        "held job",
+        ok("poll", dev.job_wait(held, 0))?,
+        (TDRV_JOB_PENDING, 0),
+    )?;
+    let waiter = {
+        let dev = dev.clone();
+        thread::spawn(move || dev.job_wait(behind, -1))
+    };
+    thread::sleep(Duration::from_millis(100));
+    let unbound =
+        fs::write(format!("{DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind: {e}"));
+    let waited = waiter.join().map_err(|_| "waiter panicked".to_string());
+    let rebind = fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
+    unbound?;
+    let waited = waited?;
+    if !matches!(waited, Ok((TDRV_JOB_DONE, st)) if st == -libc::ENODEV)
+        && waited != Err(libc::ENODEV)
+    {
+        return Err(format!(
+            "the job behind the held one: {waited:?}, want ENODEV"
+        ));
+    }
+    drop(dev);
+    rebind?;
+    thread::sleep(Duration::from_millis(100));
+    let node = edu_nodes()
+        .first()
+        .cloned()
+        .ok_or("no edu device after rebind")?;
+    let dev = ok("open", Dev::open(&node))?;
+    let a = ok("alloc", dev.alloc(4096, 0))?;
+    let b = ok("alloc", dev.alloc(4096, 0))?;
+    let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 4096)]))?;
+    expect_eq(
+        "a job on the rebound device",
+        ok("wait", dev.job_wait(id, -1))?,
+        (TDRV_JOB_DONE, 0),
+    )
 }
 
 /// `struct uffdio_api` and `struct uffdio_register` (linux/userfaultfd.h).

@@ -521,7 +521,15 @@ fn main() {
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
-        for bad in ["fail_jobs", "stall 99", "lose_irq x", "stall 0 1", "\n"] {
+        for bad in [
+            "fail_jobs",
+            "stall 99",
+            "lose_irq x",
+            "stall 0 1",
+            "\n",
+            "hold_job 0",
+            "release 0",
+        ] {
             if inject(&path, bad).is_ok() {
                 return Err(format!("inject {bad:?} accepted"));
             }
@@ -623,9 +631,30 @@ fn unbind_under_load(path: &str) -> R {
         }));
     }
     thread::sleep(Duration::from_millis(300));
+    // Then the engine holds the next job (debugfs `hold_job`, never
+    // released) and dispatches none after it: unbind must end the held and
+    // pending jobs too, this other file's among them.
+    let other = Arc::new(ok("open", Dev::open(path))?);
+    let c = ok("alloc", other.alloc(4096, 0))?;
+    let d = ok("alloc", other.alloc(4096, 0))?;
+    inject(path, "hold_job")?;
+    let held = ok(
+        "submit",
+        other.submit(&[desc(c.handle, 0, d.handle, 0, 4096)]),
+    )?;
+    let waiter = {
+        let other = other.clone();
+        thread::spawn(move || other.job_wait(held, -1))
+    };
+    thread::sleep(Duration::from_millis(100));
     let unbound = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
     stop.store(true, Ordering::Relaxed);
     unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
+    let held = waiter.join().map_err(|_| "waiter panicked")?;
+    if !matches!(held, Ok((TDRV_JOB_DONE, st)) if st == -libc::ENODEV) && held != Err(libc::ENODEV)
+    {
+        return Err(format!("the job behind the hold: {held:?}, want ENODEV"));
+    }
     for (i, w) in workers.into_iter().enumerate() {
         let e = w.join().map_err(|_| "worker panicked")??;
         if e != libc::ENODEV {
