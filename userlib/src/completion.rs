@@ -245,7 +245,7 @@ impl Tensor {
         let cell = self.completion_cell();
         match st.dma() {
             Some(b) => {
-                b.counted.store(true, Ordering::Release);
+                st.set_counted();
                 // Epoch first (see `Tensor::slice`).
                 let epoch = b.device.completion_epoch(b.handle);
                 let now = b.device.buf_info(b.handle)?.completion_count;
@@ -286,8 +286,9 @@ mod tests {
     /// for the logic above the ioctls.
     pub(crate) fn fake_dma_tensor(dma_addr: u64) -> (std::sync::Arc<Device>, Tensor) {
         let dev = Device::fake_for_tests();
-        let buf = DmaBuffer::new(dev.clone(), 7, 0, dma_addr, None, true);
-        let t = Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf)));
+        let buf = DmaBuffer::new(dev.clone(), 7, 0, dma_addr, None);
+        let t =
+            Tensor::__from_storage_for_tests(Storage::__new_for_tests(64, Memory::Dma(buf), true));
         (dev, t)
     }
 
@@ -331,8 +332,8 @@ mod tests {
         ));
         let (_dev, t) = fake_dma_tensor(0x1000);
         // Never counted: slicing needs no BUF_INFO.
-        let b = t.storage_for("t").unwrap().dma().unwrap();
-        b.counted.store(false, Ordering::Relaxed);
+        let st = t.storage_for("t").unwrap();
+        st.counted.store(false, Ordering::Relaxed);
         assert_eq!(t.slice(16, 16, None).unwrap().pa().unwrap(), 0x1010);
     }
 

@@ -12,7 +12,6 @@
 use std::future::Future;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -253,9 +252,10 @@ impl Job {
             let _t = trace::scope(TraceOp::Submit, name, self.descs.len());
             crate::dump::dump_job_inputs(&self.inputs);
             for t in &self.outputs {
-                // Before the job can bump the count: see DmaBuffer::counted.
-                if let Some(b) = t.storage_for("submit")?.dma() {
-                    b.counted.store(true, Ordering::Release);
+                // Before the job can bump the count: see Storage::counted.
+                let st = t.storage_for("submit")?;
+                if st.dma().is_some() {
+                    st.set_counted();
                 }
             }
             let in_fences: Vec<BorrowedFd<'_>> = self.in_fences.iter().map(|f| f.as_fd()).collect();

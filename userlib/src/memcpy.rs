@@ -555,8 +555,8 @@ fn dma_copy(
     tbuf.fence(fence)?;
     // The job will bump the destination's completion count: tell the view
     // layer, which otherwise assumes a never-counted buffer is at 0.
-    let dst_buf = if dir == Dir::ToTensor { tbuf } else { lbuf };
-    dst_buf.counted.store(true, Ordering::Release);
+    let dst = if dir == Dir::ToTensor { ts } else { ls };
+    dst.set_counted();
     let id = tbuf.device.submit(&[desc])?;
     wait_job(&tbuf.device, id)
 }

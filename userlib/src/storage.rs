@@ -62,11 +62,6 @@ pub(crate) struct DmaBuffer {
     /// The host mapping, made at the first host access (see DESIGN.md,
     /// "Mapping on first host access").
     pub mapping: OnceLock<Mapping>,
-    /// Set before anything can make the kernel's completion count of the
-    /// buffer non-zero (a job writing it, or handing out the raw handle).
-    /// While clear, a new view's completion baseline is 0 without asking the
-    /// kernel, so slicing stays syscall-free.
-    pub counted: AtomicBool,
 }
 
 impl DmaBuffer {
@@ -77,7 +72,6 @@ impl DmaBuffer {
         channel: u32,
         dma_addr: u64,
         mmap_offset: Option<NonZeroU64>,
-        counted: bool,
     ) -> Self {
         Self {
             device,
@@ -86,7 +80,6 @@ impl DmaBuffer {
             dma_addr,
             mmap_offset,
             mapping: OnceLock::new(),
-            counted: AtomicBool::new(counted),
         }
     }
 
@@ -146,6 +139,14 @@ pub(crate) struct Storage {
     pub size: usize,
     pub mem: Memory,
     pub sync: HostSync,
+    /// `Dma`: set before anything can make the kernel's completion count
+    /// of the buffer non-zero (a job writing it, handing out the raw handle
+    /// or a dma-buf, importing one). While clear, a new view's completion
+    /// baseline is 0 without asking the kernel, so slicing stays
+    /// syscall-free. Never set for host storage, whose counts are the
+    /// views' own. A field of the storage rather than of the `Dma` variant
+    /// so that `Tensor::slice` tests it with one load.
+    pub counted: AtomicBool,
 }
 
 // SAFETY: the raw pointers in `Memory` are addresses of memory the storage
@@ -160,16 +161,21 @@ unsafe impl Sync for Storage {}
 
 impl Storage {
     fn new(size: usize, mem: Memory) -> Arc<Storage> {
+        Self::with_count(size, mem, false)
+    }
+
+    fn with_count(size: usize, mem: Memory, counted: bool) -> Arc<Storage> {
         Arc::new(Storage {
             size,
             mem,
             sync: HostSync::default(),
+            counted: AtomicBool::new(counted),
         })
     }
 
     #[cfg(test)]
-    pub(crate) fn __new_for_tests(size: usize, mem: Memory) -> Arc<Storage> {
-        Self::new(size, mem)
+    pub(crate) fn __new_for_tests(size: usize, mem: Memory, counted: bool) -> Arc<Storage> {
+        Self::with_count(size, mem, counted)
     }
 
     /// Zeroed, aligned host memory.
@@ -229,7 +235,7 @@ impl Storage {
             })?;
         let map = NonZeroU64::new(a.mmap_offset)
             .filter(|_| device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()));
-        let buf = DmaBuffer::new(device.clone(), a.handle, channel, a.dma_addr, map, false);
+        let buf = DmaBuffer::new(device.clone(), a.handle, channel, a.dma_addr, map);
         Ok(Self::new(size, Memory::Dma(buf)))
     }
 
@@ -251,10 +257,10 @@ impl Storage {
         let size = usize::try_from(i.size).map_err(|_| Error::OutOfMemory(usize::MAX))?;
         let map = NonZeroU64::new(i.mmap_offset)
             .filter(|_| device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()));
-        let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map, true);
+        let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map);
         // On failure `buf` is dropped, which frees the handle.
         buf.dma_addr = device.buf_info(i.handle)?.dma_addr;
-        Ok(Self::new(size, Memory::Dma(buf)))
+        Ok(Self::with_count(size, Memory::Dma(buf), true))
     }
 
     pub(crate) fn kind(&self) -> StorageKind {
@@ -274,6 +280,20 @@ impl Storage {
             Memory::Dma(b) => b.mapping(self.size).and_then(|m| NonNull::new(m.as_ptr())),
             Memory::Fake => None,
         }
+    }
+
+    /// Whether a new view's completion baseline is 0 without asking the
+    /// kernel: always for host storage, and for a `Dma` buffer nothing can
+    /// have counted yet (see [`Storage::counted`]).
+    #[inline(always)]
+    pub(crate) fn zero_baseline(&self) -> bool {
+        !self.counted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks a `Dma` buffer as counted (see [`Storage::counted`]).
+    pub(crate) fn set_counted(&self) {
+        self.counted
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     pub(crate) fn dma(&self) -> Option<&DmaBuffer> {

@@ -14,7 +14,7 @@
 
 use std::alloc::Layout;
 use std::fmt;
-use std::ptr::NonNull;
+use std::ptr::{self, NonNull};
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -71,8 +71,33 @@ pub(crate) struct View {
 
 /// The heap block of a view: its handle count and the view.
 struct ViewInner {
+    /// Handles to the view in the low bits ([`COUNT`]), plus the flags
+    /// [`NAMED`] and [`NO_STORAGE`], which never change while a second
+    /// handle exists: a drop learns "last handle of an unnamed view with a
+    /// storage" from one load (`refs == 1`).
     refs: AtomicUsize,
     view: View,
+}
+
+/// In `ViewInner::refs`: the view has a name of its own.
+const NAMED: usize = 1 << (usize::BITS - 1);
+/// In `ViewInner::refs`: the view has no storage.
+const NO_STORAGE: usize = 1 << (usize::BITS - 2);
+/// In `ViewInner::refs`: the bits of the handle count.
+const COUNT: usize = NO_STORAGE - 1;
+/// Handle counts above this abort (as `Arc` does above `isize::MAX`): a
+/// count this high means leaked handles, and the margin up to `COUNT`
+/// covers the increments racing threads make before one aborts.
+const MAX_REFS: usize = COUNT >> 1;
+
+/// The flags of `view` in `ViewInner::refs`.
+fn flags_of(view: &View) -> usize {
+    (if view.name.is_some() { NAMED } else { 0 })
+        | (if view.storage.is_none() {
+            NO_STORAGE
+        } else {
+            0
+        })
 }
 
 /// Set in a handle's pointer for internal handles, whose drop is not a user
@@ -160,91 +185,202 @@ fn epoch_of(storage: &Storage) -> u64 {
         .map_or(0, |b| b.device.completion_epoch(b.handle))
 }
 
-/// Freed view blocks kept for reuse, so that a slice (or any new view)
-/// usually costs no heap allocation: each thread keeps up to
-/// [`pool::CAPACITY`] blocks of the views it dropped, and takes from them
-/// before asking the allocator. A block moves freely between threads (it is
-/// plain memory of `ViewInner`'s layout); the pool of a thread is freed
-/// when the thread exits.
+/// Freed view blocks kept for reuse, per thread (DESIGN.md, "Slicing
+/// without an allocation", says why this shape): up to [`pool::CAPACITY`]
+/// blocks, one in a slot that `slice` and `drop` reach inline, the others
+/// in a list threaded through the blocks themselves. `POOL` has no
+/// destructor; `GUARD`, registered when the thread first keeps a block,
+/// frees the blocks when the thread exits. A block moves freely between
+/// threads (it is plain memory of `ViewInner`'s layout).
 mod pool {
     use super::ViewInner;
     use std::alloc::Layout;
     use std::cell::Cell;
     use std::ptr::{self, NonNull};
+    use std::sync::atomic::AtomicUsize;
 
-    /// Blocks a thread keeps at most: enough for the views a loop makes
-    /// and drops, small enough (`CAPACITY * size_of::<ViewInner>()`, under
-    /// 4 KiB) not to matter as idle memory.
+    /// Blocks a thread keeps at most (the slot and the list): enough for
+    /// the views a loop makes and drops, small enough
+    /// (`CAPACITY * size_of::<ViewInner>()`, under 4 KiB) not to matter as
+    /// idle memory.
     pub(super) const CAPACITY: usize = 32;
 
-    struct Pool {
-        len: Cell<usize>,
-        /// `blocks[..len]` are unused blocks allocated with `ViewInner`'s
-        /// layout; the rest are null.
-        blocks: [Cell<*mut ViewInner>; CAPACITY],
-    }
+    /// The slot of a thread that keeps no block: before `GUARD` is
+    /// registered, and after it ran. Not null, so `give`'s test sends such
+    /// threads to `give_slow`; not a block, so `take`'s test ignores it.
+    const CLOSED: *mut ViewInner = ptr::without_provenance_mut(1);
 
-    impl Drop for Pool {
-        fn drop(&mut self) {
-            for b in &self.blocks[..self.len.get()] {
-                // SAFETY: every pooled block was allocated by the global
-                // allocator with this layout and is owned by the pool alone.
-                unsafe { std::alloc::dealloc(b.get().cast(), Layout::new::<ViewInner>()) };
-            }
-        }
+    struct Pool {
+        /// A spare block, null when empty, or `CLOSED`. A block here has
+        /// its `refs` (1, no flag) and `view.name` (`None`) written: what
+        /// they are after the drop of an unnamed view's last handle, so
+        /// that `drop` leaves them and `slice` does not write them.
+        slot: Cell<*mut ViewInner>,
+        /// More spare blocks (null if none); each block's first word holds
+        /// the next one.
+        head: Cell<*mut ViewInner>,
+        /// Blocks in `head`'s list.
+        len: Cell<usize>,
+        /// Whether `GUARD` ran (or could not be registered): the thread
+        /// keeps no block any more.
+        gone: Cell<bool>,
     }
 
     thread_local! {
         static POOL: Pool = const {
             Pool {
+                slot: Cell::new(CLOSED),
+                head: Cell::new(ptr::null_mut()),
                 len: Cell::new(0),
-                blocks: [const { Cell::new(ptr::null_mut()) }; CAPACITY],
+                gone: Cell::new(false),
             }
         };
+        static GUARD: Guard = const { Guard };
     }
 
-    /// An unused block, if this thread has one.
+    struct Guard;
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            POOL.with(|p| {
+                p.gone.set(true);
+                let spare = p.slot.replace(CLOSED);
+                if spare != CLOSED {
+                    if let Some(b) = NonNull::new(spare) {
+                        free(b);
+                    }
+                }
+                let mut b = p.head.replace(ptr::null_mut());
+                p.len.set(0);
+                while let Some(block) = NonNull::new(b) {
+                    // SAFETY: a block in the list holds the next one in its
+                    // first word.
+                    b = unsafe { block.cast::<*mut ViewInner>().read() };
+                    free(block);
+                }
+            });
+        }
+    }
+
+    /// Returns an unused block to the allocator.
+    fn free(block: NonNull<ViewInner>) {
+        // SAFETY: every block came from the global allocator with this
+        // layout (directly, or through some thread's pool), and its owner
+        // gives it up here.
+        unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
+    }
+
+    /// This thread's spare block, if its slot holds one: its `refs` is 1
+    /// and its `view.name` `None`, the other fields are not initialised.
+    #[inline(always)]
     pub(super) fn take() -> Option<NonNull<ViewInner>> {
-        // `try_with` fails only while the thread's locals are being
-        // destroyed: then the allocator serves.
-        POOL.try_with(|p| {
-            let n = p.len.get().checked_sub(1)?;
-            p.len.set(n);
-            NonNull::new(p.blocks[n].replace(ptr::null_mut()))
+        POOL.with(|p| {
+            let block = p.slot.get();
+            // Neither null nor `CLOSED`: a block (addresses of blocks are
+            // above both).
+            if block.addr() <= CLOSED.addr() {
+                return None;
+            }
+            p.slot.set(ptr::null_mut());
+            // SAFETY: just checked non-null.
+            Some(unsafe { NonNull::new_unchecked(block) })
         })
-        .ok()
-        .flatten()
+    }
+
+    /// An unused block from this thread's list, if it has one (after
+    /// [`take`] found the slot empty).
+    #[inline(never)]
+    pub(super) fn take_listed() -> Option<NonNull<ViewInner>> {
+        POOL.with(|p| {
+            let block = NonNull::new(p.head.get())?;
+            // SAFETY: a block in the list holds the next one in its first
+            // word (see `give_slow`); taking it out makes it ours.
+            p.head.set(unsafe { block.cast::<*mut ViewInner>().read() });
+            p.len.set(p.len.get() - 1);
+            Some(block)
+        })
+    }
+
+    /// Puts `block` in this thread's slot if the slot is empty, and says
+    /// whether it did. Its `refs` must be 1 and its `view.name` `None`.
+    #[inline(always)]
+    pub(super) fn give_to_slot(block: NonNull<ViewInner>) -> bool {
+        POOL.with(|p| {
+            let empty = p.slot.get().is_null();
+            if empty {
+                p.slot.set(block.as_ptr());
+            }
+            empty
+        })
     }
 
     /// Keeps `block`, which no handle uses any more, for reuse; frees it if
     /// this thread's pool is full or gone.
+    #[inline(always)]
     pub(super) fn give(block: NonNull<ViewInner>) {
-        let kept = POOL
-            .try_with(|p| {
-                let n = p.len.get();
-                if n == CAPACITY {
-                    return false;
-                }
-                p.blocks[n].set(block.as_ptr());
-                p.len.set(n + 1);
-                true
-            })
-            .unwrap_or(false);
-        if !kept {
-            // SAFETY: the block came from the global allocator with this
-            // layout (directly, or through some thread's pool), and its
-            // owner gives it up here.
-            unsafe { std::alloc::dealloc(block.as_ptr().cast(), Layout::new::<ViewInner>()) };
+        POOL.with(|p| {
+            if p.slot.get().is_null() {
+                into_slot(p, block);
+            } else {
+                give_slow(p, block);
+            }
+        })
+    }
+
+    /// Puts an unused block in the (empty) slot, with the fields a block
+    /// there has written.
+    fn into_slot(p: &Pool, block: NonNull<ViewInner>) {
+        let b = block.as_ptr();
+        // SAFETY: the block is unused memory of `ViewInner`'s layout, ours
+        // to write.
+        unsafe {
+            ptr::addr_of_mut!((*b).refs).write(AtomicUsize::new(1));
+            ptr::addr_of_mut!((*b).view.name).write(None);
         }
+        p.slot.set(b);
+    }
+
+    #[inline(never)]
+    fn give_slow(p: &Pool, block: NonNull<ViewInner>) {
+        if p.slot.get() == CLOSED {
+            // The first block this thread keeps: make sure the pool is
+            // freed at exit. `try_with` fails once the thread's destructors
+            // have run; `gone` says `GUARD` has run.
+            if !p.gone.get() && GUARD.try_with(|_| ()).is_ok() {
+                into_slot(p, block);
+            } else {
+                p.gone.set(true);
+                free(block);
+            }
+            return;
+        }
+        let n = p.len.get();
+        if n + 1 < CAPACITY {
+            // SAFETY: the block is unused memory of `ViewInner`'s layout
+            // (8-byte aligned, more than a pointer), ours to write.
+            unsafe { block.cast::<*mut ViewInner>().write(p.head.get()) };
+            p.head.set(block.as_ptr());
+            p.len.set(n + 1);
+        } else {
+            free(block);
+        }
+    }
+
+    /// Blocks this thread keeps now (tests).
+    #[cfg(test)]
+    pub(super) fn kept() -> usize {
+        POOL.with(|p| {
+            let slot = p.slot.get();
+            usize::from(!slot.is_null() && slot != CLOSED) + p.len.get()
+        })
     }
 }
 
 impl Tensor {
     /// Puts `view` in a block with one handle (from this thread's pool, or
     /// the heap), or fails cleanly.
-    #[inline(always)]
     fn from_view(view: View) -> Result<Tensor> {
-        let ptr = match pool::take() {
+        let ptr = match pool::take().or_else(pool::take_listed) {
             Some(block) => block,
             None => {
                 let layout = Layout::new::<ViewInner>();
@@ -258,14 +394,13 @@ impl Tensor {
         // blocks no handle points to any more).
         unsafe {
             ptr.as_ptr().write(ViewInner {
-                refs: AtomicUsize::new(1),
+                refs: AtomicUsize::new(1 | flags_of(&view)),
                 view,
             })
         };
         Ok(Tensor { ptr })
     }
 
-    #[inline(always)]
     fn new_view(
         name: Option<&str>,
         storage: Option<Arc<Storage>>,
@@ -295,12 +430,21 @@ impl Tensor {
         Self::with_storage(None, storage).expect("view")
     }
 
+    /// The block's address, without the tag.
+    #[inline(always)]
+    fn untagged(&self) -> *mut ViewInner {
+        let p = self.ptr.as_ptr();
+        p.wrapping_byte_sub(p.addr() & QUIET)
+    }
+
+    #[inline(always)]
     fn inner(&self) -> &ViewInner {
         // SAFETY: the untagged pointer is a live `ViewInner`: this handle
         // holds one of its counts.
-        unsafe { &*self.ptr.as_ptr().map_addr(|a| a & !QUIET) }
+        unsafe { &*self.untagged() }
     }
 
+    #[inline(always)]
     fn view(&self) -> &View {
         &self.inner().view
     }
@@ -309,14 +453,15 @@ impl Tensor {
     fn view_mut(&mut self) -> Option<&mut View> {
         // Acquire: see every write other (now dropped) handles made before
         // their Release decrement.
-        if self.inner().refs.load(Ordering::Acquire) != 1 {
+        if self.inner().refs.load(Ordering::Acquire) & COUNT != 1 {
             return None;
         }
         // SAFETY: the count is 1 and we hold it through `&mut self`, so no
         // other handle exists and none can be made meanwhile.
-        Some(unsafe { &mut (*self.ptr.as_ptr().map_addr(|a| a & !QUIET)).view })
+        Some(unsafe { &mut (*self.untagged()).view })
     }
 
+    #[inline(always)]
     fn is_quiet(&self) -> bool {
         self.ptr.as_ptr().addr() & QUIET != 0
     }
@@ -324,7 +469,7 @@ impl Tensor {
     /// Another handle to this view, counted like a clone.
     fn counted(&self, quiet: bool) -> Tensor {
         let old = self.inner().refs.fetch_add(1, Ordering::Relaxed);
-        if old > isize::MAX as usize {
+        if old & COUNT > MAX_REFS {
             // As `Arc`: a count this high means leaked handles; wrapping
             // would free a live view.
             std::process::abort();
@@ -358,18 +503,64 @@ impl Tensor {
 
     /// Drops this handle's count, freeing the view at the last one.
     fn release(&mut self) {
-        if self.inner().refs.fetch_sub(1, Ordering::Release) != 1 {
+        if self.inner().refs.fetch_sub(1, Ordering::Release) & COUNT != 1 {
             return;
         }
         // Pairs with the Release decrements of the other handles.
         fence(Ordering::Acquire);
-        let raw = self.ptr.as_ptr().map_addr(|a| a & !QUIET);
+        let raw = self.untagged();
         // SAFETY: the count reached 0: this was the last handle, so nothing
         // else can reach the block, and the view in it is dropped once, here.
         unsafe { std::ptr::drop_in_place(raw) };
         // SAFETY: `raw` is non-null (it came from a `NonNull`); the block is
         // unused from now on.
         pool::give(unsafe { NonNull::new_unchecked(raw) });
+    }
+
+    /// The common drop, inlined: no tracing, the view's last handle, no
+    /// name to free, a storage, and room in this thread's pool slot. Then
+    /// the view needs no atomic read-modify-write of its own (a count of 1
+    /// is this handle's alone: no other handle exists to clone or drop
+    /// concurrently) and its block goes to the slot as it is. Returns
+    /// `false`, having changed nothing, in every other case.
+    #[inline(always)]
+    fn drop_fast(&mut self) -> bool {
+        let raw = self.untagged();
+        // SAFETY: as in `inner`.
+        let inner = unsafe { &*raw };
+        // Exactly 1 with tracing off (and never while it is on): the last
+        // handle, and no flag, so no name and a storage. Acquire: see every
+        // write other (now dropped) handles made before their Release
+        // decrement.
+        if inner.refs.load(Ordering::Acquire) != trace::untraced_last() {
+            return false;
+        }
+        // SAFETY: `NO_STORAGE` is clear.
+        let storage = unsafe { inner.view.storage.as_ref().unwrap_unchecked() };
+        let storage: *const Storage = Arc::as_ptr(storage);
+        // SAFETY: `raw` came from a `NonNull`.
+        if !pool::give_to_slot(unsafe { NonNull::new_unchecked(raw) }) {
+            return false;
+        }
+        // The view is gone: its name was `None`, its storage reference is
+        // released below, and its other fields (counts, the coherency
+        // enforcer) own nothing.
+        // SAFETY: the view held one strong count of its storage, which is
+        // ours to release now that the view is gone.
+        unsafe { Arc::decrement_strong_count(storage) };
+        true
+    }
+
+    /// Every other drop (see [`Tensor::drop_fast`]).
+    #[cold]
+    #[inline(never)]
+    fn drop_general(&mut self) {
+        // Only users' handles are traced.
+        if trace::enabled() && !self.is_quiet() {
+            self.release_traced();
+        } else {
+            self.release();
+        }
     }
 
     /// Allocates a tensor of `size` bytes. `Device` placement allocates on
@@ -468,6 +659,8 @@ impl Tensor {
         view.size = size;
         *view.completion.get_mut() = 0;
         *view.completion_epoch.get_mut() = 0;
+        // The only handle: no one else reads the flags now.
+        self.inner().refs.fetch_and(!NO_STORAGE, Ordering::Relaxed);
         Ok(())
     }
 
@@ -495,11 +688,73 @@ impl Tensor {
     /// assert!(half.slice(256, 512, None).is_err()); // past the parent view
     /// # Ok::<(), tdrv::Error>(())
     /// ```
+    #[inline]
     pub fn slice(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
+        // The common case (a user's handle, no name, a storage no job has
+        // counted, a block in this thread's pool slot) is inlined, where
+        // the handle's tag is known to be clear; everything else, errors
+        // included, takes the general path, which checks again in the
+        // documented order.
+        if name.is_none() && !self.is_quiet() {
+            if let Some(t) = self.slice_fast(offset, size) {
+                return Ok(t);
+            }
+        }
+        self.slice_general(offset, size, name)
+    }
+
+    /// [`Tensor::slice`] without a name, when it needs neither an ioctl nor
+    /// an allocation; `None` sends the caller to the general path.
+    #[inline(always)]
+    fn slice_fast(&self, offset: usize, size: usize) -> Option<Tensor> {
+        let view = self.view();
+        // `offset + size <= view.size`, without an overflow check.
+        let room = view.size.checked_sub(size)?;
+        if offset > room {
+            return None;
+        }
+        let storage = view.storage.as_ref()?;
+        if !storage.zero_baseline() {
+            return None;
+        }
+        let block = pool::take()?;
+        let b = block.as_ptr();
+        // SAFETY: `block` is an unused block of `ViewInner`'s layout taken
+        // out of the pool slot (which holds only blocks no handle points to
+        // any more), with `refs` (1, no flag: unnamed, with a storage) and
+        // `view.name` (`None`) written; this writes every other field.
+        unsafe {
+            ptr::addr_of_mut!((*b).view.storage).write(Some(Arc::clone(storage)));
+            // Cannot overflow: offset + size <= view.size, and
+            // view.offset + view.size <= storage.size.
+            ptr::addr_of_mut!((*b).view.offset).write(view.offset + offset);
+            ptr::addr_of_mut!((*b).view.size).write(size);
+            // Baseline 0: a baseline of 0 is 0 at every reset epoch (see
+            // `completion::effective_baseline`), so the epoch is not needed
+            // either.
+            ptr::addr_of_mut!((*b).view.completion).write(AtomicU64::new(0));
+            ptr::addr_of_mut!((*b).view.completion_epoch).write(AtomicU64::new(0));
+            ptr::addr_of_mut!((*b).view.coherency)
+                .write(crate::coherency::CoherencyEnforcer::new());
+        }
+        Some(Tensor { ptr: block })
+    }
+
+    // Cold for the fast path's sake: the caller lays out the fast path as
+    // the straight line.
+    #[cold]
+    #[inline(never)]
+    fn slice_general(&self, offset: usize, size: usize, name: Option<&str>) -> Result<Tensor> {
+        if name.is_none() && self.is_quiet() {
+            // The library's own handles (the C ABI's lookups) slice often.
+            if let Some(t) = self.slice_fast(offset, size) {
+                return Ok(t);
+            }
+        }
         let storage = self.storage_for("slice")?;
         check_range("slice", offset, size, self.view().size)?;
         let baseline = match storage.dma() {
-            Some(b) if b.counted.load(Ordering::Acquire) => {
+            Some(b) if !storage.zero_baseline() => {
                 // Epoch first: a raw reset between the two reads then
                 // shows as a newer epoch, which zeroes the baseline.
                 let epoch = b.device.completion_epoch(b.handle);
@@ -557,7 +812,7 @@ impl Tensor {
     /// Handles to this view (the view refcount), the library's own
     /// included.
     pub fn view_ref_count(&self) -> usize {
-        self.inner().refs.load(Ordering::Acquire)
+        self.inner().refs.load(Ordering::Acquire) & COUNT
     }
 
     /// Views of this storage (the storage refcount); 0 for an empty tensor.
@@ -608,8 +863,9 @@ impl Tensor {
     /// [`Device`] ioctls directly. Completion baselines stay right even if
     /// they submit jobs with it.
     pub fn dma_handle(&self) -> Option<u64> {
-        let b = self.view().storage.as_ref()?.dma()?;
-        b.counted.store(true, Ordering::Release);
+        let st = self.view().storage.as_ref()?;
+        let b = st.dma()?;
+        st.set_counted();
         Some(b.handle)
     }
 
@@ -644,7 +900,7 @@ impl Tensor {
         })?;
         // Others may write the buffer from now on: completion baselines
         // must be asked for.
-        b.counted.store(true, Ordering::Release);
+        storage.set_counted();
         Ok(b.device.export(b.handle)?)
     }
 
@@ -750,23 +1006,36 @@ impl Clone for Tensor {
     }
 }
 
+impl Tensor {
+    /// A user's handle dropped while tracing: the seed's tensor_free, event
+    /// 28 around dropping one view reference (and, if it was the last, the
+    /// storage reference), with the seed's payload: the count before and
+    /// the HBM index.
+    #[cold]
+    #[inline(never)]
+    fn release_traced(&mut self) {
+        let name = self.name().to_owned();
+        let refs = (self.inner().refs.load(Ordering::Relaxed) & COUNT) as u64;
+        let hbm = self.channel().map_or(-1, i64::from);
+        let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
+        self.release();
+    }
+}
+
 impl Drop for Tensor {
+    #[inline(always)]
     fn drop(&mut self) {
-        // The seed's tensor_free: event 28 around dropping one view
-        // reference (and, if it was the last, the storage reference), with
-        // the seed's payload: the count before and the HBM index. Only for
-        // users' handles.
-        if !self.is_quiet() && trace::enabled() {
-            let name = self.name().to_owned();
-            let refs = self.inner().refs.load(Ordering::Relaxed) as u64;
-            let hbm = self.channel().map_or(-1, i64::from);
-            let _t = trace::scope_with(TraceOp::Free, &name, self.view().size, refs, hbm);
-            self.release();
-        } else {
-            self.release();
+        if !self.drop_fast() {
+            self.drop_general();
         }
     }
 }
+
+const _: () = {
+    // `drop_fast` drops a view by hand: these fields must own nothing.
+    assert!(!std::mem::needs_drop::<AtomicU64>());
+    assert!(!std::mem::needs_drop::<crate::coherency::CoherencyEnforcer>());
+};
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -787,10 +1056,124 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_view_takes_at_most_128_bytes() {
-        // Handle, Arc header and view together; the seed's view is 192 B.
+    fn a_view_takes_at_most_96_bytes() {
+        // Count and view together (issue 12: at most 96 B, with no heap
+        // allocation per slice); the seed's view is 192 B.
         assert_eq!(std::mem::size_of::<Tensor>(), std::mem::size_of::<usize>());
-        const { assert!(VIEW_HEAP_SIZE <= 128) };
+        const { assert!(VIEW_HEAP_SIZE <= 96) };
+    }
+
+    #[test]
+    fn slices_keep_every_semantic_on_the_fast_and_general_paths() {
+        // The fast path takes user handles' unnamed slices with a block in
+        // the pool slot; quiet parents, names, an empty slot, a counted
+        // storage and errors take the general one. All must agree.
+        let t = Tensor::allocate_host(256, Some("parent")).unwrap();
+        let parent = t.slice(16, 128, Some("window")).unwrap();
+        for quiet in [false, true] {
+            let p = if quiet {
+                parent.clone_quiet()
+            } else {
+                parent.clone()
+            };
+            for name in [None, Some("named"), Some(DEFAULT_NAME)] {
+                for _ in 0..3 {
+                    let s = p.slice(8, 64, name).unwrap();
+                    assert_eq!((s.offset(), s.size()), (24, 64));
+                    assert_eq!(s.name(), name.unwrap_or(DEFAULT_NAME));
+                    assert_eq!(s.view_ref_count(), 1);
+                    assert!(s.shares_storage_with(&t) && !s.same_view(&p));
+                    assert_eq!(s.output_completion_count().unwrap(), 0);
+                    let c = s.clone();
+                    assert_eq!((s.view_ref_count(), c.view_ref_count()), (2, 2));
+                    drop(s);
+                    assert_eq!(
+                        (c.view_ref_count(), c.name()),
+                        (1, name.unwrap_or(DEFAULT_NAME))
+                    );
+                    // `t`, `parent` (whose clone `p` is) and `c`.
+                    assert_eq!(t.storage_ref_count(), 3);
+                }
+                assert_eq!(t.storage_ref_count(), 2, "slices release the storage");
+                // Errors, checked against the parent view, in order.
+                assert!(matches!(
+                    p.slice(65, 64, name),
+                    Err(Error::OutOfBounds {
+                        op: "slice",
+                        offset: 65,
+                        size: 64,
+                        len: 128
+                    })
+                ));
+                assert!(matches!(
+                    p.slice(usize::MAX, 2, name),
+                    Err(Error::Overflow {
+                        op: "slice",
+                        offset: usize::MAX,
+                        size: 2
+                    })
+                ));
+                assert!(matches!(
+                    p.slice(0, usize::MAX, name),
+                    Err(Error::OutOfBounds { .. })
+                ));
+                let empty = p.slice(128, 0, name).unwrap();
+                assert_eq!((empty.offset(), empty.size()), (144, 0));
+            }
+        }
+        let mut e = Tensor::allocate_empty(None).unwrap();
+        assert_eq!(e.view_ref_count(), 1);
+        assert!(matches!(
+            e.slice(0, 0, None),
+            Err(Error::NoStorage { op: "slice", .. })
+        ));
+        let mut buf = [0u8; 32];
+        // SAFETY: `buf` outlives `e` and its slices and is not touched
+        // otherwise meanwhile.
+        unsafe { e.attach_buffer(buf.as_mut_ptr(), buf.len()).unwrap() };
+        let s = e.slice(4, 4, None).unwrap();
+        s.write(0, &[9; 4]).unwrap();
+        assert_eq!((e.view_ref_count(), e.storage_ref_count()), (1, 2));
+        drop((s, e));
+        assert_eq!(buf[4..8], [9; 4]);
+    }
+
+    #[test]
+    fn a_counted_storage_slices_with_its_kernel_baseline() {
+        // Once a storage is counted, a slice asks the kernel for its
+        // baseline (here a fake device: the ioctl fails, and says so)
+        // instead of taking the fast path's 0.
+        let t = Tensor::allocate_host(64, None).unwrap();
+        let st = t.storage_for("t").unwrap();
+        assert!(st.zero_baseline());
+        st.set_counted();
+        assert!(!st.zero_baseline());
+        // Host storage: counted or not, the view's own count starts at 0.
+        let s = t.slice(0, 8, None).unwrap();
+        assert_eq!(s.output_completion_count().unwrap(), 0);
+    }
+
+    #[test]
+    fn the_pool_keeps_at_most_its_capacity_and_frees_it_at_thread_exit() {
+        let t = Tensor::allocate_host(4096, None).unwrap();
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                assert_eq!(pool::kept(), 0);
+                let views: Vec<Tensor> = (0..3 * pool::CAPACITY)
+                    .map(|i| t.slice(i, 1, None).unwrap())
+                    .collect();
+                drop(views);
+                assert_eq!(pool::kept(), pool::CAPACITY);
+                let again: Vec<Tensor> = (0..pool::CAPACITY - 1)
+                    .map(|i| t.slice(i, 2, Some("n")).unwrap())
+                    .collect();
+                assert_eq!(pool::kept(), 1, "new views take kept blocks");
+                drop(again);
+                assert_eq!(pool::kept(), pool::CAPACITY);
+                // Exiting frees them (Miri reports a leak otherwise).
+            });
+        });
+        assert_eq!(t.storage_ref_count(), 1);
     }
 
     #[test]

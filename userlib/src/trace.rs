@@ -15,7 +15,7 @@
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -107,12 +107,24 @@ pub trait TraceSink: Send + Sync {
 }
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
+/// 1 while tracing is off, 0 while it is on: the handle count (flags
+/// included) a `Tensor` drop compares with to take its fast path, which
+/// tests "untraced" and "last handle of a plain view" in one compare (a
+/// live view's count is never 0).
+static UNTRACED_LAST: AtomicUsize = AtomicUsize::new(1);
 static SINK: RwLock<Option<Arc<dyn TraceSink>>> = RwLock::new(None);
 /// Installs `sink` (or, with `None`, disables tracing).
 pub fn set_sink(sink: Option<Arc<dyn TraceSink>>) {
     let on = sink.is_some();
     *SINK.write().unwrap_or_else(|e| e.into_inner()) = sink;
     ENABLED.store(on, Ordering::Release);
+    UNTRACED_LAST.store(usize::from(!on), Ordering::Release);
+}
+
+/// See `UNTRACED_LAST`.
+#[inline(always)]
+pub(crate) fn untraced_last() -> usize {
+    UNTRACED_LAST.load(Ordering::Relaxed)
 }
 
 /// Flushes the installed sink.
@@ -216,9 +228,12 @@ impl Drop for Scope<'_> {
     }
 }
 
-/// Whether a sink is installed (to skip work only tracing needs).
+/// Whether a sink is (or was just) installed, to skip work only tracing
+/// needs; the scope itself checks for the sink again. One relaxed load: it
+/// is on every handle's drop.
+#[inline(always)]
 pub(crate) fn enabled() -> bool {
-    current().is_some()
+    ENABLED.load(Ordering::Relaxed)
 }
 
 /// Writes Chrome trace-event JSON (the "JSON array" format) to a file.

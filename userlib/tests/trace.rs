@@ -10,6 +10,9 @@ use tdrv::{Fencing, ReadOp, Tensor, WriteOp};
 #[derive(Default)]
 struct Collect(Mutex<Vec<(u32, Phase, String, u64)>>);
 
+/// The sink is process-wide: tests that install one take turns.
+static SINK_TURN: Mutex<()> = Mutex::new(());
+
 impl TraceSink for Collect {
     fn record(&self, e: &TraceEvent<'_>) {
         self.0
@@ -40,6 +43,7 @@ fn workload(name: &str) {
 
 #[test]
 fn sink_gets_begin_end_pairs_with_the_seed_ids() {
+    let _turn = SINK_TURN.lock().unwrap_or_else(|e| e.into_inner());
     let sink = Arc::new(Collect::default());
     trace::set_sink(Some(sink.clone()));
     workload("traced");
@@ -73,6 +77,41 @@ fn sink_gets_begin_end_pairs_with_the_seed_ids() {
     );
     assert_eq!(events[0].3, 64, "alloc carries the size");
     assert_eq!(events[2].3, 16);
+}
+
+#[test]
+fn unnamed_slices_and_clones_are_traced_when_dropped() {
+    // An unnamed slice's last handle is dropped by the inlined fast path,
+    // which must still see that tracing is on (and its clones, which are
+    // not last, too); a quiet handle's drop is never traced.
+    let _turn = SINK_TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let t = Tensor::allocate_host(4096, None).unwrap();
+    // A block in this thread's pool slot, so the fast path would be taken.
+    drop(t.slice(0, 8, None).unwrap());
+    let sink = Arc::new(Collect::default());
+    trace::set_sink(Some(sink.clone()));
+    let s = t.slice(0, 77, None).unwrap();
+    let c = s.clone();
+    drop(s);
+    drop(c);
+    drop(t.slice(1, 77, None).unwrap().clone_quiet());
+    trace::set_sink(None);
+    drop(t.slice(2, 77, None).unwrap());
+    let frees: Vec<_> = sink
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.0 == 28 && e.3 == 77)
+        .map(|e| (e.1, e.2.clone()))
+        .collect();
+    use Phase::{Begin as B, End as E};
+    let u = || tdrv::DEFAULT_NAME.to_owned();
+    // Two traced drops of `s`/`c`, and the quiet handle's user original.
+    assert_eq!(
+        frees,
+        [(B, u()), (E, u()), (B, u()), (E, u()), (B, u()), (E, u())]
+    );
 }
 
 #[test]
