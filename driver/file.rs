@@ -576,12 +576,7 @@ impl TdrvFile {
                 && core::mem::offset_of!(BufInfo, reserved) == OUT.end * 8
                 && core::mem::size_of::<BufInfo>() == OUT.end * 8 + 8
         );
-        let exact = arg.is_exactly::<BufInfo>();
-        let a: BufInfo = if exact {
-            arg.read_words()?
-        } else {
-            arg.read()?
-        };
+        let a: BufInfo = arg.read_fast()?;
         // (`error` is output only: a reused struct may carry one.)
         if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
             return Err(EINVAL);
@@ -604,13 +599,9 @@ impl TdrvFile {
                 reserved: 0,
             }
         };
-        if exact {
-            // The caller's `handle` and `reserved` already hold what the
-            // general path would write.
-            arg.write_words(&out, OUT)
-        } else {
-            arg.write(&out)
-        }
+        // The caller's `handle` and `reserved` already hold what the
+        // general path would write.
+        arg.write_fast(&out, OUT)
     }
 
     /// Validates a transfer argument and returns its buffer and range.
@@ -723,7 +714,7 @@ impl TdrvFile {
 
     fn submit(&self, arg: &ArgBuf) -> Result {
         // (`out_fence` is output only: a reused struct may carry one.)
-        let a: Submit = arg.read()?;
+        let a: Submit = arg.read_fast()?;
         if a.flags & !SUBMIT_OUT_FENCE != 0
             || a.pad != 0
             || a.job_id != 0
@@ -753,7 +744,12 @@ impl TdrvFile {
         let mut transfers = Transfers::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
         let mut bytes: u64 = 0;
         for _ in 0..count {
-            let d: CopyDesc = reader.read()?;
+            let d: CopyDesc = if count == 1 && stride == ours {
+                // The common one-copy job: a word at a time.
+                glue::get_user_words(a.descs as usize)?
+            } else {
+                reader.read()?
+            };
             if stride > ours {
                 // Growth rule for descriptors: unknown trailing bytes are
                 // zero.
@@ -803,11 +799,20 @@ impl TdrvFile {
             in_fences,
             out_fence,
         )?;
-        arg.write_field(core::mem::offset_of!(Submit, job_id), &job_id)?;
-        arg.write_field(
-            core::mem::offset_of!(Submit, out_fence),
-            &fd.as_ref().map_or(-1, |fd| fd.fd()),
-        )?;
+        // Words 3..8 are `job_id` to `out_fence`; the others, and the
+        // rest of those, hold what the caller passed.
+        const OUT: core::ops::Range<usize> = 3..8;
+        const _: () = assert!(
+            core::mem::offset_of!(Submit, job_id) == OUT.start * 8
+                && core::mem::offset_of!(Submit, out_fence) + 4 == OUT.end * 8
+                && core::mem::size_of::<Submit>() == OUT.end * 8
+        );
+        let out = Submit {
+            job_id,
+            out_fence: fd.as_ref().map_or(-1, |fd| fd.fd()),
+            ..a
+        };
+        arg.write_fast(&out, OUT)?;
         if let Some(fd) = fd {
             fd.install();
         }
@@ -853,7 +858,7 @@ impl TdrvFile {
     }
 
     fn completion_wait(&self, arg: &ArgBuf) -> Result {
-        let a: CompletionWait = arg.read()?;
+        let a: CompletionWait = arg.read_fast()?;
         if a.count != 0 || any_nonzero(&a.reserved) {
             return Err(EINVAL);
         }
@@ -866,7 +871,10 @@ impl TdrvFile {
             .map(|c| c.completions)
             .map_err(|(e, _)| e);
         self.note_wait(&r);
-        arg.write_field(core::mem::offset_of!(CompletionWait, count), &r?)
+        // Word 3 is `count`; the others hold what the caller passed.
+        const OUT: core::ops::Range<usize> = 3..4;
+        const _: () = assert!(core::mem::offset_of!(CompletionWait, count) == OUT.start * 8);
+        arg.write_fast(&CompletionWait { count: r?, ..a }, OUT)
     }
 
     fn completion_reset(&self, arg: &ArgBuf) -> Result {

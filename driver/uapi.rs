@@ -488,19 +488,26 @@ impl ArgBuf {
         glue::put_user_words(self.addr, value, words)
     }
 
-    /// Writes `value`, the output field of a `T` at byte `offset`, into the
-    /// caller's struct if it is large enough to hold the field (an older,
-    /// smaller one lacks it). For a struct of inputs with one or two
-    /// outputs, cheaper than writing all of it back.
-    pub(crate) fn write_field<F: AsBytes>(&self, offset: usize, value: &F) -> Result {
-        let n = core::mem::size_of::<F>();
-        if offset + n > self.size {
-            return Ok(());
+    /// [`ArgBuf::read`], a word at a time ([`ArgBuf::read_words`]) for a
+    /// caller of exactly our size: for the hot ioctls.
+    pub(crate) fn read_fast<T: FromBytes + FirstSize>(&self) -> Result<T> {
+        if self.is_exactly::<T>() {
+            self.read_words()
+        } else {
+            self.read()
         }
-        let addr = self.addr.checked_add(offset).ok_or(EFAULT)?;
-        UserSlice::new(UserPtr::from_addr(addr), n)
-            .writer()
-            .write_slice(value.as_bytes())
+    }
+
+    /// Writes `value` back: for a caller of exactly our size only its
+    /// words `out` (those of the out fields; the others still hold what
+    /// the caller passed), a word at a time ([`ArgBuf::write_words`]),
+    /// else as [`ArgBuf::write`]. The result is the same.
+    pub(crate) fn write_fast<T: AsBytes>(&self, value: &T, out: core::ops::Range<usize>) -> Result {
+        if self.is_exactly::<T>() {
+            self.write_words(value, out)
+        } else {
+            self.write(value)
+        }
     }
 
     /// Writes `value` back over the first `min(size_of::<T>(), caller's
