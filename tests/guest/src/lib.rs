@@ -423,3 +423,75 @@ pub fn device_nodes(kind: u32) -> Vec<String> {
     });
     nodes
 }
+
+/// Turns a hang into a failure that says where each thread was: if not
+/// dropped within `secs` seconds (guest time), prints every thread's state,
+/// wait channel and kernel stack as TAP comments and exits the program
+/// with status 1.
+pub struct HangGuard {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HangGuard {
+    /// Arms the guard for `what`.
+    pub fn arm(what: &str, secs: u64) -> HangGuard {
+        let (stop, rx) = std::sync::mpsc::channel::<()>();
+        let what = what.to_owned();
+        let thread = std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                rx.recv_timeout(std::time::Duration::from_secs(secs))
+            {
+                println!("# HUNG: {what} did not finish in {secs} s; its threads:");
+                print!("{}", thread_report());
+                std::process::exit(1);
+            }
+        });
+        HangGuard {
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for HangGuard {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Every thread of this process: name, state, wait channel and kernel
+/// stack, as `#` lines.
+pub fn thread_report() -> String {
+    let mut out = String::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return "#   (no /proc/self/task)\n".to_owned();
+    };
+    for task in dir.flatten() {
+        let p = task.path();
+        let read = |f: &str| std::fs::read_to_string(p.join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // The state follows the parenthesised name.
+        let state = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .next()
+            .unwrap_or("?");
+        out += &format!(
+            "#   tid {} ({}) state {} wchan {}\n",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            state,
+            read("wchan").trim()
+        );
+        for line in read("stack").lines() {
+            out += &format!("#     {line}\n");
+        }
+    }
+    out
+}

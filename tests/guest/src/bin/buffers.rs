@@ -6,7 +6,7 @@
 use tdrv_guest_tests::{
     expect_eq, expect_err, ok, open_device_or_skip,
     raw::{page_size, Dev},
-    Tap,
+    HangGuard, Tap,
 };
 use tdrv_uapi::*;
 
@@ -521,6 +521,8 @@ fn main() {
         let dst = ok("alloc", dev.alloc(SIZE, 0))?.handle;
         let current = AtomicU64::new(0);
         let done = AtomicBool::new(false);
+        // Seconds normally; a hang shows where each thread waits.
+        let _hang = HangGuard::arm("lookups racing FREE", 300);
         let (hits, misses) = std::thread::scope(|s| -> Result<(u64, u64), String> {
             let reader = s.spawn(|| -> Result<(u64, u64), String> {
                 let (mut hits, mut misses) = (0u64, 0u64);
