@@ -522,7 +522,7 @@ fn main() {
         let current = AtomicU64::new(0);
         let done = AtomicBool::new(false);
         // Seconds normally; a hang shows where each thread waits.
-        let _hang = HangGuard::arm("lookups racing FREE", 300);
+        let _hang = HangGuard::arm("lookups racing FREE", 120);
         let (hits, misses) = std::thread::scope(|s| -> Result<(u64, u64), String> {
             let reader = s.spawn(|| -> Result<(u64, u64), String> {
                 let (mut hits, mut misses) = (0u64, 0u64);
@@ -576,10 +576,11 @@ fn main() {
                     }
                 };
                 current.store(a.handle, Relaxed);
-                // Give the reader a moment with the live handle.
-                for _ in 0..50 {
-                    std::hint::spin_loop();
-                }
+                // Give the reader a moment with the live handle. Not a
+                // PAUSE spin: under -icount the vCPUs take turns, and each
+                // PAUSE hands the turn to the other vCPU, for a whole
+                // time slice.
+                std::thread::yield_now();
                 if let Err(e) = dev.free(a.handle) {
                     r = Err(format!("free: errno {e}"));
                     break;

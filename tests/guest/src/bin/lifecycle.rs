@@ -373,8 +373,11 @@ fn main() {
                     let workers: Vec<_> = (0..4)
                         .map(|_| {
                             s.spawn(|| {
+                                // Yielding, not a PAUSE spin (see
+                                // `buffers`: under -icount each PAUSE
+                                // hands the other vCPU a time slice).
                                 while !go.load(Ordering::Acquire) {
-                                    std::hint::spin_loop();
+                                    std::thread::yield_now();
                                 }
                                 let mut n = 0;
                                 loop {
