@@ -84,8 +84,9 @@ pub(crate) trait Engine: Send + Sync {
     /// locks; false if the job must be queued with [`Engine::submit`]. An
     /// engine claimed this way holds back every later job until the claimed
     /// one completed, as if it were queued first. Only for a job without
-    /// fences that [`Engine::may_claim`] allowed, called under its file's
-    /// tracker lock (so a file's jobs still reach the engine in id order).
+    /// in-fences that [`Engine::may_claim`] allowed, called under its
+    /// file's tracker lock (so a file's jobs still reach the engine in id
+    /// order).
     fn claim(&self, _job: &Job) -> bool {
         false
     }

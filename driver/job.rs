@@ -17,8 +17,9 @@
 //!    job itself, after the tracker lock is dropped
 //!    ([`Engine::claim`](crate::engine::Engine::claim);
 //!    the software device does, see `backends/soft.rs`): the job is then
-//!    complete, and its waiters woken, before SUBMIT returns. Such a job
-//!    lives on the submitter's stack, so a small job allocates nothing.
+//!    complete, and its waiters woken (its out-fence signalled), before
+//!    SUBMIT returns. Such a job without fences lives on the submitter's
+//!    stack, so it allocates nothing.
 //! 3. The engine runs the transfers and calls [`Job::complete`] exactly
 //!    once, with the result. That drops the pending marks (waking fence
 //!    waiters when a count reaches zero), bumps the completion count of
@@ -576,6 +577,9 @@ impl JobTracker {
         mark(&job.transfers)?;
         let undo = job.clone_arc();
         let mut failed = None;
+        // The job, when the engine let this thread run it after all (a
+        // job with an out-fence, or one the stack path could not place).
+        let mut claimed = None;
         let mut state = self.state.lock();
         let id = state.next_id;
         job.id.store(id, Relaxed);
@@ -605,6 +609,13 @@ impl JobTracker {
                 failed = Some(e);
                 return Ok(());
             }
+            if job.in_fences.is_none()
+                && device.engine().may_claim(bytes, job.transfers.len())
+                && device.engine().claim(&job)
+            {
+                claimed = Some(job);
+                return Ok(());
+            }
             device.engine().submit(job)
         });
         if let Err(e) = queued {
@@ -617,6 +628,9 @@ impl JobTracker {
         drop(state);
         if let Some(e) = failed {
             undo.complete(Err(e));
+        }
+        if let Some(job) = claimed {
+            device.engine().run_claimed(&job);
         }
         // The last reference of a job that ended here: reports it (taking
         // the tracker lock) and signals its out-fence before SUBMIT returns.
