@@ -521,6 +521,10 @@ fn main() {
         let dst = ok("alloc", dev.alloc(SIZE, 0))?.handle;
         let current = AtomicU64::new(0);
         let done = AtomicBool::new(false);
+        // What the reader saw so far: the main thread goes on until both
+        // outcomes happened (the reader may get few turns: under -icount
+        // the vCPUs take turns by time slice).
+        let (seen_hit, seen_miss) = (AtomicBool::new(false), AtomicBool::new(false));
         // Seconds normally; a hang shows where each thread waits.
         let _hang = HangGuard::arm("lookups racing FREE", 120);
         let (hits, misses) = std::thread::scope(|s| -> Result<(u64, u64), String> {
@@ -558,8 +562,14 @@ fn main() {
                             }),
                     };
                     match seen {
-                        Ok(()) => hits += 1,
-                        Err(libc::ENOENT) => misses += 1,
+                        Ok(()) => {
+                            hits += 1;
+                            seen_hit.store(true, Relaxed);
+                        }
+                        Err(libc::ENOENT) => {
+                            misses += 1;
+                            seen_miss.store(true, Relaxed);
+                        }
                         Err(-1) => return Err(format!("lookup {n} saw a bad buffer")),
                         Err(e) => return Err(format!("lookup {n} (kind {}): errno {e}", n % 4)),
                     }
@@ -567,7 +577,12 @@ fn main() {
                 Ok((hits, misses))
             });
             let mut r = Ok(());
-            for _ in 0..ROUNDS {
+            for round in 0.. {
+                if round >= ROUNDS && seen_hit.load(Relaxed) && seen_miss.load(Relaxed)
+                    || round >= 100 * ROUNDS
+                {
+                    break;
+                }
                 let a = match dev.alloc(SIZE, 0) {
                     Ok(a) => a,
                     Err(e) => {
