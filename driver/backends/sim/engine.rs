@@ -30,6 +30,9 @@
 //! bytes never pass through a kernel buffer. The ioctl waits for the chunk
 //! uninterruptibly (the device writes the pages until then); the watchdog
 //! bounds that wait. A fatal signal stops the copy between chunks (EINTR).
+//! A chunk that cannot be pinned (a PFN mapping, such as another buffer's
+//! mmap) goes through a staging buffer and a coherent bounce buffer
+//! instead, `BOUNCE` bytes at a time.
 //!
 //! # Faults
 //!
@@ -49,6 +52,7 @@
 //! run meanwhile.
 
 use kernel::{
+    alloc::KVVec,
     bindings,
     device::Bound,
     dma::Coherent,
@@ -139,6 +143,9 @@ use crate::{
 const WATCH_MS: u32 = 20;
 /// Bytes of user memory pinned and mapped per DMA chunk.
 const USER_CHUNK: usize = 1 << 20;
+/// Piece of a COPY_IN or COPY_OUT through a bounce buffer (user memory
+/// that cannot be pinned).
+const BOUNCE: usize = 64 << 10;
 /// Size of the pattern a fill starts from.
 const FILL_PATTERN: usize = 64 << 10;
 /// Pending jobs the scheduler looks at per pass.
@@ -580,6 +587,7 @@ impl SimEngine {
         to_device: bool,
     ) -> Result {
         let base = user.as_const_ptr() as usize;
+        let mut stage = KVVec::<u8>::new();
         let mut done = 0;
         while done < len {
             if glue::fatal_signal_pending() {
@@ -590,7 +598,25 @@ impl SimEngine {
             let n = (len - done).min(USER_CHUNK - off);
             let npages = (off + n).div_ceil(PAGE_SIZE);
             // Pinning may fault pages in: no device section is held.
-            let pages = PinnedPages::pin(uaddr - off, npages, !to_device)?;
+            let pages = match PinnedPages::pin(uaddr - off, npages, !to_device) {
+                Ok(pages) => pages,
+                Err(e) if e == EFAULT => {
+                    // Memory that cannot be pinned (a PFN mapping, such as
+                    // another buffer's mmap), or a bad address, which the
+                    // user copy of the bounce path then reports.
+                    self.bounce_dma(
+                        device,
+                        dev_addr + done as u64,
+                        n,
+                        UserPtr::from_addr(uaddr),
+                        to_device,
+                        &mut stage,
+                    )?;
+                    done += n;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             {
                 let active = device.enter()?;
                 let dev = raw_device(device.bound_device(&active));
@@ -613,6 +639,95 @@ impl SimEngine {
         Ok(())
     }
 
+    /// [`Self::user_dma`] of `len` bytes for user memory that cannot be
+    /// pinned, `BOUNCE` bytes at a time: the user copy fills or drains a
+    /// staging buffer (`stage`, allocated on first use) with no device
+    /// section held, since it may fault (a fault on a tdrv mapping takes
+    /// that buffer's memory lock), and the device reads or writes a
+    /// coherent copy of it, made and freed inside a section.
+    fn bounce_dma(
+        self: &Arc<Self>,
+        device: &TdrvDevice,
+        dev_addr: u64,
+        len: usize,
+        user: UserPtr,
+        to_device: bool,
+        stage: &mut KVVec<u8>,
+    ) -> Result {
+        if stage.is_empty() {
+            stage.resize(BOUNCE, 0, GFP_KERNEL)?;
+        }
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(BOUNCE);
+            let user = user.wrapping_byte_add(done);
+            let at = dev_addr + done as u64;
+            if to_device {
+                // SAFETY: `stage` holds `BOUNCE >= n` bytes; `copy_from_user`
+                // checks the user range itself.
+                let left = unsafe {
+                    bindings::copy_from_user(stage.as_mut_ptr().cast(), user.as_const_ptr(), n)
+                };
+                if left != 0 {
+                    return Err(EFAULT);
+                }
+            }
+            {
+                let active = device.enter()?;
+                let bound = device.bound_device(&active);
+                let bounce = if to_device {
+                    Coherent::<u8>::from_slice(bound, &stage[..n], GFP_KERNEL)?
+                } else {
+                    Coherent::<u8>::zeroed_slice(bound, n, GFP_KERNEL)?
+                };
+                let host = bounce.dma_handle();
+                let desc = if to_device {
+                    Desc {
+                        src: host,
+                        dst: at,
+                        len: n as u32,
+                        flags: DESC_DST_DEV,
+                    }
+                } else {
+                    Desc {
+                        src: at,
+                        dst: host,
+                        len: n as u32,
+                        flags: DESC_SRC_DEV,
+                    }
+                };
+                let mut descs = KVec::new();
+                descs.push(desc, GFP_KERNEL)?;
+                // The bounce buffer is freed (drop) only after the op
+                // ended, and inside the section: the device is bound.
+                self.run_sync(descs)?;
+                if !to_device {
+                    // SAFETY: The op ended, so the device no longer writes
+                    // the `n` bytes of the bounce buffer; `stage` has room.
+                    unsafe {
+                        core::ptr::copy_nonoverlapping(
+                            bounce.as_ptr().cast::<u8>(),
+                            stage.as_mut_ptr(),
+                            n,
+                        )
+                    };
+                }
+            }
+            if !to_device {
+                // SAFETY: `stage` holds `n` initialised bytes;
+                // `copy_to_user` checks the user range itself.
+                let left =
+                    unsafe { bindings::copy_to_user(user.as_mut_ptr(), stage.as_ptr().cast(), n) };
+                if left != 0 {
+                    return Err(EFAULT);
+                }
+            }
+            done += n;
+            glue::cond_resched();
+        }
+        Ok(())
+    }
+
     /// Fills `len` bytes at `dst` with `value`: one pattern from host
     /// memory, then the device doubles what it wrote (descriptors of one
     /// queue run in order).
@@ -623,7 +738,8 @@ impl SimEngine {
         let active = device.enter()?;
         let bound: &kernel::device::Device<Bound> = device.bound_device(&active);
         let first = len.min(FILL_PATTERN);
-        let pattern = Coherent::<u8>::zeroed_slice(bound, first.next_multiple_of(PAGE_SIZE), GFP_KERNEL)?;
+        let pattern =
+            Coherent::<u8>::zeroed_slice(bound, first.next_multiple_of(PAGE_SIZE), GFP_KERNEL)?;
         if value != 0 {
             // SAFETY: The allocation is ours and at least `first` bytes;
             // no device has its address yet.
@@ -696,7 +812,10 @@ fn transfer_descs(
     while done < src_range.len {
         let (from, src_left, src_dev) = locate(src, src_range.start + done);
         let (to, dst_left, dst_dev) = locate(dst, dst_offset + done);
-        let n = (src_range.len - done).min(src_left).min(dst_left).min(DESC_MAX_LEN);
+        let n = (src_range.len - done)
+            .min(src_left)
+            .min(dst_left)
+            .min(DESC_MAX_LEN);
         let flags = if src_dev { DESC_SRC_DEV } else { 0 } | if dst_dev { DESC_DST_DEV } else { 0 };
         descs.push(
             Desc {
@@ -711,7 +830,6 @@ fn transfer_descs(
     }
     Ok(())
 }
-
 
 /// User pages pinned for DMA; unpinned (and marked dirty if the device
 /// wrote them) on drop.
@@ -728,9 +846,8 @@ impl PinnedPages {
         let flags = if write { bindings::FOLL_WRITE } else { 0 };
         // SAFETY: `pages` has room for `n` entries; the call checks the
         // user range and fills at most `n` entries.
-        let got = unsafe {
-            bindings::pin_user_pages_fast(start, n as i32, flags, pages.as_mut_ptr())
-        };
+        let got =
+            unsafe { bindings::pin_user_pages_fast(start, n as i32, flags, pages.as_mut_ptr()) };
         if got < 0 {
             return Err(Error::from_errno(got));
         }
@@ -812,19 +929,34 @@ impl MappedPages {
         let mut descs: KVec<Desc> = KVec::new();
         let mut at = dev_addr;
         let host = |d: &Desc| if to_device { d.src } else { d.dst };
-        let flags = if to_device { DESC_DST_DEV } else { DESC_SRC_DEV };
+        let flags = if to_device {
+            DESC_DST_DEV
+        } else {
+            DESC_SRC_DEV
+        };
         for &(addr, n) in self.maps.iter() {
             if let Some(last) = descs.last_mut() {
-                if host(last) + u64::from(last.len) == addr && last.len as usize + n <= DESC_MAX_LEN {
+                if host(last) + u64::from(last.len) == addr && last.len as usize + n <= DESC_MAX_LEN
+                {
                     last.len += n as u32;
                     at += n as u64;
                     continue;
                 }
             }
             let d = if to_device {
-                Desc { src: addr, dst: at, len: n as u32, flags }
+                Desc {
+                    src: addr,
+                    dst: at,
+                    len: n as u32,
+                    flags,
+                }
             } else {
-                Desc { src: at, dst: addr, len: n as u32, flags }
+                Desc {
+                    src: at,
+                    dst: addr,
+                    len: n as u32,
+                    flags,
+                }
             };
             descs.push(d, GFP_KERNEL)?;
             at += n as u64;
@@ -926,7 +1058,10 @@ impl Engine for SimBackend {
         }
         for ch in 0..e.hbm.channels() {
             let (free, largest, ranges) = e.hbm.usage(ch);
-            writeln!(f, "hbm{ch}: free {free} largest_free {largest} free_ranges {ranges}")?;
+            writeln!(
+                f,
+                "hbm{ch}: free {free} largest_free {largest} free_ranges {ranges}"
+            )?;
         }
         Ok(())
     }

@@ -51,7 +51,7 @@ fn used(dev: &Dev, ch: u32) -> Result<u64, String> {
 
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
-    let mut t = Tap::new(21);
+    let mut t = Tap::new(22);
 
     t.run(
         "alloc returns a handle, DMA address and mmap offset",
@@ -388,6 +388,64 @@ fn main() {
         drop(m);
         ok("free", dev.free(a.handle))
     });
+
+    // A tensor's bytes written from, or read into, another tensor's
+    // mapping: the user range is a PFN mapping that cannot be pinned, which
+    // a device that DMAs to user pages must work around.
+    t.run(
+        "COPY_IN from and COPY_OUT into a buffer mapping move the bytes",
+        || -> R {
+            let size = 3 * 4096;
+            let a = ok("alloc", dev.alloc(size, 0))?;
+            let b = ok("alloc", dev.alloc(size, 0))?;
+            let mut ma = ok("mmap", dev.map(&a))?;
+            for (i, x) in ma.as_mut_slice().iter_mut().enumerate() {
+                *x = (i * 7 + 3) as u8;
+            }
+            let want = ma.as_slice()[50..9050].to_vec();
+            // Unaligned, across page boundaries of both.
+            ok(
+                "copy_in from a mapping",
+                dev.copy_in(b.handle, 100, &ma.as_slice()[50..9050]),
+            )?;
+            let mut out = vec![0u8; 9000];
+            ok("copy_out", dev.copy_out(b.handle, 100, &mut out))?;
+            expect_eq("bytes copied in from the mapping", out == want, true)?;
+            ma.as_mut_slice().fill(0);
+            ok(
+                "copy_out into a mapping",
+                dev.copy_out(b.handle, 100, &mut ma.as_mut_slice()[1000..10000]),
+            )?;
+            expect_eq(
+                "bytes copied out into the mapping",
+                ma.as_slice()[1000..10000] == want[..],
+                true,
+            )?;
+            expect_eq(
+                "bytes around them untouched",
+                ma.as_slice()[..1000]
+                    .iter()
+                    .chain(&ma.as_slice()[10000..])
+                    .all(|x| *x == 0),
+                true,
+            )?;
+            // A buffer's own mapping as the source of a copy into it.
+            let mut mb = ok("mmap", dev.map(&b))?;
+            mb.as_mut_slice()[8192..].fill(0x5a);
+            ok(
+                "copy_in from its own mapping",
+                dev.copy_in(b.handle, 0, &mb.as_slice()[8192..]),
+            )?;
+            expect_eq(
+                "own bytes copied",
+                mb.as_slice()[..4096].iter().all(|x| *x == 0x5a),
+                true,
+            )?;
+            drop((ma, mb));
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
 
     t.run("mmap checks length, sharing and offset", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
