@@ -1562,6 +1562,48 @@ fn fig6(c: &Ctx) {
 /// in the kernel (one CPU: it runs while we sleep).
 const WAKE_PAUSE: Duration = Duration::from_millis(1);
 
+/// The calling thread's CPU affinity while it lives; restored on drop.
+///
+/// The wake-up figures run the signalling thread on CPU 0 and the waiter
+/// on CPU 1, for every method alike: left to the scheduler, a waiter
+/// sometimes sleeps on the signaller's CPU, where its wake-up is a
+/// different path (no IPI, a preemption at the signaller's return), and
+/// a method's samples split between the two.
+struct Pinned(Option<libc::cpu_set_t>);
+
+impl Pinned {
+    /// Pins the calling thread to `cpu` (nothing if the guest lacks it).
+    fn to(cpu: usize) -> Self {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cpu >= n {
+            return Self(None);
+        }
+        // SAFETY: `cpu_set_t` is plain data for which all-zero is the
+        // empty set; the calls get its size and a valid pointer.
+        unsafe {
+            let mut old: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old) != 0 {
+                return Self(None);
+            }
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return Self(None);
+            }
+            Self(Some(old))
+        }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Some(old) = &self.0 {
+            // SAFETY: `old` is the set `sched_getaffinity` returned.
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), old) };
+        }
+    }
+}
+
 /// Fence wake samples (µs): from SUBMIT until the waiter runs, the SUBMIT
 /// call's own time, and from SUBMIT's return until the waiter runs (the
 /// engine picking the job up, the copy, the completion and the wake-up).
@@ -1578,7 +1620,9 @@ fn fence_wakes(
     let (go_tx, go_rx) = mpsc::channel::<u64>();
     let (done_tx, done_rx) = mpsc::channel::<Instant>();
     let waiter_view = dst.clone();
+    let _pin = Pinned::to(0);
     let waiter = std::thread::spawn(move || {
+        let _pin = Pinned::to(1);
         while let Ok(k) = go_rx.recv() {
             waiter_view
                 .check_output_completion(None, k)
@@ -1652,7 +1696,9 @@ fn eventfd_wakes(warm: usize, n: usize) -> Vec<f64> {
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let (done_tx, done_rx) = mpsc::channel::<Instant>();
     let reader_fd = efd.clone();
+    let _pin = Pinned::to(0);
     let reader = std::thread::spawn(move || {
+        let _pin = Pinned::to(1);
         while go_rx.recv().is_ok() {
             let mut v = 0u64;
             // SAFETY: reads 8 bytes into `v`, a live u64.
@@ -1706,9 +1752,11 @@ fn peer_wakes<W: Send>(
     let (go_tx, go_rx) = mpsc::channel::<W>();
     let (done_tx, done_rx) = mpsc::channel::<Instant>();
     let mut out = Vec::with_capacity(n);
+    let _pin = Pinned::to(0);
     std::thread::scope(|s| {
         let wait = &wait;
         s.spawn(move || {
+            let _pin = Pinned::to(1);
             while let Ok(w) = go_rx.recv() {
                 wait(w);
                 done_tx.send(Instant::now()).expect("send");
