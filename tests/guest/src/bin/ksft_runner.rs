@@ -96,12 +96,17 @@ fn main() {
             if listed.iter().any(|l| l.contains(".so")) {
                 return Err(format!("a library is listed:\n{out}"));
             }
-            // `edu` and `sim` unbind their device: they must come after
-            // everything else.
+            // `unbind_stress`, `edu` and `sim` unbind their device: they
+            // must come after everything else.
             expect_eq(
-                "last three",
-                &listed[listed.len().saturating_sub(3)..],
-                &["tdrv:watchdog", "tdrv:edu", "tdrv:sim"][..],
+                "last four",
+                &listed[listed.len().saturating_sub(4)..],
+                &[
+                    "tdrv:watchdog",
+                    "tdrv:unbind_stress",
+                    "tdrv:edu",
+                    "tdrv:sim",
+                ][..],
             )
         },
     );

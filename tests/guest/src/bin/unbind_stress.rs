@@ -1,0 +1,122 @@
+//! Unbind at a random moment: two fuzzer processes (`fuzz`, each with its
+//! threads and SIGKILLed children) hammer a PCI device, the device is
+//! unbound under them after a seeded pause, the fuzzers are killed, and
+//! the device is bound again; each round then checks that the device
+//! works (ALLOC, COPY_IN, a job, COPY_OUT, FREE). Unlike the edu and sim
+//! programs' unbind tests, which unbind at chosen points, this one lands
+//! wherever the fuzzers happen to be. The guest run's dmesg, kmemleak and
+//! rmmod checks cover what the kernel must not do meanwhile.
+//!
+//! usage: unbind_stress /dev/tdrvN [ROUNDS [SEED]]  (edu or sim; other
+//! kinds are skipped). Defaults: 3 rounds, seed 1. It unbinds and rebinds
+//! the device.
+
+use std::{
+    fs,
+    process::{Child, Command, Stdio},
+    thread,
+    time::Duration,
+};
+
+use tdrv_guest_tests::{
+    bound_pci_address, desc, device_nodes, expect_eq, ok, open_device_or_skip, raw::Dev, skip_all,
+    Rng, Tap,
+};
+use tdrv_uapi::*;
+
+type R = Result<(), String>;
+
+/// The fuzzer program, next to this one.
+const FUZZ: &str = "/tests/fuzz";
+
+fn driver_dir(kind: u32) -> &'static str {
+    if kind == TDRV_DEVICE_SIM {
+        "/sys/bus/pci/drivers/tdrv-sim"
+    } else {
+        "/sys/bus/pci/drivers/tdrv"
+    }
+}
+
+/// Starts a fuzzer on `node` with `seed`, its output discarded (its own
+/// checks fail once the device is gone; only the kernel's state counts).
+fn fuzzer(node: &str, seed: u64) -> Result<Child, String> {
+    Command::new(FUZZ)
+        .args([node, "1000000", &seed.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{FUZZ}: {e}"))
+}
+
+/// The device of `kind` works: a buffer round trip through a job.
+fn works(kind: u32) -> R {
+    let node = device_nodes(kind)
+        .into_iter()
+        .next()
+        .ok_or("no device node after rebind")?;
+    let dev = ok("open", Dev::open(&node))?;
+    let data: Vec<u8> = (0..20_000u32).map(|i| (i * 13 + 5) as u8).collect();
+    let a = ok("alloc", dev.alloc(data.len() as u64, 0))?;
+    let b = ok("alloc", dev.alloc(data.len() as u64, 0))?;
+    ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+    let id = ok(
+        "submit",
+        dev.submit(&[desc(a.handle, 0, b.handle, 0, data.len() as u64)]),
+    )?;
+    expect_eq(
+        "job",
+        ok("job_wait", dev.job_wait(id, -1))?,
+        (TDRV_JOB_DONE, 0),
+    )?;
+    let mut out = vec![0u8; data.len()];
+    ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
+    expect_eq("bytes through the job", out == data, true)?;
+    ok("free", dev.free(a.handle))?;
+    ok("free", dev.free(b.handle))
+}
+
+fn round(node: &str, kind: u32, rng: &mut Rng) -> R {
+    let dir = driver_dir(kind);
+    let pci = bound_pci_address(dir)?;
+    let mut fuzzers = vec![fuzzer(node, rng.next_u64())?, fuzzer(node, rng.next_u64())?];
+    thread::sleep(Duration::from_millis(200 + rng.next_u64() % 1800));
+    let unbound = fs::write(format!("{dir}/unbind"), &pci);
+    // Calls on the unbound device fail at once; let them run a moment.
+    thread::sleep(Duration::from_millis(300));
+    for f in &mut fuzzers {
+        let _ = f.kill();
+        let _ = f.wait();
+    }
+    unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
+    fs::write(format!("{dir}/bind"), &pci).map_err(|e| format!("bind {pci}: {e}"))?;
+    thread::sleep(Duration::from_millis(100));
+    works(kind)
+}
+
+fn main() {
+    let (dev, node, version) = open_device_or_skip("/dev/tdrv0", None);
+    let kind = version.device_kind;
+    if kind != TDRV_DEVICE_EDU && kind != TDRV_DEVICE_SIM {
+        skip_all("not a PCI device (edu or sim)");
+    }
+    drop(dev);
+    if fs::metadata(FUZZ).is_err() {
+        skip_all("no fuzz program next to this one");
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let rounds: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(3);
+    let seed: u64 = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(1);
+    let mut rng = Rng::new(seed);
+    let mut t = Tap::new(rounds);
+    t.note(format!(
+        "device {node}: {rounds} rounds, seed {seed} (replay: unbind_stress {node} {rounds} {seed})"
+    ));
+    for i in 1..=rounds {
+        t.run(
+            &format!("round {i}: unbind under two fuzzers, rebind, the device works"),
+            || round(&node, kind, &mut rng),
+        );
+    }
+    t.finish();
+}
