@@ -313,7 +313,7 @@ fn main() {
     let dev = &dev_owned;
     // A touch of a mapping that dies of SIGBUS says where.
     install_fatal_handlers();
-    let mut t = Tap::new(26);
+    let mut t = Tap::new(28);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
@@ -551,6 +551,50 @@ fn main() {
             }),
         }
     });
+
+    // A buffer mapping as the user side of COPY_IN and COPY_OUT: pages that
+    // cannot be pinned, which a DMA engine copies through a bounce buffer.
+    // Touched before arming, so that no fault of the mapping spends an
+    // injection point.
+    let mut mapped = dev
+        .alloc(XFER as u64, 0)
+        .and_then(|m| Ok((m, dev.map(&m)?)));
+    report(&mut t, "COPY_IN from a buffer mapping", {
+        match &mut mapped {
+            Err(e) => Err(format!("alloc and mmap: {}", errno_name(*e))),
+            Ok((_, map)) => sweep(|n| {
+                let data = pattern(XFER, n as u8 ^ 0x33);
+                map.as_mut_slice()[..XFER].copy_from_slice(&data);
+                let src = &map.as_slice()[..XFER];
+                let (r, inj) = inject(fail, n, || dev.copy_in(a, 0, src))?;
+                if r.is_err() {
+                    ok("COPY_IN after failed COPY_IN", dev.copy_in(a, 0, src))?;
+                }
+                expect_eq("data", read_bytes(dev, a, 0, XFER)? == data, true)?;
+                Ok((r, inj))
+            }),
+        }
+    });
+    report(&mut t, "COPY_OUT into a buffer mapping", {
+        let data = pattern(XFER, 0x6d);
+        match (&mut mapped, dev.copy_in(a, 0, &data)) {
+            (Err(e), _) => Err(format!("alloc and mmap: {}", errno_name(*e))),
+            (_, Err(e)) => Err(format!("copy_in: {}", errno_name(e))),
+            (Ok((_, map)), Ok(())) => sweep(|n| {
+                let out = &mut map.as_mut_slice()[..XFER];
+                out.fill(0xA5);
+                let (r, inj) = inject(fail, n, || dev.copy_out(a, 0, out))?;
+                if r.is_ok() {
+                    expect_eq("data", out == &data[..], true)?;
+                }
+                Ok((r, inj))
+            }),
+        }
+    });
+    if let Ok((m, map)) = mapped {
+        drop(map);
+        let _ = dev.free(m.handle);
+    }
 
     report(
         &mut t,
