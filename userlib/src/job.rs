@@ -17,6 +17,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::few::Few;
 use crate::reactor;
 use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
 use crate::tensor::Tensor;
@@ -54,9 +55,10 @@ pub const MAX_IN_FENCES: usize = tdrv_uapi::TDRV_MAX_IN_FENCES as usize;
 #[derive(Default)]
 pub struct Job {
     device: Option<Arc<Device>>,
-    descs: Vec<tdrv_copy_desc>,
-    inputs: Vec<Tensor>,
-    outputs: Vec<Tensor>,
+    // A one-copy job, the common one, keeps these inline.
+    descs: Few<tdrv_copy_desc>,
+    inputs: Few<Tensor>,
+    outputs: Few<Tensor>,
     /// Duplicates of the `sync_file`s the job waits for.
     in_fences: Vec<OwnedFd>,
     /// Whether to ask for an out-fence.
@@ -89,7 +91,8 @@ pub enum JobState {
 pub struct JobHandle {
     device: Arc<Device>,
     id: u64,
-    _tensors: Vec<Tensor>,
+    /// The job's inputs and outputs, kept alive until it is dropped.
+    _tensors: (Few<Tensor>, Few<Tensor>),
     /// The job's out-fence, if it asked for one.
     fence: Option<Arc<OwnedFd>>,
     /// Its key in the reactor while awaited through the fence.
@@ -261,10 +264,9 @@ impl Job {
             let in_fences: Vec<BorrowedFd<'_>> = self.in_fences.iter().map(|f| f.as_fd()).collect();
             device.submit_with_fences(&self.descs, &in_fences, self.out_fence)?
         };
-        let mut tensors = std::mem::take(&mut self.inputs);
-        tensors.append(&mut self.outputs);
-        // Empty, but with its vectors' room kept for the next job built
-        // in it (and their frees off the submit path).
+        let tensors = (self.inputs.take(), self.outputs.take());
+        // Empty again; a descriptor vector (a job of several copies) keeps
+        // its room for the next job built in it.
         self.device = None;
         self.descs.clear();
         self.in_fences.clear();

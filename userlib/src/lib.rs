@@ -70,6 +70,7 @@ mod completion;
 pub mod dump;
 mod error;
 mod fence;
+mod few;
 pub mod handles;
 mod io;
 pub mod job;
