@@ -126,6 +126,7 @@ pub(crate) enum Transfers {
 
 impl Transfers {
     /// Room for `count` transfers: allocates only for more than one.
+    #[inline]
     pub(crate) fn with_capacity(count: usize, flags: kernel::alloc::Flags) -> Result<Self> {
         Ok(if count <= 1 {
             Self::Empty
@@ -135,6 +136,7 @@ impl Transfers {
     }
 
     /// Appends `t`; allocates only past the capacity asked for.
+    #[inline]
     pub(crate) fn push(&mut self, t: Transfer, flags: kernel::alloc::Flags) -> Result {
         match self {
             Self::Empty => *self = Self::One(t),
@@ -155,6 +157,7 @@ impl Transfers {
 impl core::ops::Deref for Transfers {
     type Target = [Transfer];
 
+    #[inline]
     fn deref(&self) -> &[Transfer] {
         match self {
             Self::Empty => &[],
@@ -272,6 +275,7 @@ impl Job {
     }
 
     /// The bytes `transfers` move.
+    #[inline]
     pub(crate) fn total_bytes(transfers: &[Transfer]) -> u64 {
         transfers.iter().map(|t| t.src_range.len as u64).sum()
     }

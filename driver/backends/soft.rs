@@ -43,6 +43,7 @@
 //! returns. debugfs `stats` counts these jobs (`inline_jobs`).
 
 use kernel::{
+    alloc::kvec::PushError,
     bindings,
     device,
     error::to_result,
@@ -400,7 +401,10 @@ impl Engine for SoftBackend {
         }
         // INVARIANT: The submitter holds the job until `run_claimed`
         // removed the entry.
-        q.running.push(RunningJob(job), GFP_KERNEL).is_ok()
+        match q.running.push_within_capacity(RunningJob(job)) {
+            Ok(()) => true,
+            Err(PushError(entry)) => q.running.push(entry, GFP_KERNEL).is_ok(),
+        }
     }
 
     fn run_claimed(&self, job: &Job) {
@@ -409,7 +413,10 @@ impl Engine for SoftBackend {
         let mut q = self.0.queue.lock();
         let me: *const Job = job;
         if let Some(i) = q.running.iter().position(|r| core::ptr::eq(r.0, me)) {
-            let _ = q.running.remove(i);
+            // The entries' order does not matter: the last takes its place.
+            let last = q.running.len() - 1;
+            q.running.swap(i, last);
+            q.running.pop();
         }
         // The work item, if it waits for this job to end, and `shutdown`.
         // The caller then drops the job, not under the queue lock and
