@@ -57,12 +57,6 @@ impl<T> Few<T> {
             _ => *self = Few::Empty,
         }
     }
-
-    /// Takes the elements, leaving the list empty (a vector keeps no room
-    /// here: its block goes with the elements).
-    pub(crate) fn take(&mut self) -> Few<T> {
-        std::mem::take(self)
-    }
 }
 
 impl<T> Deref for Few<T> {
@@ -124,7 +118,7 @@ mod tests {
         assert!(f.is_empty());
         assert!(matches!(&f, Few::Many(v) if v.capacity() == cap));
         f.push(3);
-        let taken = f.take();
+        let taken = std::mem::take(&mut f);
         assert_eq!(&taken[..], &[3]);
         assert!(matches!(f, Few::Empty));
         let mut g = Few::default();
@@ -141,7 +135,7 @@ mod tests {
         f.push(item.clone());
         f.push(item.clone());
         assert_eq!(Arc::strong_count(&item), 4);
-        let taken = f.take();
+        let taken = std::mem::take(&mut f);
         assert_eq!(Arc::strong_count(&item), 4);
         drop(taken);
         assert_eq!(Arc::strong_count(&item), 1);

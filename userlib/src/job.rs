@@ -264,7 +264,10 @@ impl Job {
             let in_fences: Vec<BorrowedFd<'_>> = self.in_fences.iter().map(|f| f.as_fd()).collect();
             device.submit_with_fences(&self.descs, &in_fences, self.out_fence)?
         };
-        let tensors = (self.inputs.take(), self.outputs.take());
+        let tensors = (
+            std::mem::take(&mut self.inputs),
+            std::mem::take(&mut self.outputs),
+        );
         // Empty again; a descriptor vector (a job of several copies) keeps
         // its room for the next job built in it.
         self.device = None;

@@ -675,26 +675,20 @@ impl SimEngine {
             {
                 let active = device.enter()?;
                 let bound = device.bound_device(&active);
-                let bounce = if to_device {
-                    Coherent::<u8>::from_slice(bound, &stage[..n], GFP_KERNEL)?
+                let (bounce, src, dst, flags) = if to_device {
+                    let b = Coherent::<u8>::from_slice(bound, &stage[..n], GFP_KERNEL)?;
+                    let host = b.dma_handle();
+                    (b, host, at, DESC_DST_DEV)
                 } else {
-                    Coherent::<u8>::zeroed_slice(bound, n, GFP_KERNEL)?
+                    let b = Coherent::<u8>::zeroed_slice(bound, n, GFP_KERNEL)?;
+                    let host = b.dma_handle();
+                    (b, at, host, DESC_SRC_DEV)
                 };
-                let host = bounce.dma_handle();
-                let desc = if to_device {
-                    Desc {
-                        src: host,
-                        dst: at,
-                        len: n as u32,
-                        flags: DESC_DST_DEV,
-                    }
-                } else {
-                    Desc {
-                        src: at,
-                        dst: host,
-                        len: n as u32,
-                        flags: DESC_SRC_DEV,
-                    }
+                let desc = Desc {
+                    src,
+                    dst,
+                    len: n as u32,
+                    flags,
                 };
                 let mut descs = KVec::new();
                 descs.push(desc, GFP_KERNEL)?;
