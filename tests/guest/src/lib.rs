@@ -15,10 +15,16 @@ pub const KSFT_SKIP: i32 = 4;
 
 /// A TAP 13 reporter. Every check prints one `ok`/`not ok` line at once, so
 /// a guest that dies mid-run still leaves a readable log.
+///
+/// A result line ends with the check's duration, `# time=12ms`: the time
+/// since the previous line (or since `new`), which is the check's body when
+/// the program reports each check as it finishes. scripts/test lists the
+/// slowest checks from it. A skip keeps the TAP form `# SKIP reason`.
 pub struct Tap {
     planned: usize,
     run: usize,
     failed: usize,
+    last: std::time::Instant,
 }
 
 impl Tap {
@@ -30,17 +36,27 @@ impl Tap {
             planned,
             run: 0,
             failed: 0,
+            last: std::time::Instant::now(),
         }
+    }
+
+    /// Milliseconds since the previous result line, and restarts the clock.
+    fn lap_ms(&mut self) -> u128 {
+        let now = std::time::Instant::now();
+        let ms = now.duration_since(self.last).as_millis();
+        self.last = now;
+        ms
     }
 
     /// Records one test: `outcome` is a bool or a `Result` whose error says why.
     pub fn check(&mut self, name: &str, outcome: impl Outcome) {
         self.run += 1;
+        let ms = self.lap_ms();
         match outcome.into_result() {
-            Ok(()) => println!("ok {} {name}", self.run),
+            Ok(()) => println!("ok {} {name} # time={ms}ms", self.run),
             Err(why) => {
                 self.failed += 1;
-                println!("not ok {} {name}", self.run);
+                println!("not ok {} {name} # time={ms}ms", self.run);
                 for line in why.lines() {
                     println!("# {line}");
                 }
@@ -56,6 +72,7 @@ impl Tap {
     /// Records a test that cannot run here, with the reason.
     pub fn skip(&mut self, name: &str, reason: &str) {
         self.run += 1;
+        self.lap_ms();
         println!("ok {} {name} # SKIP {reason}", self.run);
     }
 
