@@ -5,14 +5,18 @@
 #                   vendored Debian 7.2.13 cloud kernel; DISTRO=headers dir)
 #   make run        boot the test guest with the module and run the demo;
 #                   make run FILES="a b" CMD="./a" runs your own command
-#   make test       host tests + guest tests + KUnit, one verdict
+#   make test       the quick tier (~10 min warm): host tests, Miri, every
+#                   device once on the debug kernel, a Debian smoke run;
+#                   one verdict (docs/testing.md)
+#   make test-full  the full matrix (CI): both kernels x every device x
+#                   both clocks, longer fuzz and unbind_stress runs
 #   make bench      benchmarks on the bench kernel (scripts/kernel bench;
 #                   BENCH_KERNEL=debug for the test kernel; see README)
 #   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
 #                   the kselftest-style runner run_tests in one directory
 #                   (default build/tdrv-tests), for a machine of your own
 #
-# `run`, `test` and `bench` install what they need (scripts/setup) and
+# `run`, `test`, `test-full` and `bench` install what they need (scripts/setup) and
 # build the test kernel once (scripts/kernel, cached outside the repo).
 
 KDIR ?=
@@ -25,7 +29,7 @@ TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module distro-module setup kernel userspace install-tests run test bench uapi clean
+.PHONY: all module distro-module setup kernel userspace install-tests run test test-full bench uapi clean
 
 all: module
 
@@ -61,6 +65,9 @@ run: setup
 
 test: setup
 	@scripts/test
+
+test-full: setup
+	@scripts/test --full
 
 bench: setup
 	@scripts/bench
