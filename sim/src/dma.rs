@@ -7,6 +7,7 @@ use crate::layout::FLAGS_ALL;
 use crate::layout::FLAG_DST_DEV;
 use crate::layout::FLAG_SRC_DEV;
 use crate::layout::MAX_LEN;
+use crate::log::Log;
 use crate::shm::Region;
 use std::sync::Arc;
 
@@ -97,7 +98,8 @@ impl Memory {
     }
 
     /// Executes descriptor `d`: the completion status and bytes done.
-    pub fn execute(&self, d: &Desc) -> (Status, u32) {
+    /// A host failure is logged to `log`.
+    pub fn execute(&self, d: &Desc, log: &Log) -> (Status, u32) {
         let (src, dst) = match self.check(d) {
             Ok(v) => v,
             Err(s) => return (s, 0),
@@ -109,7 +111,7 @@ impl Memory {
             Err(e) => {
                 // Bounds were checked, so this is the host failing (e.g.
                 // tmpfs out of space): report it as an address error.
-                eprintln!("tdrv-sim: copy of {d:?} failed: {e}");
+                log.line(format_args!("tdrv-sim: copy of {d:?} failed: {e}"));
                 (Status::BadAddr, 0)
             }
         }
@@ -192,7 +194,7 @@ mod tests {
             },
         ] {
             assert_eq!(m.check(&d), Err(Status::BadDesc), "{d:?}");
-            assert_eq!(m.execute(&d), (Status::BadDesc, 0));
+            assert_eq!(m.execute(&d, &crate::log::stderr()), (Status::BadDesc, 0));
         }
         // BadDesc wins over a bad address.
         let d = Desc {
@@ -218,13 +220,16 @@ mod tests {
         let ram = m.ram.clone().unwrap();
         ram.write_bytes(100, b"host data");
         let run = |src, dst, flags| {
-            m.execute(&Desc {
-                src,
-                dst,
-                id: 0,
-                len: 9,
-                flags,
-            })
+            m.execute(
+                &Desc {
+                    src,
+                    dst,
+                    id: 0,
+                    len: 9,
+                    flags,
+                },
+                &crate::log::stderr(),
+            )
         };
         // host -> device
         assert_eq!(run(100, 5000, FLAG_DST_DEV), (Status::Ok, 9));

@@ -16,6 +16,7 @@
 
 pub mod dma;
 pub mod layout;
+pub mod log;
 pub mod queue;
 pub mod server;
 pub mod shm;

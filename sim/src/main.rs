@@ -149,6 +149,7 @@ fn run(args: &Args) -> io::Result<()> {
 
     let result = serve(&dev, &listener, &sig, &opts);
     let _ = std::fs::remove_file(&args.socket);
+    tdrv_sim::log::stderr().flush();
     eprint!("{}", dev.stats_lines());
     result
 }
