@@ -94,7 +94,7 @@ impl Log {
     }
 
     /// Lines dropped since the log was created.
-    pub fn suppressed(&self) -> u64 {
+    pub fn suppressed_total(&self) -> u64 {
         self.state
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -144,7 +144,7 @@ mod tests {
             log.line_at(t0, format_args!("line {i}"));
         }
         assert_eq!(cap.text(), "line 0\nline 1\nline 2\n");
-        assert_eq!(log.suppressed(), 997);
+        assert_eq!(log.suppressed_total(), 997);
         // Still inside the window: nothing more.
         log.line_at(t0 + Duration::from_millis(4999), format_args!("late"));
         assert_eq!(cap.text().lines().count(), 3);
@@ -155,7 +155,7 @@ mod tests {
             "line 0\nline 1\nline 2\n\
              tdrv-sim: 998 log lines suppressed (rate limit)\nnext\n"
         );
-        assert_eq!(log.suppressed(), 998);
+        assert_eq!(log.suppressed_total(), 998);
     }
 
     #[test]

@@ -761,7 +761,7 @@ mod tests {
         );
         assert!(text.contains("past sq_head"), "{text}");
         // Everything else was counted, not written.
-        assert_eq!(e.log.suppressed(), 2 * u64::from(n) - 5);
+        assert_eq!(e.log.suppressed_total(), 2 * u64::from(n) - 5);
     }
 
     /// Sets a stop flag when the first interrupt is raised.
