@@ -51,6 +51,11 @@ struct Args {
     /// Size of a newly created guest RAM file (K/M/G suffixes).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     guest_ram_size: u64,
+    /// The `max-ram-below-4g` of QEMU's pc machine that runs the guest
+    /// (K/M/G suffixes; QEMU's default 3.5G): it decides which part of the
+    /// guest RAM file lies below 4 GiB and which at 4 GiB.
+    #[arg(long, default_value = "3584M", value_parser = parse_size)]
+    max_ram_below_4g: u64,
     /// Queues, each with its own thread and MSI-X vector (1-8; QEMU's
     /// `vectors=` must match).
     #[arg(long, short = 'q', default_value_t = defaults::QUEUES)]
@@ -118,7 +123,7 @@ fn run(args: &Args) -> io::Result<()> {
         None => None,
     };
     let ram_len = ram.as_ref().map_or(0, |r| r.len());
-    let dev = Device::create(config, ram)?;
+    let dev = Device::create_pc(config, ram, args.max_ram_below_4g)?;
     let opts = Options {
         poll: Duration::from_micros(args.poll_us.max(100)),
         client_id: if args.peer_id == 0 { 1 } else { 0 },
@@ -136,7 +141,7 @@ fn run(args: &Args) -> io::Result<()> {
     let l = &dev.layout;
     eprintln!(
         "tdrv-sim: listening on {} (BAR2 {} MiB: {} queues x {} entries, {} channels x {} MiB; \
-         guest RAM {} MiB; peer id {})",
+         guest RAM {} MiB, {} MiB of it below 4 GiB; peer id {})",
         args.socket.display(),
         l.bar_size >> 20,
         l.config.queues,
@@ -144,6 +149,7 @@ fn run(args: &Args) -> io::Result<()> {
         l.config.channels,
         l.config.channel_size >> 20,
         ram_len >> 20,
+        dev.mem.ram_map.below_4g >> 20,
         l.config.sim_peer_id
     );
 
