@@ -37,8 +37,10 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// The tdrv sim device: an ivshmem server with HBM, DMA queues and MSI-X.
+/// An option given twice takes its last value (so that a caller's extra
+/// options override defaults put before them).
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, args_override_self = true)]
 struct Args {
     /// Unix socket to listen on (QEMU's `-chardev socket,path=`).
     #[arg(long, short = 's')]
@@ -226,6 +228,23 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::parse_size;
+    use super::Args;
+    use clap::Parser;
+
+    #[test]
+    fn a_later_option_overrides_an_earlier_one() {
+        let a = Args::try_parse_from([
+            "tdrv-sim",
+            "-s",
+            "x",
+            "--channel-size",
+            "768M",
+            "--channel-size",
+            "64M",
+        ])
+        .unwrap();
+        assert_eq!(a.channel_size, 64 << 20);
+    }
 
     #[test]
     fn sizes_with_suffixes() {
