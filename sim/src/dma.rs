@@ -7,6 +7,7 @@ use crate::layout::FLAGS_ALL;
 use crate::layout::FLAG_DST_DEV;
 use crate::layout::FLAG_SRC_DEV;
 use crate::layout::MAX_LEN;
+use crate::log::Log;
 use crate::shm::Region;
 use std::sync::Arc;
 
@@ -30,8 +31,61 @@ pub struct Desc {
 pub enum Loc {
     /// BAR2 offset (inside HBM).
     Bar(u64),
-    /// Offset in the guest RAM file (= guest physical address).
+    /// Offset in the guest RAM file.
     Ram(u64),
+}
+
+/// 4 GiB: where QEMU's x86 machines put the RAM that does not fit below
+/// the PCI hole.
+pub const FOUR_GIB: u64 = 1 << 32;
+/// QEMU's default `max-ram-below-4g` on the pc machine (3.5 GiB).
+pub const PC_MAX_RAM_BELOW_4G: u64 = 0xe000_0000;
+
+/// How many bytes of a `ram_size` guest QEMU's pc (i440fx) machine maps
+/// below 4 GiB, given its `max-ram-below-4g` property (QEMU's
+/// `pc_init1`): a guest that does not fit below the limit is split at a
+/// gigabyte boundary (at most 3 GiB, as every machine type since pc-1.7
+/// aligns it), the rest of the file appearing at 4 GiB.
+pub fn pc_ram_below_4g(ram_size: u64, max_below_4g: u64) -> u64 {
+    let mut low = max_below_4g.min(FOUR_GIB);
+    if ram_size >= low && low > 0xc000_0000 {
+        low = 0xc000_0000;
+    }
+    ram_size.min(low)
+}
+
+/// Where the guest RAM file appears in guest physical memory: its first
+/// `below_4g` bytes at address 0, the rest at 4 GiB (QEMU's x86 layout;
+/// the gap is the PCI hole, not RAM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamMap {
+    /// Bytes of the file mapped at guest physical 0.
+    pub below_4g: u64,
+    /// Bytes of the file.
+    pub len: u64,
+}
+
+impl RamMap {
+    /// The layout of a `len`-byte guest on QEMU's pc machine with
+    /// `max-ram-below-4g` = `max_below_4g`.
+    pub fn pc(len: u64, max_below_4g: u64) -> RamMap {
+        RamMap {
+            below_4g: pc_ram_below_4g(len, max_below_4g),
+            len,
+        }
+    }
+
+    /// The file offset of guest physical `[gpa, gpa + len)`, if all of it
+    /// is RAM of one piece.
+    pub fn offset(&self, gpa: u64, len: u64) -> Option<u64> {
+        let end = gpa.checked_add(len)?;
+        if end <= self.below_4g {
+            return Some(gpa);
+        }
+        let above = self.len - self.below_4g;
+        let off = gpa.checked_sub(FOUR_GIB)?;
+        (end - FOUR_GIB <= above).then_some(self.below_4g + off)
+    }
 }
 
 /// Everything a DMA engine can reach: HBM inside BAR2 and guest RAM.
@@ -44,20 +98,36 @@ pub struct Memory {
     pub hbm_size: u64,
     /// Guest RAM, if the simulator was given the file.
     pub ram: Option<Arc<Region>>,
+    /// Where the file lies in guest physical memory.
+    pub ram_map: RamMap,
 }
 
 impl Memory {
-    /// The memory of a device with layout `l` over `bar`.
+    /// The memory of a device with layout `l` over `bar`, with guest RAM
+    /// laid out as QEMU's pc machine does by default.
     pub fn new(bar: Arc<Region>, l: &Layout, ram: Option<Arc<Region>>) -> Memory {
+        Self::with_max_ram_below_4g(bar, l, ram, PC_MAX_RAM_BELOW_4G)
+    }
+
+    /// [`new`](Self::new) for a pc machine whose `max-ram-below-4g` is
+    /// `max_below_4g`.
+    pub fn with_max_ram_below_4g(
+        bar: Arc<Region>,
+        l: &Layout,
+        ram: Option<Arc<Region>>,
+        max_below_4g: u64,
+    ) -> Memory {
         assert!(
             bar.len() as u64 >= l.bar_size,
             "BAR2 smaller than its layout"
         );
+        let len = ram.as_ref().map_or(0, |r| r.len() as u64);
         Memory {
             bar,
             hbm_offset: l.hbm_offset,
             hbm_size: l.hbm_size,
             ram,
+            ram_map: RamMap::pc(len, max_below_4g),
         }
     }
 
@@ -72,8 +142,12 @@ impl Memory {
             Ok(Loc::Bar(self.hbm_offset + addr))
         } else {
             match &self.ram {
-                Some(r) if end <= r.len() as u64 => Ok(Loc::Ram(addr)),
-                _ => Err(Status::BadAddr),
+                Some(_) => self
+                    .ram_map
+                    .offset(addr, len)
+                    .map(Loc::Ram)
+                    .ok_or(Status::BadAddr),
+                None => Err(Status::BadAddr),
             }
         }
     }
@@ -97,7 +171,8 @@ impl Memory {
     }
 
     /// Executes descriptor `d`: the completion status and bytes done.
-    pub fn execute(&self, d: &Desc) -> (Status, u32) {
+    /// A host failure is logged to `log`.
+    pub fn execute(&self, d: &Desc, log: &Log) -> (Status, u32) {
         let (src, dst) = match self.check(d) {
             Ok(v) => v,
             Err(s) => return (s, 0),
@@ -109,7 +184,7 @@ impl Memory {
             Err(e) => {
                 // Bounds were checked, so this is the host failing (e.g.
                 // tmpfs out of space): report it as an address error.
-                eprintln!("tdrv-sim: copy of {d:?} failed: {e}");
+                log.line(format_args!("tdrv-sim: copy of {d:?} failed: {e}"));
                 (Status::BadAddr, 0)
             }
         }
@@ -158,6 +233,104 @@ mod tests {
     }
 
     #[test]
+    fn pc_machine_splits_ram_like_qemu() {
+        const G: u64 = 1 << 30;
+        let d = PC_MAX_RAM_BELOW_4G;
+        // Below the limit: all of it at 0.
+        assert_eq!(pc_ram_below_4g(G, d), G);
+        assert_eq!(pc_ram_below_4g(2 * G, d), 2 * G);
+        assert_eq!(pc_ram_below_4g(3 * G + G / 4, d), 3 * G + G / 4);
+        // At or above 3.5 GiB: split at 3 GiB.
+        assert_eq!(pc_ram_below_4g(d, d), 3 * G);
+        assert_eq!(pc_ram_below_4g(4 * G, d), 3 * G);
+        assert_eq!(pc_ram_below_4g(6 * G, d), 3 * G);
+        // max-ram-below-4g=2G: split at 2 GiB.
+        assert_eq!(pc_ram_below_4g(6 * G, 2 * G), 2 * G);
+        assert_eq!(pc_ram_below_4g(G, 2 * G), G);
+    }
+
+    #[test]
+    fn ram_above_4g_translates_to_the_rest_of_the_file() {
+        const G: u64 = 1 << 30;
+        // A 6 GiB guest: file [0, 3G) at 0, [3G, 6G) at 4G.
+        let m = RamMap::pc(6 * G, PC_MAX_RAM_BELOW_4G);
+        assert_eq!(m.below_4g, 3 * G);
+        assert_eq!(m.offset(0, 4096), Some(0));
+        assert_eq!(m.offset(3 * G - 4096, 4096), Some(3 * G - 4096));
+        // The PCI hole is not RAM, nor is anything that touches it.
+        assert_eq!(m.offset(3 * G - 4096, 4097), None);
+        assert_eq!(m.offset(3 * G, 1), None);
+        assert_eq!(m.offset(FOUR_GIB - 1, 1), None);
+        // A range straddling 4 GiB starts in the hole.
+        assert_eq!(m.offset(FOUR_GIB - 4096, 8192), None);
+        // Above 4 GiB: offset 3 GiB onwards.
+        assert_eq!(m.offset(FOUR_GIB, 4096), Some(3 * G));
+        assert_eq!(m.offset(FOUR_GIB + 0x1234, 16), Some(3 * G + 0x1234));
+        assert_eq!(m.offset(7 * G - 4096, 4096), Some(6 * G - 4096));
+        // Past the end of RAM.
+        assert_eq!(m.offset(7 * G - 4096, 4097), None);
+        assert_eq!(m.offset(7 * G, 1), None);
+        assert_eq!(m.offset(u64::MAX - 3, 8), None);
+        // A 4 GiB guest: 1 GiB above 4 GiB.
+        let m = RamMap::pc(4 * G, PC_MAX_RAM_BELOW_4G);
+        assert_eq!(m.offset(FOUR_GIB + G - 1, 1), Some(4 * G - 1));
+        assert_eq!(m.offset(FOUR_GIB + G, 1), None);
+        // A 1 GiB guest: nothing above 4 GiB, and nothing past 1 GiB.
+        let m = RamMap::pc(G, PC_MAX_RAM_BELOW_4G);
+        assert_eq!(m.offset(G - 1, 1), Some(G - 1));
+        assert_eq!(m.offset(G, 1), None);
+        assert_eq!(m.offset(FOUR_GIB, 1), None);
+    }
+
+    #[test]
+    fn copies_reach_the_file_offset_of_ram_above_4g() {
+        // A small stand-in for a split guest: 1 MiB of file, the first
+        // 512 KiB at 0 and the rest at 4 GiB.
+        let (l, m) = small();
+        let ram = m.ram.clone().unwrap();
+        let m = Memory::with_max_ram_below_4g(m.bar.clone(), &l, Some(ram.clone()), 512 << 10);
+        assert_eq!(
+            m.ram_map,
+            RamMap {
+                below_4g: 512 << 10,
+                len: 1 << 20
+            }
+        );
+        ram.write_bytes((512 << 10) + 100, b"high");
+        let log = crate::log::stderr();
+        let d = Desc {
+            src: FOUR_GIB + 100,
+            dst: 8,
+            id: 0,
+            len: 4,
+            flags: FLAG_DST_DEV,
+        };
+        assert_eq!(m.execute(&d, &log), (Status::Ok, 4));
+        assert_eq!(m.bar.read_bytes(l.hbm_offset + 8, 4), b"high");
+        // Guest physical 100 is file offset 100, not the high data.
+        assert_eq!(m.execute(&Desc { src: 100, ..d }, &log), (Status::Ok, 4));
+        assert_ne!(m.bar.read_bytes(l.hbm_offset + 8, 4), b"high");
+        // Into the hole: refused, nothing copied.
+        let to_hole = Desc {
+            src: 8,
+            dst: 512 << 10,
+            flags: FLAG_SRC_DEV,
+            ..d
+        };
+        assert_eq!(m.execute(&to_hole, &log), (Status::BadAddr, 0));
+        // Device to high RAM lands at the file offset.
+        let out = Desc {
+            src: 8,
+            dst: FOUR_GIB + 200,
+            flags: FLAG_SRC_DEV,
+            ..d
+        };
+        m.bar.write_bytes(l.hbm_offset + 8, b"back");
+        assert_eq!(m.execute(&out, &log), (Status::Ok, 4));
+        assert_eq!(ram.read_bytes((512 << 10) + 200, 4), b"back");
+    }
+
+    #[test]
     fn no_guest_ram_means_every_host_address_is_bad() {
         let (l, m) = small();
         let m = Memory::new(m.bar.clone(), &l, None);
@@ -192,7 +365,7 @@ mod tests {
             },
         ] {
             assert_eq!(m.check(&d), Err(Status::BadDesc), "{d:?}");
-            assert_eq!(m.execute(&d), (Status::BadDesc, 0));
+            assert_eq!(m.execute(&d, &crate::log::stderr()), (Status::BadDesc, 0));
         }
         // BadDesc wins over a bad address.
         let d = Desc {
@@ -218,13 +391,16 @@ mod tests {
         let ram = m.ram.clone().unwrap();
         ram.write_bytes(100, b"host data");
         let run = |src, dst, flags| {
-            m.execute(&Desc {
-                src,
-                dst,
-                id: 0,
-                len: 9,
-                flags,
-            })
+            m.execute(
+                &Desc {
+                    src,
+                    dst,
+                    id: 0,
+                    len: 9,
+                    flags,
+                },
+                &crate::log::stderr(),
+            )
         };
         // host -> device
         assert_eq!(run(100, 5000, FLAG_DST_DEV), (Status::Ok, 9));

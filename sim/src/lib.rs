@@ -16,6 +16,7 @@
 
 pub mod dma;
 pub mod layout;
+pub mod log;
 pub mod queue;
 pub mod server;
 pub mod shm;
@@ -76,13 +77,30 @@ pub struct Device {
 
 impl Device {
     /// A device over BAR2 `bar` (at least `layout.bar_size` bytes) and
-    /// guest RAM `ram`; writes the header (ready last).
+    /// guest RAM `ram` of a pc machine with QEMU's default
+    /// `max-ram-below-4g`; writes the header (ready last).
     pub fn new(config: Config, bar: Region, ram: Option<Region>) -> io::Result<Device> {
+        Self::new_pc(config, bar, ram, dma::PC_MAX_RAM_BELOW_4G)
+    }
+
+    /// [`new`](Self::new) for a pc machine whose `max-ram-below-4g` is
+    /// `max_ram_below_4g` (see [`dma::RamMap`]).
+    pub fn new_pc(
+        config: Config,
+        bar: Region,
+        ram: Option<Region>,
+        max_ram_below_4g: u64,
+    ) -> io::Result<Device> {
         let layout = config
             .layout()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let bar = Arc::new(bar);
-        let mem = Arc::new(Memory::new(bar.clone(), &layout, ram.map(Arc::new)));
+        let mem = Arc::new(Memory::with_max_ram_below_4g(
+            bar.clone(),
+            &layout,
+            ram.map(Arc::new),
+            max_ram_below_4g,
+        ));
         queue::write_header(&bar, &layout);
         let stats = (0..config.queues).map(|_| Arc::default()).collect();
         Ok(Device { layout, mem, stats })
@@ -90,11 +108,21 @@ impl Device {
 
     /// A device whose BAR2 is a new memfd of the layout's size.
     pub fn create(config: Config, ram: Option<Region>) -> io::Result<Device> {
+        Self::create_pc(config, ram, dma::PC_MAX_RAM_BELOW_4G)
+    }
+
+    /// [`create`](Self::create) for a pc machine whose `max-ram-below-4g`
+    /// is `max_ram_below_4g`.
+    pub fn create_pc(
+        config: Config,
+        ram: Option<Region>,
+        max_ram_below_4g: u64,
+    ) -> io::Result<Device> {
         let layout = config
             .layout()
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let bar = Region::memfd("tdrv-sim-bar2", layout.bar_size as usize)?;
-        Device::new(config, bar, ram)
+        Device::new_pc(config, bar, ram, max_ram_below_4g)
     }
 
     /// BAR2's fd (for the client).

@@ -37,8 +37,10 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// The tdrv sim device: an ivshmem server with HBM, DMA queues and MSI-X.
+/// An option given twice takes its last value (so that a caller's extra
+/// options override defaults put before them).
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, args_override_self = true)]
 struct Args {
     /// Unix socket to listen on (QEMU's `-chardev socket,path=`).
     #[arg(long, short = 's')]
@@ -51,6 +53,11 @@ struct Args {
     /// Size of a newly created guest RAM file (K/M/G suffixes).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     guest_ram_size: u64,
+    /// The `max-ram-below-4g` of QEMU's pc machine that runs the guest
+    /// (K/M/G suffixes; QEMU's default 3.5G): it decides which part of the
+    /// guest RAM file lies below 4 GiB and which at 4 GiB.
+    #[arg(long, default_value = "3584M", value_parser = parse_size)]
+    max_ram_below_4g: u64,
     /// Queues, each with its own thread and MSI-X vector (1-8; QEMU's
     /// `vectors=` must match).
     #[arg(long, short = 'q', default_value_t = defaults::QUEUES)]
@@ -118,7 +125,7 @@ fn run(args: &Args) -> io::Result<()> {
         None => None,
     };
     let ram_len = ram.as_ref().map_or(0, |r| r.len());
-    let dev = Device::create(config, ram)?;
+    let dev = Device::create_pc(config, ram, args.max_ram_below_4g)?;
     let opts = Options {
         poll: Duration::from_micros(args.poll_us.max(100)),
         client_id: if args.peer_id == 0 { 1 } else { 0 },
@@ -136,7 +143,7 @@ fn run(args: &Args) -> io::Result<()> {
     let l = &dev.layout;
     eprintln!(
         "tdrv-sim: listening on {} (BAR2 {} MiB: {} queues x {} entries, {} channels x {} MiB; \
-         guest RAM {} MiB; peer id {})",
+         guest RAM {} MiB, {} MiB of it below 4 GiB; peer id {})",
         args.socket.display(),
         l.bar_size >> 20,
         l.config.queues,
@@ -144,11 +151,13 @@ fn run(args: &Args) -> io::Result<()> {
         l.config.channels,
         l.config.channel_size >> 20,
         ram_len >> 20,
+        dev.mem.ram_map.below_4g >> 20,
         l.config.sim_peer_id
     );
 
     let result = serve(&dev, &listener, &sig, &opts);
     let _ = std::fs::remove_file(&args.socket);
+    tdrv_sim::log::stderr().flush();
     eprint!("{}", dev.stats_lines());
     result
 }
@@ -219,6 +228,23 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::parse_size;
+    use super::Args;
+    use clap::Parser;
+
+    #[test]
+    fn a_later_option_overrides_an_earlier_one() {
+        let a = Args::try_parse_from([
+            "tdrv-sim",
+            "-s",
+            "x",
+            "--channel-size",
+            "768M",
+            "--channel-size",
+            "64M",
+        ])
+        .unwrap();
+        assert_eq!(a.channel_size, 64 << 20);
+    }
 
     #[test]
     fn sizes_with_suffixes() {

@@ -12,6 +12,7 @@ use crate::layout::qstatus;
 use crate::layout::Layout;
 use crate::layout::Status;
 use crate::layout::FLAG_IRQ;
+use crate::log::Log;
 use std::fmt;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::AtomicU64;
@@ -110,6 +111,8 @@ pub struct Engine {
     /// Bytes per second the engine copies at most (None: as fast as the
     /// host copies).
     rate: Option<u64>,
+    /// Where the guest-triggered complaints go (rate-limited).
+    log: Arc<Log>,
 }
 
 impl Engine {
@@ -130,6 +133,7 @@ impl Engine {
             lose_irq: false,
             stalled: false,
             rate: None,
+            log: crate::log::stderr(),
         };
         e.set_status(qstatus::IDLE);
         e
@@ -148,6 +152,11 @@ impl Engine {
     /// after it started, like a DMA engine of that bandwidth.
     pub fn set_rate(&mut self, rate: Option<u64>) {
         self.rate = rate.filter(|&r| r > 0);
+    }
+
+    /// Logs to `log` instead of the process's stderr log.
+    pub fn set_log(&mut self, log: Arc<Log>) {
+        self.log = log;
     }
 
     /// Whether the queue is stalled.
@@ -172,10 +181,10 @@ impl Engine {
                 inject::FAIL_NEXT => self.fail_next = true,
                 inject::LOSE_IRQ => self.lose_irq = true,
                 inject::STALL => self.stall(),
-                _ => eprintln!(
+                _ => self.log.line(format_args!(
                     "tdrv-sim: queue {}: unknown fault command {cmd} ignored",
                     self.q
-                ),
+                )),
             }
         }
     }
@@ -221,8 +230,19 @@ impl Engine {
     /// queue stalls; returns how many completed. Handles control (reset,
     /// fault commands) before each one.
     pub fn service(&mut self, irq: &dyn Irq) -> u32 {
+        self.service_until(irq, &AtomicBool::new(false))
+    }
+
+    /// [`service`](Self::service), but returns as soon as `stop` is set:
+    /// before the next descriptor, and during the wait of a rate-limited
+    /// one (whose completion is then not written). So a hang-up waits for
+    /// at most the copy in flight (16 MiB), not for a full ring.
+    pub fn service_until(&mut self, irq: &dyn Irq, stop: &AtomicBool) -> u32 {
         let mut done = 0;
         loop {
+            if stop.load(Acquire) {
+                return done;
+            }
             self.poll_control();
             if self.stalled {
                 return done;
@@ -235,11 +255,11 @@ impl Engine {
                 return done;
             }
             if pending > self.layout.config.ring_entries {
-                eprintln!(
+                self.log.line(format_args!(
                     "tdrv-sim: queue {}: sq_tail {tail} is {pending} past sq_head {} (ring of {}): \
                      stalled until reset",
                     self.q, self.sq_head, self.layout.config.ring_entries
-                );
+                ));
                 self.stall();
                 return done;
             }
@@ -250,12 +270,16 @@ impl Engine {
                 self.fail_next = false;
                 (Status::Fault, 0)
             } else {
-                self.mem.execute(&d)
+                self.mem.execute(&d, &self.log)
             };
             if let Some(rate) = self.rate {
                 let due = Duration::from_secs_f64(f64::from(len_done) / rate as f64);
-                if let Some(rest) = due.checked_sub(started.elapsed()) {
-                    std::thread::sleep(rest);
+                // In slices, so that a stop is seen within one.
+                while let Some(rest) = due.checked_sub(started.elapsed()) {
+                    if stop.load(Acquire) {
+                        return done;
+                    }
+                    std::thread::sleep(rest.min(STOP_SLICE));
                 }
             }
             self.complete(&d, status, len_done, irq);
@@ -298,6 +322,10 @@ impl Engine {
     }
 }
 
+/// How long a rate-limited engine sleeps at most before it looks at the
+/// stop flag again.
+const STOP_SLICE: Duration = Duration::from_millis(10);
+
 /// Writes the header of a device with layout `l` into BAR2, `ready` last.
 pub fn write_header(bar: &crate::shm::Region, l: &Layout) {
     let c = &l.config;
@@ -325,7 +353,7 @@ pub fn run(mut e: Engine, bell: &dyn Doorbell, irq: &dyn Irq, stop: &AtomicBool,
                 break;
             }
             QueueStats::add(&e.stats.doorbells, 1);
-            e.service(irq);
+            e.service_until(irq, stop);
         } else {
             e.poll_control();
         }
@@ -701,6 +729,87 @@ mod tests {
         assert_eq!(drv.reap(), vec![(1, 0, 1)]);
         assert_eq!(stats.injected.load(Relaxed), 1);
         assert_eq!(drv.mem.bar.u32(drv.l.inject(1)).load(Acquire), 0);
+    }
+
+    #[test]
+    fn a_flood_of_bad_commands_and_index_stalls_logs_a_bounded_amount() {
+        let (drv, mut e, stats) = Drv::new(16);
+        let cap = crate::log::Captured::default();
+        // A window longer than the test: only the burst may pass.
+        e.set_log(Arc::new(Log::new(
+            Box::new(cap.clone()),
+            Duration::from_secs(3600),
+            5,
+        )));
+        let n = if cfg!(miri) { 50 } else { 20_000 };
+        for i in 0..n {
+            drv.inject(1000 + i);
+            e.poll_control();
+            // sq_tail beyond the ring, then reset, over and over.
+            drv.f(qb::SQ_TAIL).store(17, Release);
+            assert_eq!(e.service(&Irqs::default()), 0);
+            drv.f(qb::RESET).store(1, Release);
+            e.poll_control();
+        }
+        assert_eq!(stats.injected.load(Relaxed), u64::from(n));
+        assert_eq!(stats.stalls.load(Relaxed), u64::from(n));
+        let text = cap.text();
+        assert_eq!(text.lines().count(), 5, "{text}");
+        assert!(
+            text.contains("unknown fault command 1000 ignored"),
+            "{text}"
+        );
+        assert!(text.contains("past sq_head"), "{text}");
+        // Everything else was counted, not written.
+        assert_eq!(e.log.suppressed_total(), 2 * u64::from(n) - 5);
+    }
+
+    /// Sets a stop flag when the first interrupt is raised.
+    struct StopOnIrq(Arc<AtomicBool>, Irqs);
+    impl Irq for StopOnIrq {
+        fn raise(&self, q: u32) {
+            self.0.store(true, Release);
+            self.1.raise(q);
+        }
+    }
+
+    #[test]
+    fn stop_ends_service_before_the_next_descriptor() {
+        let (drv, mut e, stats) = Drv::new(16);
+        for i in 0..16 {
+            drv.post(h2d(i, 4096));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let irq = StopOnIrq(stop.clone(), Irqs::default());
+        // The first completion's interrupt asks to stop: the other 15 stay
+        // pending instead of being copied before the thread can go.
+        assert_eq!(e.service_until(&irq, &stop), 1);
+        assert_eq!(drv.reap(), vec![(0, 0, 4096)]);
+        assert_eq!(drv.f(qb::SQ_HEAD).load(Acquire), 1);
+        assert_eq!(stats.descs.load(Relaxed), 1);
+        // Without a stop, the rest runs.
+        assert_eq!(e.service(&Irqs::default()), 15);
+    }
+
+    #[test]
+    fn stop_interrupts_the_wait_of_a_rate_limited_copy() {
+        let (drv, mut e, stats) = Drv::new(16);
+        // 4 KiB at 1 byte/s: more than an hour per descriptor.
+        e.set_rate(Some(1));
+        drv.post(h2d(1, 4096));
+        drv.post(h2d(2, 4096));
+        let bell = Arc::new(Bell::default());
+        bell.ring();
+        let t = Thread::start(e, bell);
+        while drv.status() != qstatus::BUSY {
+            std::thread::yield_now();
+        }
+        // Returns only once the thread has ended (a hang fails the test
+        // through the harness).
+        let irqs = t.stop();
+        assert_eq!(irqs.count(), 0);
+        assert!(drv.reap().is_empty());
+        assert_eq!(stats.descs.load(Relaxed), 0);
     }
 
     /// A doorbell for the threaded tests: a counter under a mutex.

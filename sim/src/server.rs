@@ -108,7 +108,7 @@ impl Irq for Vectors {
     fn raise(&self, q: u32) {
         if let Some(e) = self.0.get(q as usize) {
             if let Err(err) = e.signal() {
-                eprintln!("tdrv-sim: raising vector {q}: {err}");
+                crate::log::stderr().line(format_args!("tdrv-sim: raising vector {q}: {err}"));
             }
         }
     }

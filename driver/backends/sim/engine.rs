@@ -448,12 +448,13 @@ impl SimEngine {
         }
     }
 
-    /// The least loaded usable queue that `room` accepts.
-    fn least_loaded(&self, room: impl Fn(u32) -> bool) -> Option<u32> {
+    /// The least loaded usable queue that `room` accepts, counting
+    /// `extra(q)` ops on queue `q` that are not on it yet.
+    fn least_loaded(&self, room: impl Fn(u32) -> bool, extra: impl Fn(u32) -> u32) -> Option<u32> {
         let mut best = None;
         let mut best_load = u32::MAX;
         for q in self.queues.iter() {
-            let l = q.load.load(Relaxed);
+            let l = q.load.load(Relaxed).saturating_add(extra(q.index));
             if l < best_load && room(q.index) && q.usable() {
                 best = Some(q.index);
                 best_load = l;
@@ -466,7 +467,7 @@ impl SimEngine {
     /// does not wait behind jobs (or behind a stuck queue's work) when
     /// another queue is free.
     fn next_sync_queue(&self) -> u32 {
-        self.least_loaded(|_| true).unwrap_or(0)
+        self.least_loaded(|_| true, |_| 0).unwrap_or(0)
     }
 
     /// Dispatches the pending jobs that may run now (see the module docs).
@@ -508,7 +509,13 @@ impl SimEngine {
                 let queue = match queue {
                     Some(q) if depth(q) < QUEUE_DEPTH => Some(q),
                     Some(_) => None,
-                    None => self.least_loaded(|q| depth(q) < QUEUE_DEPTH),
+                    // The jobs picked earlier in this pass are not on
+                    // their queues yet: count them, or a batch released
+                    // together would all go to the same queue.
+                    None => self.least_loaded(
+                        |q| depth(q) < QUEUE_DEPTH,
+                        |q| ready.iter().filter(|(_, _, _, rq)| *rq == q).count() as u32,
+                    ),
                 };
                 if multi || queue.is_none() {
                     if earlier.push(set, GFP_KERNEL).is_err() {

@@ -30,6 +30,7 @@ use tdrv_uapi::*;
 type R = Result<(), String>;
 
 const PCI_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
+const SIM_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv-sim";
 const TESTS: usize = 15;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -711,10 +712,18 @@ fn main() {
     // stay open.
     drop(dev);
 
+    let sim = version.device_kind == TDRV_DEVICE_SIM;
     if edu {
         t.run(
             "unbind ends gated and running jobs with ENODEV on their fences",
-            || unbind_test(&path),
+            || unbind_test(&path, PCI_DRIVER_DIR, false),
+        );
+    } else if sim {
+        // The sim device finishes a job in microseconds: the engine holds
+        // it (debugfs hold_job) so that unbind finds it queued.
+        t.run(
+            "unbind ends gated and queued jobs with ENODEV on their fences",
+            || unbind_test(&path, SIM_DRIVER_DIR, true),
         );
     } else {
         t.skip(
@@ -901,9 +910,9 @@ fn userlib_errors(path: &str, tl: &Timeline) -> R {
 }
 
 /// The PCI address of the edu device bound to tdrv.
-fn bound_pci_address() -> Result<String, String> {
-    fs::read_dir(PCI_DRIVER_DIR)
-        .map_err(|e| format!("{PCI_DRIVER_DIR}: {e}"))?
+fn bound_pci_address(driver_dir: &str) -> Result<String, String> {
+    fs::read_dir(driver_dir)
+        .map_err(|e| format!("{driver_dir}: {e}"))?
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .find(|n| n.contains(':') && n.contains('.'))
@@ -922,19 +931,33 @@ fn wait_node(path: &str) -> R {
     Ok(())
 }
 
-fn unbind_test(path: &str) -> R {
-    let pci = bound_pci_address()?;
+/// Unbinds the device at `path` (bound to `driver_dir`) with one job on the
+/// engine and one waiting for an in-fence; with `hold`, the engine holds
+/// the first (debugfs `hold_job`) instead of running it.
+fn unbind_test(path: &str, driver_dir: &str, hold: bool) -> R {
+    let pci = bound_pci_address(driver_dir)?;
     let tl = ok("sw_sync timeline", Timeline::new())?;
     let r = (|| -> R {
         let dev = ok("open", Dev::open(path))?;
         let (a, b, _) = pair(&dev, 16384, 16)?;
         let gate = ok("sw_sync fence", tl.fence(1))?;
-        // One job running (4 chunks of ~0.2 s each), one gated.
-        let (_, fd1) = ok(
+        if hold {
+            inject(path, "hold_job")?;
+        }
+        // One job on the engine (on edu running: 4 chunks of ~0.2 s
+        // each; held on sim), one gated.
+        let (id1, fd1) = ok(
             "submit running",
             dev.submit_fences(&[desc(a.handle, 0, b.handle, 0, 16384)], &[], true),
         )?;
         let running = owned(fd1)?;
+        if hold {
+            expect_eq(
+                "held job pending",
+                ok("poll", dev.job_wait(id1, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+        }
         let (_, fd2) = ok(
             "submit gated",
             dev.submit_fences(
@@ -944,7 +967,7 @@ fn unbind_test(path: &str) -> R {
             ),
         )?;
         let gated = owned(fd2)?;
-        fs::write(format!("{PCI_DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind: {e}"))?;
+        fs::write(format!("{driver_dir}/unbind"), &pci).map_err(|e| format!("unbind: {e}"))?;
         expect_eq(
             "running job's fence",
             wait_fence(running.as_raw_fd())?,
@@ -963,8 +986,7 @@ fn unbind_test(path: &str) -> R {
         drop(dev);
         ok("sw_sync inc", tl.inc(1))
     })();
-    let rebind =
-        fs::write(format!("{PCI_DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
+    let rebind = fs::write(format!("{driver_dir}/bind"), &pci).map_err(|e| format!("bind: {e}"));
     r?;
     rebind?;
     wait_node(path)
