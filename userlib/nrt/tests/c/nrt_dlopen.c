@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: GPL-2.0
+// SPDX-License-Identifier: MIT OR Apache-2.0
 /*
  * Loads libnrt.so.1 with dlopen(), as third-party programs do, and checks
  * the nrt_tensor API. Prints kselftest TAP 13; exits 0 when every check
@@ -19,7 +19,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "nrt.h"
+#include "nrt/nrt.h"
 
 #define PLAN 28
 
