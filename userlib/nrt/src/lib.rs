@@ -754,7 +754,7 @@ fn device_tensor_at(va: u64, size: u64) -> Option<Tensor> {
 }
 
 /// A dma-buf fd (`*fd`, O_RDWR, close-on-exec) for the device allocation
-/// holding `[va, va + size)`; see `nrt.h`.
+/// holding `[va, va + size)`; see `nrt/nrt.h`.
 ///
 /// # Safety
 /// `fd` is NULL or writable.
