@@ -173,12 +173,9 @@ pub fn export<'py>(
     versioned: bool,
     copied: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    if !versioned && !guard.writable() {
-        return Err(PyBufferError::new_err(
-            "a read-only mapping can be exported only as a versioned DLPack tensor \
-             (its read-only flag); pass max_version=(1, 0), or use map_write()",
-        ));
-    }
+    // Read-only bytes travel as a legacy tensor too: that protocol has no
+    // flag to say so, and its consumers must not write (the DLPack Python
+    // specification; JAX, which imports this way, never does).
     let mut ctx = Box::new(ExportCtx {
         shape: shape.iter().map(|&d| d as i64).collect(),
         _guard: guard,

@@ -18,7 +18,7 @@ mod guard;
 
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyBufferError, PyIndexError, PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -43,6 +43,48 @@ fn duration(timeout: Option<f64>) -> PyResult<Option<Duration>> {
         .transpose()
 }
 
+/// How long a blocking call waits with the GIL released before it lets
+/// Python's signal handlers run (so Ctrl-C's KeyboardInterrupt arrives
+/// within about this long).
+const SIGNAL_SLICE: Duration = Duration::from_millis(20);
+
+/// Runs a wait of at most `timeout` (None: without limit) in slices of
+/// `SIGNAL_SLICE`, the GIL released during each, and runs Python's signal
+/// handlers between them: a handler that raises (SIGINT's
+/// KeyboardInterrupt) ends the wait with its exception and loses nothing,
+/// since a wait changes no state. `wait(slice)` waits at most `slice` and
+/// answers a time-out (`Error::is_timeout`) when the event did not come.
+fn wait_interruptibly(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    wait: impl Fn(Duration) -> TResult<()> + Sync,
+) -> PyResult<()> {
+    let start = Instant::now();
+    let deadline = timeout.and_then(|t| start.checked_add(t));
+    loop {
+        let slice = match deadline {
+            Some(d) => d
+                .saturating_duration_since(Instant::now())
+                .min(SIGNAL_SLICE),
+            None => SIGNAL_SLICE,
+        };
+        match py.detach(|| wait(slice)) {
+            Ok(()) => return Ok(()),
+            Err(mut e) if e.is_timeout() => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    // Report the whole wait, not its last slice.
+                    if let tdrv::Error::Timeout { waited, .. } = &mut e {
+                        *waited = start.elapsed();
+                    }
+                    return Err(to_py(e));
+                }
+            }
+            Err(e) => return Err(to_py(e)),
+        }
+        py.check_signals()?;
+    }
+}
+
 /// A shape argument: an int or a sequence of ints.
 fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     if let Ok(n) = obj.extract::<usize>() {
@@ -59,9 +101,14 @@ fn nbytes_of(dtype: &DType, shape: &[usize]) -> PyResult<usize> {
         .ok_or_else(|| PyValueError::new_err("tensor size overflows"))
 }
 
-/// Copies a C-contiguous buffer of `obj` into a new vector, with its dtype
-/// and shape (bytes when the format is unknown to tdrv).
-fn buffer_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, &'static DType, Vec<usize>)> {
+/// Runs `f` on the bytes of a C-contiguous buffer of `obj` (address and
+/// length), its dtype and its shape (bytes when the format is unknown to
+/// tdrv), while the buffer is held. `f` must only copy from the address:
+/// Python code that shares the buffer may change it after `f` returns.
+fn with_buffer<R>(
+    obj: &Bound<'_, PyAny>,
+    f: impl FnOnce(*const u8, usize, &'static DType, Vec<usize>) -> PyResult<R>,
+) -> PyResult<R> {
     let mut view = std::mem::MaybeUninit::<ffi::Py_buffer>::zeroed();
     // SAFETY: `obj` is live and `view` is writable storage for a Py_buffer.
     let rc = unsafe {
@@ -76,7 +123,7 @@ fn buffer_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, &'static DType, Ve
     }
     // SAFETY: GetBuffer succeeded: the view is initialised.
     let mut view = unsafe { view.assume_init() };
-    let result = (|| {
+    let result = {
         let len = usize::try_from(view.len).unwrap_or(0);
         let itemsize = usize::try_from(view.itemsize).unwrap_or(1);
         let format = if view.format.is_null() {
@@ -102,22 +149,31 @@ fn buffer_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, &'static DType, Ve
             Some(d) => (d, shape),
             None => (dtype::uint8(), vec![len]),
         };
+        f(view.buf.cast::<u8>().cast_const(), len, dtype, shape)
+    };
+    // SAFETY: the view GetBuffer filled, released once.
+    unsafe { ffi::PyBuffer_Release(&mut view) };
+    result
+}
+
+/// Copies a C-contiguous buffer of `obj` into a new vector, with its dtype
+/// and shape (bytes when the format is unknown to tdrv).
+fn buffer_bytes(obj: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, &'static DType, Vec<usize>)> {
+    with_buffer(obj, |buf, len, dtype, shape| {
         let mut bytes = Vec::new();
         bytes
             .try_reserve_exact(len)
             .map_err(|_| to_py(tdrv::Error::OutOfMemory(len)))?;
         // SAFETY: the exporter's buffer is `len` readable contiguous bytes
-        // while the view is held; copied by address (no Rust reference to
-        // memory Python code may share) into the vector's spare room.
+        // while the view is held (`with_buffer`); copied by address (no
+        // Rust reference to memory Python code may share) into the
+        // vector's spare room.
         unsafe {
-            std::ptr::copy_nonoverlapping(view.buf.cast::<u8>(), bytes.as_mut_ptr(), len);
+            std::ptr::copy_nonoverlapping(buf, bytes.as_mut_ptr(), len);
             bytes.set_len(len);
         }
         Ok((bytes, dtype, shape))
-    })();
-    // SAFETY: the view GetBuffer filled, released once.
-    unsafe { ffi::PyBuffer_Release(&mut view) };
-    result
+    })
 }
 
 /// An open tdrv device node.
@@ -450,6 +506,12 @@ impl PyTensor {
         buf.try_reserve_exact(size)
             .map_err(|_| to_py(tdrv::Error::OutOfMemory(size)))?;
         buf.resize(size, 0);
+        // Device writes in flight are waited for where Ctrl-C can end the
+        // wait; the read then finds none (or waits for a job submitted
+        // since, like any read).
+        wait_interruptibly(py, None, |slice| {
+            self.t.wait_device_idle(tdrv::Access::Read, Some(slice))
+        })?;
         py.detach(|| self.t.read(offset, &mut buf)).map_err(to_py)?;
         Ok(PyBytes::new(py, &buf))
     }
@@ -464,6 +526,9 @@ impl PyTensor {
     #[pyo3(signature = (data, offset = 0))]
     fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
         let (bytes, _, _) = buffer_bytes(data)?;
+        wait_interruptibly(py, None, |slice| {
+            self.t.wait_device_idle(tdrv::Access::Write, Some(slice))
+        })?;
         py.detach(|| self.t.write(offset, &bytes)).map_err(to_py)
     }
 
@@ -510,8 +575,9 @@ impl PyTensor {
             tdrv::Access::Read
         };
         let timeout = duration(timeout)?;
-        py.detach(|| self.t.wait_device_idle(access, timeout))
-            .map_err(to_py)
+        wait_interruptibly(py, timeout, |slice| {
+            self.t.wait_device_idle(access, Some(slice))
+        })
     }
 
     /// Waits until `expected` jobs have completed writing this view;
@@ -524,8 +590,9 @@ impl PyTensor {
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let timeout = duration(timeout)?;
-        py.detach(|| self.t.check_output_completion(timeout, expected))
-            .map_err(to_py)
+        wait_interruptibly(py, timeout, |slice| {
+            self.t.check_output_completion(Some(slice), expected)
+        })
     }
 
     /// This view's output-completion count.
@@ -598,9 +665,18 @@ impl PyTensor {
         unsafe { buffer::release(view) }
     }
 
-    /// DLPack export: the capsule holds a write mapping of the whole
-    /// tensor until the consumer's array is gone (DLPack consumers may
-    /// write). `copy=True` exports a host copy instead.
+    /// DLPack export, read-only by default: the consumer gets the bytes
+    /// lent by a read mapping that lives until its array is gone, so
+    /// several consumers (numpy, JAX, ...) hold views at once, and a
+    /// writer (`write`, `map_write`, a job writing the buffer) is refused
+    /// with `BusyError` meanwhile. A DLPack 1.0 consumer (`max_version >=
+    /// (1, 0)`, as numpy passes) sees the read-only flag; a consumer of
+    /// the legacy protocol (JAX passes only `stream`) cannot be told, and
+    /// must not write, as the DLPack Python specification asks of every
+    /// consumer. Writable exports are asked for explicitly: `copy=True`
+    /// exports a host copy that is the consumer's alone (flagged as
+    /// copied), and `t.map_write().__dlpack__()` lends the bytes for
+    /// writing, excluding every other view.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -617,7 +693,7 @@ impl PyTensor {
             let guard = Arc::new(Guard::new(&c, true, None).map_err(to_py)?);
             return dlpack::export(py, guard, self.dtype, &self.shape, versioned, true);
         }
-        let guard = self.guard(py, true)?;
+        let guard = self.guard(py, false)?;
         dlpack::export(py, guard, self.dtype, &self.shape, versioned, false)
     }
 
@@ -847,7 +923,7 @@ impl PyJobHandle {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let timeout = duration(timeout)?;
-        py.detach(|| self.h.wait_for(timeout)).map_err(to_py)
+        wait_interruptibly(py, timeout, |slice| self.h.wait_for(Some(slice)))
     }
 
     /// Whether the job is done (`JobFailedError` if it failed).
@@ -900,29 +976,32 @@ fn empty(
 #[pyfunction]
 #[pyo3(signature = (obj, *, device = None, channel = 0, name = None))]
 fn from_buffer(
-    py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     device: Option<&Bound<'_, PyAny>>,
     channel: u32,
     name: Option<&str>,
 ) -> PyResult<PyTensor> {
-    let (bytes, dtype, shape) = buffer_bytes(obj)?;
     let dev = target_device(device)?;
-    let t = py
-        .detach(|| {
-            let t = match &dev {
-                None => tdrv::Tensor::allocate_host(bytes.len(), name)?,
-                Some(d) => tdrv::Tensor::allocate_on(d, channel, bytes.len(), name)?,
-            };
-            t.write(0, &bytes)?;
-            Ok::<_, tdrv::Error>(t)
-        })
+    // One copy: straight from the exporter's bytes into the new tensor.
+    // The GIL stays held, so no Python code changes them meanwhile.
+    with_buffer(obj, |buf, len, dtype, shape| {
+        let t = match &dev {
+            None => tdrv::Tensor::allocate_host(len, name),
+            Some(d) => tdrv::Tensor::allocate_on(d, channel, len, name),
+        }
         .map_err(to_py)?;
-    Ok(PyTensor {
-        t,
-        dtype,
-        shape,
-        keep: None,
+        // SAFETY: `buf` is `len` readable bytes while the view is held
+        // (`with_buffer`), and nothing writes them during the call: the GIL
+        // is held, and native code writing an exported buffer without it
+        // breaks the buffer protocol's contract. A new tensor has no job
+        // in flight, so the write does not wait.
+        unsafe { t.write_raw(0, buf, len) }.map_err(to_py)?;
+        Ok(PyTensor {
+            t,
+            dtype,
+            shape,
+            keep: None,
+        })
     })
 }
 
@@ -940,7 +1019,13 @@ fn from_dlpack(
     copy: Option<bool>,
     name: Option<&str>,
 ) -> PyResult<PyTensor> {
-    let imp = dlpack::import(obj)?;
+    // A tdrv tensor is imported through a write mapping of it (its own
+    // export is read-only): the new tensor aliases its bytes and excludes
+    // every other view while it lives.
+    let imp = match obj.cast::<PyTensor>() {
+        Ok(t) => dlpack::import(Bound::new(obj.py(), t.get().map_write(obj.py())?)?.as_any())?,
+        Err(_) => dlpack::import(obj)?,
+    };
     let must_copy = copy == Some(true) || imp.read_only;
     if imp.read_only && copy == Some(false) {
         return Err(PyBufferError::new_err(

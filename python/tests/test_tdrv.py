@@ -231,13 +231,58 @@ def test_numpy_from_dlpack_sees_the_same_bytes_without_a_copy():
     assert t.__dlpack_device__() == (1, 0)
     d = np.from_dlpack(t)
     assert d.ctypes.data == t.address
-    assert (d.dtype, d.shape, d.flags.writeable) == (np.float32, (2, 3), True)
-    d[1, 1] = 40
-    # The capsule holds a write mapping until the array is gone.
+    # Read-only by default (DLPack 1.0's flag): numpy marks it so.
+    assert (d.dtype, d.shape, d.flags.writeable) == (np.float32, (2, 3), False)
+    assert d[1, 1] == 4
+    # The capsule holds a read mapping until the array is gone: readers
+    # go on, writers are refused.
+    assert np.frombuffer(t.read(), np.float32)[4] == 4
     with pytest.raises(tdrv.BusyError):
-        t.read()
+        t.write(b"\x00" * 4)
     del d
+    gc.collect()
+    t.write(np.array([40], np.float32), 16)
     assert np.frombuffer(t.read(), np.float32)[4] == 40
+
+
+def test_dlpack_writable_exports_are_asked_for():
+    t = host(np.arange(4))
+    # Through a write mapping: writable, and the only view meanwhile.
+    w = np.from_dlpack(t.map_write())
+    assert w.flags.writeable and w.ctypes.data == t.address
+    w[2] = 20
+    with pytest.raises(tdrv.BusyError):
+        np.from_dlpack(t)
+    del w
+    gc.collect()
+    # copy=True: the consumer's own writable bytes.
+    c = np.from_dlpack(t, copy=True)
+    assert c.flags.writeable and c.ctypes.data != t.address
+    c[0] = -1
+    assert np.frombuffer(t.read(), np.float32).tolist() == [0, 1, 20, 3]
+    # A legacy (unversioned) capsule lends the bytes read-only as well:
+    # readers coexist with it, writers wait for it to go.
+    cap = t.__dlpack__()
+    assert "dltensor" in repr(cap) and "versioned" not in repr(cap)
+    assert np.from_dlpack(t).tolist() == [0, 1, 20, 3]
+    with pytest.raises(tdrv.BusyError):
+        t.write(b"\x00" * 4)
+    del cap
+    gc.collect()
+    t.write(b"\x00" * 4)
+
+
+def test_several_dlpack_readers_coexist_and_outlive_the_tensor():
+    t = host(np.arange(5))
+    a, b = np.from_dlpack(t), np.from_dlpack(t)
+    r = t.numpy()
+    assert a.ctypes.data == b.ctypes.data == r.ctypes.data == t.address
+    with pytest.raises(tdrv.BusyError):
+        t.map_write()
+    # The exports keep the bytes alive after the tensor object is gone.
+    del t, r
+    gc.collect()
+    assert a.tolist() == b.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_one_mapping_exported_twice_shares_bytes():
@@ -259,9 +304,9 @@ def test_dlpack_capsules_legacy_versioned_and_read_only():
     assert "dltensor" in repr(t.__dlpack__())
     assert "dltensor_versioned" in repr(t.__dlpack__(max_version=(1, 0)))
     r = t.map_read()
-    # Read-only bytes only travel with DLPack 1.0's read-only flag.
-    with pytest.raises(BufferError):
-        r.__dlpack__()
+    # Read-only bytes travel as a legacy tensor too (its consumers must not
+    # write), and with DLPack 1.0's read-only flag.
+    assert "dltensor" in repr(r.__dlpack__())
     ro = np.from_dlpack(r)
     assert not ro.flags.writeable and ro.tolist() == [1, 2]
     with pytest.raises(BufferError):
@@ -384,7 +429,7 @@ def test_device_tensors_jobs_and_views(path):
     with pytest.raises(tdrv.BusyError):
         tdrv.Job().copy(src, dst).submit()
     del out
-    d = np.from_dlpack(dst)
+    d = np.from_dlpack(dst.map_write())
     d[:] = 1
     del d
     assert np.frombuffer(dst.read(), np.float32).tolist() == [1.0] * 256

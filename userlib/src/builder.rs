@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::sys::Device;
 use crate::tensor::{Placement, Tensor};
+use crate::typed::TypedTensor;
 
 /// Where a [`TensorBuilder`] allocates.
 #[derive(Debug, Clone)]
@@ -70,7 +71,8 @@ impl TensorBuilder {
         self
     }
 
-    /// Allocates `size` zeroed bytes.
+    /// Allocates `size` zeroed **bytes**. For a number of elements, use
+    /// [`TensorBuilder::zeros`].
     pub fn zeroed(self, size: usize) -> Result<Tensor> {
         let name = self.name.as_deref();
         match &self.target {
@@ -78,6 +80,26 @@ impl TensorBuilder {
             Target::Default => Tensor::allocate(Placement::Device, self.channel, size, name),
             Target::Device(d) => Tensor::allocate_on(d, self.channel, size, name),
         }
+    }
+
+    /// Allocates `len` zeroed **elements** of `T`, as a [`TypedTensor`]:
+    /// `zeros::<f32>(1 << 20)` is a million floats, 4 MiB. A byte size
+    /// that overflows `usize` is [`Error::InvalidArgument`].
+    ///
+    /// ```
+    /// let w = tdrv::Tensor::builder().name("w").zeros::<f32>(1 << 20)?;
+    /// assert_eq!((w.len(), w.tensor().size()), (1 << 20, 4 << 20));
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn zeros<T: bytemuck::Pod>(self, len: usize) -> Result<TypedTensor<T>> {
+        let each = std::mem::size_of::<T>();
+        let size = len.checked_mul(each).ok_or_else(|| {
+            Error::invalid(format!(
+                "{len} elements of {each}-byte {} do not fit in memory",
+                std::any::type_name::<T>()
+            ))
+        })?;
+        self.zeroed(size)?.typed()
     }
 
     /// Allocates room for `data` and writes it.
@@ -97,6 +119,23 @@ impl Tensor {
             channel: 0,
             name: None,
         }
+    }
+
+    /// `len` zeroed elements of `T` on `device` (HBM channel 0; a
+    /// [`TensorBuilder`] picks another channel or a name).
+    ///
+    /// ```
+    /// use tdrv::{Device, Tensor};
+    ///
+    /// if let Ok(dev) = Device::open("/dev/tdrv0") {
+    ///     let x = Tensor::zeros::<f32>(&dev, 1024)?;
+    ///     x.set(3, 2.5)?;
+    ///     assert_eq!((x.len(), x.get(3)?), (1024, 2.5));
+    /// }
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn zeros<T: bytemuck::Pod>(device: &Arc<Device>, len: usize) -> Result<TypedTensor<T>> {
+        Self::builder().on(device).zeros(len)
     }
 
     /// A host tensor holding a copy of `data` (`Malloc` storage, aligned to

@@ -168,6 +168,7 @@ impl fmt::Display for OpenCounts {
 
 /// Why an acquire or a release was refused. The counters are unchanged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CoherenceError {
     /// The acquire is incompatible with what is open, under [`Policy::Coherent`].
     #[error(

@@ -168,6 +168,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An accessor could not be made or used: its shape, element type,
+    /// alignment, index or stream state ([`crate::accessor`]).
+    #[error(transparent)]
+    Accessor(#[from] crate::accessor::AccessorError),
+    /// The tensor's coherency enforcer refused an accessor's slot (policy
+    /// COHERENT), or a release had nothing to release
+    /// ([`crate::coherency`]).
+    #[error(transparent)]
+    Coherence(#[from] crate::coherency::CoherenceError),
 }
 
 impl Error {
@@ -191,6 +200,8 @@ impl Error {
             Error::JobFailed { errno, .. } | Error::DeviceWriteFailed { errno, .. } => *errno,
             Error::NoDmaAddress { .. } => libc::EPERM,
             Error::Io { source, .. } => return source.raw_os_error(),
+            Error::Accessor(e) => e.errno(),
+            Error::Coherence(_) => libc::EBUSY,
         })
     }
 

@@ -6,6 +6,7 @@ use std::ops::RangeBounds;
 
 use crate::builder::byte_range;
 use crate::error::{Error, Result};
+use crate::job::Job;
 use crate::tensor::Tensor;
 
 /// A tensor seen as `len()` elements of type `T`: indices and lengths in
@@ -139,9 +140,76 @@ impl<T: bytemuck::Pod> TypedTensor<T> {
     }
 }
 
+impl Job {
+    /// Adds a copy of `len` elements from `src` at element `src_start` to
+    /// `dst` at element `dst_start` ([`Job::copy`] in elements: both
+    /// ranges are checked in elements first).
+    ///
+    /// ```
+    /// use tdrv::{Device, Job, Tensor};
+    ///
+    /// if let Ok(dev) = Device::open("/dev/tdrv0") {
+    ///     let a = Tensor::zeros::<u32>(&dev, 64)?;
+    ///     let b = Tensor::zeros::<u32>(&dev, 64)?;
+    ///     a.write(0, &[7; 64])?;
+    ///     Job::new().copy_elems(&a, 0, &b, 32, 32)?.submit()?.wait()?;
+    ///     assert_eq!(b.get(31)?, 0);
+    ///     assert_eq!(b.get(32)?, 7);
+    /// }
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn copy_elems<T: bytemuck::Pod>(
+        &mut self,
+        src: &TypedTensor<T>,
+        src_start: usize,
+        dst: &TypedTensor<T>,
+        dst_start: usize,
+        len: usize,
+    ) -> Result<&mut Self> {
+        let (so, size) = src.bytes("job copy (source)", src_start, len)?;
+        let (dof, _) = dst.bytes("job copy (destination)", dst_start, len)?;
+        self.copy(&src.tensor, so, &dst.tensor, dof, size)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zeros_counts_elements_not_bytes() {
+        let w = Tensor::builder().zeros::<f32>(1 << 20).unwrap();
+        assert_eq!((w.len(), w.tensor().size()), (1 << 20, 4 << 20));
+        assert_eq!(w.get((1 << 20) - 1).unwrap(), 0.0);
+        assert!(matches!(
+            Tensor::builder().zeros::<u64>(usize::MAX / 4),
+            Err(Error::InvalidArgument(_))
+        ));
+        let e = Tensor::builder().zeros::<u16>(0).unwrap();
+        assert!(e.is_empty());
+    }
+
+    #[test]
+    fn element_copies_check_ranges_in_elements() {
+        let a = Tensor::builder().zeros::<u32>(4).unwrap();
+        let b = Tensor::builder().zeros::<u32>(4).unwrap();
+        let mut job = Job::new();
+        // 3 elements from element 2 end past the source's 4.
+        assert!(matches!(
+            job.copy_elems(&a, 2, &b, 0, 3),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            job.copy_elems(&a, 0, &b, usize::MAX, 1),
+            Err(Error::OutOfBounds { .. })
+        ));
+        // In range, but host tensors are not a device's: refused by copy.
+        assert!(matches!(
+            job.copy_elems(&a, 0, &b, 1, 3),
+            Err(Error::Unsupported { .. })
+        ));
+        assert!(job.is_empty());
+    }
 
     #[test]
     fn typed_views_count_and_check_in_elements() {

@@ -1,5 +1,7 @@
 //! `libnrt.so.1`: the nrt_tensor C ABI of the Neuron runtime, over the tdrv
-//! tensor layer. The declarations are in `include/nrt.h`.
+//! tensor layer. The declarations are in `include/nrt/nrt.h` and
+//! `include/nrt/nrt_status.h`, libnrt's header layout, and tdrv's copy jobs
+//! (module [`job`]) in `include/tdrv/job.h`.
 //!
 //! Conventions of every entry point:
 //! - NULL or otherwise invalid arguments return an error status; a tensor
@@ -19,7 +21,7 @@
 //!
 //! Caller memory (the buffers of read, write and the batches) is only ever
 //! reached through raw pointers and copied with memmove semantics: buffers
-//! may overlap each other and the tensors' own memory (see `nrt.h`).
+//! may overlap each other and the tensors' own memory (see `nrt/nrt.h`).
 
 #![allow(non_camel_case_types)]
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
@@ -32,7 +34,9 @@ use std::sync::{Arc, OnceLock};
 use tdrv::handles::{HandleTable, HandlesMut};
 use tdrv::{Error, Fencing, Placement, RawReadOp, RawWriteOp, SysError, Tensor};
 
-/// Status codes (`NRT_STATUS`).
+/// Status codes (`NRT_STATUS`, `nrt/nrt_status.h`): every value of
+/// libnrt's enum, including those of model loading and execution that this
+/// library never returns.
 pub type NRT_STATUS = c_int;
 pub const NRT_SUCCESS: NRT_STATUS = 0;
 pub const NRT_FAILURE: NRT_STATUS = 1;
@@ -42,8 +46,79 @@ pub const NRT_RESOURCE: NRT_STATUS = 4;
 pub const NRT_TIMEOUT: NRT_STATUS = 5;
 pub const NRT_HW_ERROR: NRT_STATUS = 6;
 pub const NRT_QUEUE_FULL: NRT_STATUS = 7;
+pub const NRT_LOAD_NOT_ENOUGH_NC: NRT_STATUS = 9;
+pub const NRT_UNSUPPORTED_NEFF_VERSION: NRT_STATUS = 10;
+pub const NRT_FAIL_HOST_MEM_ALLOC: NRT_STATUS = 11;
 pub const NRT_UNINITIALIZED: NRT_STATUS = 13;
 pub const NRT_CLOSED: NRT_STATUS = 14;
+pub const NRT_QUEUE_EMPTY: NRT_STATUS = 15;
+pub const NRT_EXEC_UNIT_UNRECOVERABLE: NRT_STATUS = 101;
+pub const NRT_EXEC_BAD_INPUT: NRT_STATUS = 1002;
+pub const NRT_EXEC_COMPLETED_WITH_NUM_ERR: NRT_STATUS = 1003;
+pub const NRT_EXEC_COMPLETED_WITH_ERR: NRT_STATUS = 1004;
+pub const NRT_EXEC_NC_BUSY: NRT_STATUS = 1005;
+pub const NRT_EXEC_OOB: NRT_STATUS = 1006;
+pub const NRT_COLL_PENDING: NRT_STATUS = 1100;
+pub const NRT_EXEC_HW_ERR_COLLECTIVES: NRT_STATUS = 1200;
+pub const NRT_EXEC_HW_ERR_HBM_UE: NRT_STATUS = 1201;
+pub const NRT_EXEC_HW_ERR_NC_UE: NRT_STATUS = 1202;
+pub const NRT_EXEC_HW_ERR_DMA_ABORT: NRT_STATUS = 1203;
+pub const NRT_EXEC_SW_NQ_OVERFLOW: NRT_STATUS = 1204;
+pub const NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE: NRT_STATUS = 1205;
+pub const NRT_NETWORK_PROXY_FAILURE: NRT_STATUS = 1206;
+
+/// Every status with its name, for `nrt_get_status_as_str`. The names are
+/// NUL-terminated so that the C function can return them as they are.
+const STATUS_NAMES: &[(NRT_STATUS, &CStr)] = &[
+    (NRT_SUCCESS, c"NRT_SUCCESS"),
+    (NRT_FAILURE, c"NRT_FAILURE"),
+    (NRT_INVALID, c"NRT_INVALID"),
+    (NRT_INVALID_HANDLE, c"NRT_INVALID_HANDLE"),
+    (NRT_RESOURCE, c"NRT_RESOURCE"),
+    (NRT_TIMEOUT, c"NRT_TIMEOUT"),
+    (NRT_HW_ERROR, c"NRT_HW_ERROR"),
+    (NRT_QUEUE_FULL, c"NRT_QUEUE_FULL"),
+    (NRT_LOAD_NOT_ENOUGH_NC, c"NRT_LOAD_NOT_ENOUGH_NC"),
+    (
+        NRT_UNSUPPORTED_NEFF_VERSION,
+        c"NRT_UNSUPPORTED_NEFF_VERSION",
+    ),
+    (NRT_FAIL_HOST_MEM_ALLOC, c"NRT_FAIL_HOST_MEM_ALLOC"),
+    (NRT_UNINITIALIZED, c"NRT_UNINITIALIZED"),
+    (NRT_CLOSED, c"NRT_CLOSED"),
+    (NRT_QUEUE_EMPTY, c"NRT_QUEUE_EMPTY"),
+    (NRT_EXEC_UNIT_UNRECOVERABLE, c"NRT_EXEC_UNIT_UNRECOVERABLE"),
+    (NRT_EXEC_BAD_INPUT, c"NRT_EXEC_BAD_INPUT"),
+    (
+        NRT_EXEC_COMPLETED_WITH_NUM_ERR,
+        c"NRT_EXEC_COMPLETED_WITH_NUM_ERR",
+    ),
+    (NRT_EXEC_COMPLETED_WITH_ERR, c"NRT_EXEC_COMPLETED_WITH_ERR"),
+    (NRT_EXEC_NC_BUSY, c"NRT_EXEC_NC_BUSY"),
+    (NRT_EXEC_OOB, c"NRT_EXEC_OOB"),
+    (NRT_COLL_PENDING, c"NRT_COLL_PENDING"),
+    (NRT_EXEC_HW_ERR_COLLECTIVES, c"NRT_EXEC_HW_ERR_COLLECTIVES"),
+    (NRT_EXEC_HW_ERR_HBM_UE, c"NRT_EXEC_HW_ERR_HBM_UE"),
+    (NRT_EXEC_HW_ERR_NC_UE, c"NRT_EXEC_HW_ERR_NC_UE"),
+    (NRT_EXEC_HW_ERR_DMA_ABORT, c"NRT_EXEC_HW_ERR_DMA_ABORT"),
+    (NRT_EXEC_SW_NQ_OVERFLOW, c"NRT_EXEC_SW_NQ_OVERFLOW"),
+    (
+        NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE,
+        c"NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE",
+    ),
+    (NRT_NETWORK_PROXY_FAILURE, c"NRT_NETWORK_PROXY_FAILURE"),
+];
+
+/// The name of a status (`"NRT_TIMEOUT"`), or `"UNKNOWN STATUS"`. The
+/// string is static; the caller never frees it.
+#[no_mangle]
+pub extern "C" fn nrt_get_status_as_str(status: NRT_STATUS) -> *const c_char {
+    STATUS_NAMES
+        .iter()
+        .find(|(s, _)| *s == status)
+        .map_or(c"UNKNOWN STATUS", |(_, name)| name)
+        .as_ptr()
+}
 
 /// `nrt_tensor_placement_t`.
 pub type nrt_tensor_placement_t = c_int;
@@ -59,6 +134,12 @@ pub struct nrt_tensor_t {
 
 /// Opaque tensor set.
 pub type nrt_tensor_set_t = c_void;
+
+/// Opaque copy job (`tdrv/job.h`).
+#[repr(C)]
+pub struct tdrv_job_t {
+    _private: [u8; 0],
+}
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -88,7 +169,8 @@ pub struct nrt_tensor_device_allocation_info_t {
 pub fn status_of(e: &Error) -> NRT_STATUS {
     match e {
         Error::Timeout { .. } => NRT_TIMEOUT,
-        Error::OutOfMemory(_) => NRT_RESOURCE,
+        // libnrt tells host memory apart from the device's (NRT_RESOURCE).
+        Error::OutOfMemory(_) => NRT_FAIL_HOST_MEM_ALLOC,
         Error::OutOfBounds { .. }
         | Error::Overflow { .. }
         | Error::NoStorage { .. }
@@ -672,7 +754,7 @@ fn device_tensor_at(va: u64, size: u64) -> Option<Tensor> {
 }
 
 /// A dma-buf fd (`*fd`, O_RDWR, close-on-exec) for the device allocation
-/// holding `[va, va + size)`; see `nrt.h`.
+/// holding `[va, va + size)`; see `nrt/nrt.h`.
 ///
 /// # Safety
 /// `fd` is NULL or writable.
@@ -737,7 +819,7 @@ unsafe fn check_batches(
         return Err(fail(func, NRT_INVALID, "batches is NULL"));
     }
     let n = to_usize(func, num_batches)?;
-    let oom = |_| fail(func, NRT_RESOURCE, "out of memory");
+    let oom = |_| fail(func, NRT_FAIL_HOST_MEM_ALLOC, "out of host memory");
     let mut out = Vec::new();
     out.try_reserve_exact(n).map_err(oom)?;
     for i in 0..n {
@@ -1040,7 +1122,7 @@ pub unsafe extern "C" fn nrt_add_tensor_to_tensor_set(
         let r = {
             let mut h = handles().lock();
             let room = match h.get_mut(set) {
-                Some(Handle::Set(m)) => m.try_reserve(1).map_err(|_| NRT_RESOURCE),
+                Some(Handle::Set(m)) => m.try_reserve(1).map_err(|_| NRT_FAIL_HOST_MEM_ALLOC),
                 _ => Err(NRT_INVALID_HANDLE),
             };
             match (room, h.get_mut(tok)) {
@@ -1065,7 +1147,7 @@ pub unsafe extern "C" fn nrt_add_tensor_to_tensor_set(
         drop(dropped);
         match r {
             Ok(()) => NRT_SUCCESS,
-            Err(NRT_RESOURCE) => fail(F, NRT_RESOURCE, "out of memory"),
+            Err(NRT_FAIL_HOST_MEM_ALLOC) => fail(F, NRT_FAIL_HOST_MEM_ALLOC, "out of host memory"),
             Err(s) => fail(F, s, "not a live tensor set and tensor"),
         }
     })
@@ -1115,3 +1197,6 @@ pub unsafe extern "C" fn nrt_get_tensor_from_tensor_set(
         }
     })
 }
+
+// After `tri!`, which it uses.
+pub mod job;

@@ -137,7 +137,8 @@ fn element_offset(index: &[usize], sizes: &[usize], strides: &[usize]) -> Result
         return Err(AccessorError::IndexOutOfBounds {
             index: index.to_vec(),
             sizes: sizes.to_vec(),
-        });
+        }
+        .into());
     }
     // Cannot overflow: every in-range index addresses at most the furthest
     // element, whose offset was checked to fit in the tensor.
@@ -213,7 +214,8 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
                     strides: strides.to_vec(),
                     needed: needed.unwrap_or(u128::MAX),
                     len: tensor.size(),
-                })
+                }
+                .into())
             }
         }
         let slot = tensor.coherency_enforcer().slot(AccessorKind::Unbuffered)?;
@@ -258,7 +260,8 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
             return Err(AccessorError::IndexOutOfBounds {
                 index: vec![i],
                 sizes: self.sizes.to_vec(),
-            });
+            }
+            .into());
         }
         // SAFETY: `i < sizes[0]`, so `i * strides[0]` is at most the
         // furthest element's offset, inside the tensor.
@@ -352,7 +355,8 @@ impl<'b, T: Element, M: Mode> TensorSubAccessor<'b, T, M> {
             return Err(AccessorError::IndexOutOfBounds {
                 index: vec![i],
                 sizes: self.sizes.to_vec(),
-            });
+            }
+            .into());
         }
         // SAFETY: `i < sizes[0]`: still inside the parent's checked shape.
         Ok(unsafe { self.base.add(i * self.strides[0]) })

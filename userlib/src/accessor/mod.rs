@@ -9,7 +9,7 @@
 //! | [`TensorTcmAccessor`]          | unbuffered  | explicit copies to/from scratch     |
 //!
 //! Every accessor is RAII: its constructor acquires a slot of the tensor's
-//! enforcer (failing with [`AccessorError::Coherence`] when the policy is
+//! enforcer (failing with [`crate::Error::Coherence`] when the policy is
 //! COHERENT and the slot would be incoherent) and `Drop` releases it. An
 //! accessor borrows its tensor, so it cannot outlive it (the seed deletes
 //! the rvalue-tensor factories for the same reason). Factories made from
@@ -22,9 +22,8 @@
 //! active `neuron_memcpy` method applies.
 //!
 //! ```
-//! use tdrv::accessor::AccessorError;
 //! use tdrv::coherency::{CoherenceError, Policy};
-//! use tdrv::Tensor;
+//! use tdrv::{Error, Tensor};
 //!
 //! let mut t = Tensor::allocate_host(2 * 3 * 4, None)?;
 //! {
@@ -37,11 +36,11 @@
 //! // COHERENT (the default): buffered and direct accessors never mix.
 //! assert!(matches!(
 //!     t.accessor::<u32, 2>([2, 3]),
-//!     Err(AccessorError::Coherence(CoherenceError::Incoherent { .. }))
+//!     Err(Error::Coherence(CoherenceError::Incoherent { .. }))
 //! ));
 //! t.set_accessor_coherence_policy(Policy::IncoherentQuiet);
 //! assert_eq!(t.accessor::<u32, 2>([2, 3])?.get([1, 2])?, 7);
-//! # Ok::<(), AccessorError>(())
+//! # Ok::<(), tdrv::Error>(())
 //! ```
 //!
 //! A read-only accessor has no `set`:
@@ -63,7 +62,7 @@ pub use tcm::{TcmBuffer, TensorTcmAccessor};
 use std::mem::{align_of, size_of};
 use std::ptr::NonNull;
 
-use crate::coherency::{CoherenceError, Policy};
+use crate::coherency::Policy;
 use crate::storage::StorageKind;
 use crate::tensor::Tensor;
 
@@ -101,15 +100,14 @@ mod sealed {
     impl Sealed for super::ReadWrite {}
 }
 
-/// Why an accessor could not be made or used.
+/// Why an accessor could not be made or used: the source of
+/// [`crate::Error::Accessor`]. The accessor API returns the crate's one
+/// error type, [`crate::Error`]: failures of the tensor layer underneath
+/// (a fence, a copy) are its own variants, and a refusal by the coherency
+/// enforcer is [`crate::Error::Coherence`].
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AccessorError {
-    /// The enforcer refused the slot (or an unbalanced release).
-    #[error(transparent)]
-    Coherence(#[from] CoherenceError),
-    /// The tensor layer failed (no storage, a fence, a copy, ...).
-    #[error(transparent)]
-    Tensor(#[from] crate::Error),
     /// The tensor has no host-addressable bytes for direct access.
     #[error("{op}: {kind:?} tensor {name:?} has no host-addressable memory")]
     NotAddressable {
@@ -181,15 +179,32 @@ pub enum AccessorError {
     Closed,
 }
 
-/// Result of the accessor API.
-pub type Result<T, E = AccessorError> = std::result::Result<T, E>;
+impl AccessorError {
+    /// The errno this error stands for (see [`crate::Error::raw_os_error`]).
+    pub fn errno(&self) -> i32 {
+        match self {
+            AccessorError::NotAddressable { .. } => libc::ENXIO,
+            AccessorError::BadElement { .. }
+            | AccessorError::Misaligned { .. }
+            | AccessorError::ShapeOutOfBounds { .. } => libc::EINVAL,
+            AccessorError::IndexOutOfBounds { .. } | AccessorError::RangeOutOfBounds { .. } => {
+                libc::ERANGE
+            }
+            AccessorError::StreamFull { .. } => libc::ENOSPC,
+            AccessorError::Closed => libc::EBADF,
+        }
+    }
+}
+
+/// Result of the accessor API: the crate's [`crate::Result`].
+pub type Result<T, E = crate::Error> = std::result::Result<T, E>;
 
 /// Checks that `T` can be staged: not zero-sized, and no bigger than a
 /// stream buffer.
 fn check_element<T: Element>(op: &'static str) -> Result<()> {
     let size = size_of::<T>();
     if size == 0 || size > STREAM_BUFFER_BYTES {
-        return Err(AccessorError::BadElement { op, size });
+        return Err(AccessorError::BadElement { op, size }.into());
     }
     Ok(())
 }
@@ -197,7 +212,7 @@ fn check_element<T: Element>(op: &'static str) -> Result<()> {
 /// The tensor's bytes as a host address aligned for `T`, for direct access.
 fn direct_base<T: Element>(tensor: &Tensor, op: &'static str) -> Result<NonNull<T>> {
     if size_of::<T>() == 0 {
-        return Err(AccessorError::BadElement { op, size: 0 });
+        return Err(AccessorError::BadElement { op, size: 0 }.into());
     }
     staged_kind(tensor, op)?;
     let base = tensor.va().ok_or_else(|| AccessorError::NotAddressable {
@@ -211,7 +226,8 @@ fn direct_base<T: Element>(tensor: &Tensor, op: &'static str) -> Result<NonNull<
             op,
             addr,
             align: align_of::<T>(),
-        });
+        }
+        .into());
     }
     Ok(base.cast())
 }
@@ -223,7 +239,8 @@ fn staged_kind(tensor: &Tensor, op: &'static str) -> Result<StorageKind> {
             op,
             name: tensor.name().to_owned(),
             kind: tensor.kind(),
-        }),
+        }
+        .into()),
         Some(kind) => Ok(kind),
     }
 }

@@ -106,7 +106,7 @@ impl<'a, T: Element> TensorReadStreamAccessor<'a, T> {
     /// The next element, `None` at the end of the tensor.
     pub fn next_element(&mut self) -> Result<Option<T>> {
         if self.slot.is_none() {
-            return Err(AccessorError::Closed);
+            return Err(AccessorError::Closed.into());
         }
         if self.pos == self.buffered {
             if self.fetched == self.len {
@@ -242,10 +242,10 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
     /// `close` tries the flush again.
     pub fn write(&mut self, value: T) -> Result<()> {
         if self.slot.is_none() {
-            return Err(AccessorError::Closed);
+            return Err(AccessorError::Closed.into());
         }
         if self.written == self.len {
-            return Err(AccessorError::StreamFull { len: self.len });
+            return Err(AccessorError::StreamFull { len: self.len }.into());
         }
         if self.buffered == capacity::<T>() {
             // An earlier flush failed: make room first.

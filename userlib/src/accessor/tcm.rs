@@ -156,7 +156,8 @@ impl<'a, M: Mode> TensorTcmAccessor<'a, M> {
             return Err(AccessorError::BadElement {
                 op: "alloc_tcm",
                 size,
-            });
+            }
+            .into());
         }
         let bytes = n
             .checked_mul(size)
@@ -179,7 +180,7 @@ impl<'a, M: Mode> TensorTcmAccessor<'a, M> {
     ) -> Result<(usize, usize)> {
         let size = size_of::<T>();
         if size == 0 {
-            return Err(AccessorError::BadElement { op, size });
+            return Err(AccessorError::BadElement { op, size }.into());
         }
         let len = self.tensor.size() / size;
         let out = |len| AccessorError::RangeOutOfBounds {
@@ -189,11 +190,11 @@ impl<'a, M: Mode> TensorTcmAccessor<'a, M> {
             len,
         };
         if n > avail {
-            return Err(out(avail));
+            return Err(out(avail).into());
         }
         match offset.checked_add(n) {
             Some(end) if end <= len => Ok((offset * size, n * size)),
-            _ => Err(out(len)),
+            _ => Err(out(len).into()),
         }
     }
 

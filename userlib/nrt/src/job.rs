@@ -1,0 +1,246 @@
+//! tdrv's copy jobs for C programs (`include/tdrv/job.h`): the C face of
+//! [`tdrv::Job`] and [`tdrv::JobHandle`], so that a C caller can make the
+//! output completion counts of `nrt_tensor_check_output_completion` move
+//! and the input dump happen.
+//!
+//! A `tdrv_job_t *` is a token of a handle table of its own, with the
+//! rules of the tensor handles (looked up before every use, never
+//! dereferenced, never reused). Each job sits behind a mutex that is held
+//! only for its quick state changes: a wait runs on a shared reference to
+//! the submitted handle, outside every lock, so that `tdrv_job_free` or a
+//! poll on another thread never waits behind it.
+
+use std::ffi::c_int;
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use tdrv::handles::HandleTable;
+use tdrv::{Job, JobHandle};
+
+use crate::{
+    as_handle, borrow, fail, guard, log_error, status, status_of, token, NRT_INVALID,
+    NRT_INVALID_HANDLE, NRT_STATUS, NRT_SUCCESS, NRT_TIMEOUT,
+};
+use crate::{nrt_tensor_t, tdrv_job_t};
+
+/// Where a job is in its life.
+enum State {
+    /// Copies are being added.
+    Building(Job),
+    /// Submitted: shared with the waits in progress.
+    Submitted(Arc<JobHandle>),
+}
+
+type Slot = Arc<Mutex<State>>;
+
+fn jobs() -> &'static HandleTable<Slot> {
+    static JOBS: OnceLock<HandleTable<Slot>> = OnceLock::new();
+    JOBS.get_or_init(HandleTable::new)
+}
+
+/// The job behind a handle: NULL is `NRT_INVALID`, anything but a live job
+/// handle `NRT_INVALID_HANDLE`. Never dereferences `job`.
+fn lookup(func: &str, job: *const tdrv_job_t) -> Result<Slot, NRT_STATUS> {
+    if job.is_null() {
+        return Err(fail(func, NRT_INVALID, "job is NULL"));
+    }
+    jobs().get(token(job), Arc::clone).ok_or_else(|| {
+        fail(
+            func,
+            NRT_INVALID_HANDLE,
+            "not a live job handle (freed already, or not from this library)",
+        )
+    })
+}
+
+/// Locks a job's state. A panic under the lock (which `guard` turned into
+/// `NRT_FAILURE`) leaves the state consistent: every change is one
+/// assignment.
+fn lock(slot: &Slot) -> MutexGuard<'_, State> {
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Creates an empty job.
+///
+/// # Safety
+/// `job` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_job_create(job: *mut *mut tdrv_job_t) -> NRT_STATUS {
+    const F: &str = "tdrv_job_create";
+    guard(F, || {
+        if job.is_null() {
+            return fail(F, NRT_INVALID, "job is NULL");
+        }
+        // SAFETY: non-null and writable per the contract.
+        unsafe { *job = std::ptr::null_mut() };
+        let tok = match jobs().insert(Arc::new(Mutex::new(State::Building(Job::new())))) {
+            Ok(t) => t,
+            Err(e) => {
+                log_error(F, &e);
+                return status_of(&e);
+            }
+        };
+        // SAFETY: as above.
+        unsafe { *job = as_handle(tok) };
+        NRT_SUCCESS
+    })
+}
+
+/// Adds a copy to a job that was not submitted yet.
+#[no_mangle]
+pub extern "C" fn tdrv_job_add_copy(
+    job: *mut tdrv_job_t,
+    src: *const nrt_tensor_t,
+    src_offset: usize,
+    dst: *mut nrt_tensor_t,
+    dst_offset: usize,
+    size: usize,
+) -> NRT_STATUS {
+    const F: &str = "tdrv_job_add_copy";
+    guard(F, || {
+        let slot = tri!(lookup(F, job));
+        let src = tri!(borrow(F, src));
+        let dst = tri!(borrow(F, dst));
+        let mut state = lock(&slot);
+        let State::Building(j) = &mut *state else {
+            return fail(F, NRT_INVALID, "the job was submitted already");
+        };
+        status(
+            F,
+            j.copy(&src, src_offset, &dst, dst_offset, size).map(drop),
+        )
+    })
+}
+
+/// Asks for a completion fd at submit.
+#[no_mangle]
+pub extern "C" fn tdrv_job_request_fd(job: *mut tdrv_job_t) -> NRT_STATUS {
+    const F: &str = "tdrv_job_request_fd";
+    guard(F, || {
+        let slot = tri!(lookup(F, job));
+        let mut state = lock(&slot);
+        match &mut *state {
+            State::Building(j) => {
+                j.with_out_fence();
+                NRT_SUCCESS
+            }
+            State::Submitted(_) => fail(F, NRT_INVALID, "the job was submitted already"),
+        }
+    })
+}
+
+/// Queues the job. On failure the job keeps its copies (the builder is
+/// left as it was), so it can be freed or submitted again.
+#[no_mangle]
+pub extern "C" fn tdrv_job_submit(job: *mut tdrv_job_t) -> NRT_STATUS {
+    const F: &str = "tdrv_job_submit";
+    guard(F, || {
+        let slot = tri!(lookup(F, job));
+        let mut state = lock(&slot);
+        let State::Building(j) = &mut *state else {
+            return fail(F, NRT_INVALID, "the job was submitted already");
+        };
+        if j.is_empty() {
+            return fail(F, NRT_INVALID, "the job has no copies");
+        }
+        match j.submit() {
+            Ok(h) => {
+                *state = State::Submitted(Arc::new(h));
+                NRT_SUCCESS
+            }
+            Err(e) => status(F, Err(e)),
+        }
+    })
+}
+
+/// The submitted handle of a job, shared, without holding its lock.
+fn submitted(func: &str, job: *const tdrv_job_t) -> Result<Arc<JobHandle>, NRT_STATUS> {
+    let slot = lookup(func, job)?;
+    let state = lock(&slot);
+    match &*state {
+        State::Submitted(h) => Ok(Arc::clone(h)),
+        State::Building(_) => Err(fail(func, NRT_INVALID, "the job was not submitted")),
+    }
+}
+
+/// Waits for a submitted job for at most `timeout_us` microseconds
+/// (negative: without limit).
+#[no_mangle]
+pub extern "C" fn tdrv_job_wait(job: *mut tdrv_job_t, timeout_us: i64) -> NRT_STATUS {
+    const F: &str = "tdrv_job_wait";
+    guard(F, || {
+        let h = tri!(submitted(F, job));
+        match h.wait_for(tdrv::compat::timeout_from_us(timeout_us)) {
+            Ok(()) => NRT_SUCCESS,
+            // A time-out is an answer, not an error worth a log line.
+            Err(e) if e.is_timeout() => NRT_TIMEOUT,
+            Err(e) => status(F, Err(e)),
+        }
+    })
+}
+
+/// The completion fd of a job submitted after `tdrv_job_request_fd`.
+///
+/// # Safety
+/// `fd` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_job_get_fd(job: *mut tdrv_job_t, fd: *mut c_int) -> NRT_STATUS {
+    const F: &str = "tdrv_job_get_fd";
+    guard(F, || {
+        if fd.is_null() {
+            return fail(F, NRT_INVALID, "fd is NULL");
+        }
+        let h = tri!(submitted(F, job));
+        let Some(f) = h.fence_fd() else {
+            return fail(
+                F,
+                NRT_INVALID,
+                "the job has no completion fd (call tdrv_job_request_fd before submitting)",
+            );
+        };
+        // SAFETY: non-null and writable per the contract. The fd stays
+        // open while the job's handle lives: the table holds the handle
+        // until tdrv_job_free.
+        unsafe { *fd = f.as_raw_fd() };
+        NRT_SUCCESS
+    })
+}
+
+/// Frees a job handle and sets `*job` to NULL; a submitted job runs on.
+///
+/// # Safety
+/// `job` is NULL or a writable `tdrv_job_t *` variable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_job_free(job: *mut *mut tdrv_job_t) {
+    const F: &str = "tdrv_job_free";
+    guard(F, || {
+        if job.is_null() {
+            return NRT_SUCCESS;
+        }
+        // SAFETY: non-null and readable per the contract.
+        let j = unsafe { *job };
+        if j.is_null() {
+            return NRT_SUCCESS;
+        }
+        match jobs().remove(token(j)) {
+            Some(slot) => {
+                // Dropped outside the table's lock; a wait in progress on
+                // another thread holds its own reference to the handle.
+                drop(slot);
+                // SAFETY: as above.
+                unsafe { *job = std::ptr::null_mut() };
+                NRT_SUCCESS
+            }
+            None => fail(
+                F,
+                NRT_INVALID_HANDLE,
+                "not a live job handle (freed already?)",
+            ),
+        }
+    });
+}
+
+/// Number of live job handles (for leak checks in tests).
+pub fn live_jobs() -> usize {
+    jobs().len()
+}
