@@ -734,6 +734,16 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let want_out = a.flags & SUBMIT_OUT_FENCE != 0;
+        // The out-fence fd is reported in `out_fence`: a caller whose
+        // struct ends before it (ABI 1.0/1.1, 48 bytes) could never learn
+        // the fd, which would stay open in its table.
+        if want_out
+            && !arg.reaches(
+                core::mem::offset_of!(Submit, out_fence) + core::mem::size_of::<i32>(),
+            )
+        {
+            return Err(EINVAL);
+        }
         if (want_out || a.in_fence_count > 0) && !fence_fd::supported() {
             return Err(eopnotsupp());
         }

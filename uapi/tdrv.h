@@ -262,7 +262,9 @@ struct tdrv_copy {
  *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
- * with a zero count, or an in-fence fd that is not a sync_file; EBADF
+ * with a zero count, an in-fence fd that is not a sync_file, or
+ * TDRV_SUBMIT_OUT_FENCE in a struct too short to hold @out_fence (the
+ * 48 bytes of ABI 1.0/1.1: no fd is created); EBADF
  * for an in-fence that is not an open fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
  * TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file
  * support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the
