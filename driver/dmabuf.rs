@@ -425,10 +425,11 @@ unsafe extern "C" fn tdrv_dmabuf_begin_cpu(buf: *const Buffer, write: bool) -> c
         return ENODEV.to_errno();
     }
     let kind = if write { FENCE_ALL } else { FENCE_WRITES };
-    match buf.fence.wait_until(Timeout::Forever, |c| c.idle(kind)) {
-        Ok(_) => 0,
-        // The bytes are undefined, but nothing is pending: done waiting.
-        Err((e, _)) if e == EIO => 0,
-        Err((e, _)) => e.to_errno(),
+    // The error latch does not end the wait: a failed write leaves the
+    // bytes undefined, but reads still pending must end before a CPU
+    // write (and SYNC does not report the latch).
+    match buf.fence.wait_idle(kind, Timeout::Forever) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
     }
 }

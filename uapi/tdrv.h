@@ -360,7 +360,8 @@ struct tdrv_completion_reset {
  *    like tdrv's own mmap; after unbind its pages fault with SIGBUS.
  *  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device
  *    writes (DMA_BUF_SYNC_READ) or all pending device access (with
- *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN; a signal interrupts
+ *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN, whatever the error
+ *    latch says (it does not report the latch); a signal interrupts
  *    it (EINTR/restart), and after unbind it fails with ENODEV. It does not
  *    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.
  *  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the
