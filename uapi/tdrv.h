@@ -355,6 +355,9 @@ struct tdrv_completion_reset {
  * The dma-buf is the buffer itself: the same memory, fence and completion
  * count. It outlives FREE, the exporter's close and exit, and keeps the
  * module loaded (rmmod fails with EWOULDBLOCK/EBUSY while it exists).
+ * It also keeps the buffer's bytes charged to the exporting file's byte
+ * limit (ENOSPC) after FREE of the handle, until every dma-buf exported
+ * from that handle is released (its last fd and mapping gone).
  * On the fd:
  *  - mmap(2) (MAP_SHARED, not PROT_EXEC, within the size) maps the buffer
  *    like tdrv's own mmap; after unbind its pages fault with SIGBUS.
