@@ -75,6 +75,7 @@ use kernel::{
 
 use crate::{
     buffer::Buffer,
+    charge::Charge,
     fence::Timeout,
     mmap,
     uapi::{
@@ -173,6 +174,9 @@ impl Exports {
 pub(crate) struct ExportMapping {
     dmabuf: *mut Opaque,
     inode: *mut Opaque,
+    /// The exporting handle's charge, kept while the dma-buf lives (see
+    /// `charge.rs`).
+    _charge: Arc<Charge>,
 }
 
 // SAFETY: The inode reference may be used and dropped from any thread;
@@ -187,10 +191,14 @@ impl ExportMapping {
     /// # Safety
     ///
     /// The caller holds a reference to `dmabuf`.
-    unsafe fn new(dmabuf: *mut Opaque) -> Self {
+    unsafe fn new(dmabuf: *mut Opaque, charge: Arc<Charge>) -> Self {
         // SAFETY: `dmabuf` and its file are alive (the caller's reference).
         let inode = unsafe { ffi::tdrv_dmabuf_hold_inode(dmabuf) };
-        Self { dmabuf, inode }
+        Self {
+            dmabuf,
+            inode,
+            _charge: charge,
+        }
     }
 
     /// Removes every user page table entry of the dma-buf's mappings.
@@ -244,8 +252,8 @@ impl Drop for PendingExport {
 
 /// Exports `buf` as a dma-buf and reserves an fd for it (O_CLOEXEC; the
 /// file is O_RDWR). The device records the export so that unbind can zap
-/// its mappings.
-pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
+/// its mappings; the record keeps `charge` until the dma-buf is released.
+pub(crate) fn export(buf: Arc<Buffer>, charge: Arc<Charge>) -> Result<PendingExport> {
     // SAFETY: No preconditions.
     let fd = unsafe { ffi::tdrv_dmabuf_reserve_fd() };
     if fd < 0 {
@@ -268,7 +276,7 @@ pub(crate) fn export(buf: Arc<Buffer>) -> Result<PendingExport> {
     };
     let pending = PendingExport { dmabuf, fd };
     // SAFETY: `pending` holds a reference to the dma-buf.
-    let mapping = unsafe { ExportMapping::new(dmabuf) };
+    let mapping = unsafe { ExportMapping::new(dmabuf, charge) };
     // SAFETY: The dma-buf holds the reference `raw` came from until its
     // release, which cannot run while `pending` holds the dma-buf. (On
     // failure `mapping` is dropped, then `pending`.)
@@ -425,10 +433,11 @@ unsafe extern "C" fn tdrv_dmabuf_begin_cpu(buf: *const Buffer, write: bool) -> c
         return ENODEV.to_errno();
     }
     let kind = if write { FENCE_ALL } else { FENCE_WRITES };
-    match buf.fence.wait_until(Timeout::Forever, |c| c.idle(kind)) {
-        Ok(_) => 0,
-        // The bytes are undefined, but nothing is pending: done waiting.
-        Err((e, _)) if e == EIO => 0,
-        Err((e, _)) => e.to_errno(),
+    // The error latch does not end the wait: a failed write leaves the
+    // bytes undefined, but reads still pending must end before a CPU
+    // write (and SYNC does not report the latch).
+    match buf.fence.wait_idle(kind, Timeout::Forever) {
+        Ok(()) => 0,
+        Err(e) => e.to_errno(),
     }
 }

@@ -251,13 +251,27 @@ impl Fence {
 
     /// Waits until `done` holds for the counters; returns the counters it
     /// saw last. ETIMEDOUT on timeout (or a failed poll), ENODEV if the
-    /// device went away. A signal ends an unbounded wait with ERESTARTSYS
-    /// (the call restarts after a handler installed with SA_RESTART) and a
-    /// timed one with EINTR (its deadline would not survive a restart).
+    /// device went away, EIO (or ENODEV) once the error latch is set and
+    /// no write is pending: for a condition only a write can bring about
+    /// (a completion count). A signal ends an unbounded wait with
+    /// ERESTARTSYS (the call restarts after a handler installed with
+    /// SA_RESTART) and a timed one with EINTR (its deadline would not
+    /// survive a restart).
     pub(crate) fn wait_until(
         &self,
         timeout: Timeout,
         done: impl Fn(&FenceCounts) -> bool,
+    ) -> core::result::Result<FenceCounts, (Error, FenceCounts)> {
+        self.wait_for(timeout, done, true)
+    }
+
+    /// [`Fence::wait_until`]; `latch` selects whether a set error latch
+    /// with no write pending ends the wait.
+    fn wait_for(
+        &self,
+        timeout: Timeout,
+        done: impl Fn(&FenceCounts) -> bool,
+        latch: bool,
     ) -> core::result::Result<FenceCounts, (Error, FenceCounts)> {
         let mut c = self.counts.lock();
         let mut left = match timeout {
@@ -271,7 +285,7 @@ impl Fence {
             if c.dead {
                 return Err((ENODEV, *c));
             }
-            if c.error != 0 && c.idle(FENCE_WRITES) {
+            if latch && c.error != 0 && c.idle(FENCE_WRITES) {
                 // What the caller waits for depends on a write that failed
                 // and none is pending that could still deliver it. A write
                 // that failed because the device went away says so, as
@@ -302,9 +316,13 @@ impl Fence {
         }
     }
 
-    /// Waits until the counters selected by `kind` are zero.
+    /// Waits until the counters selected by `kind` are zero, whatever the
+    /// error latch says: pending device reads end by themselves, and a
+    /// caller about to overwrite the buffer must not race them because an
+    /// earlier write failed. (The caller checks the latch afterwards if
+    /// it cares.)
     pub(crate) fn wait_idle(&self, kind: u32, timeout: Timeout) -> Result {
-        self.wait_until(timeout, |c| c.idle(kind))
+        self.wait_for(timeout, |c| c.idle(kind), false)
             .map(drop)
             .map_err(|(e, _)| e)
     }
@@ -414,6 +432,25 @@ mod tests {
         f.end_failed_write(-110);
         f.reset_completions();
         assert_eq!((f.counts().error, f.counts().completions), (0, 0));
+        Ok(())
+    }
+
+    #[test]
+    fn latch_does_not_end_a_wait_for_pending_reads() -> Result {
+        // A job that wrote the buffer failed; a later job still reads it.
+        // A wait for the reads (FENCE_WAIT(READS), a CPU write's
+        // DMA_BUF_IOCTL_SYNC) must see them pending, not the latch.
+        let f = fence()?;
+        f.try_begin(true)?;
+        f.end_failed_write(-5);
+        f.try_begin(false)?;
+        assert_eq!(f.wait_idle(FENCE_READS, Timeout::Poll), Err(ETIMEDOUT));
+        assert_eq!(f.wait_idle(FENCE_ALL, Timeout::from_us(2000)), Err(ETIMEDOUT));
+        assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::Poll), Ok(()));
+        f.end(false, false);
+        assert_eq!(f.wait_idle(FENCE_ALL, Timeout::Poll), Ok(()));
+        // The latch is still there for whoever asks.
+        assert_eq!(f.check_error(), Err(EIO));
         Ok(())
     }
 

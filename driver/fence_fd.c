@@ -36,6 +36,53 @@ bool tdrv_fence_fd_supported(void)
  * ops run only for unsignalled fences, inside an RCU read-side section
  * (dma_fence_driver_name/timeline_name); module exit waits for those
  * sections (tdrv_fence_module_exit) after every fence was signalled.
+ *
+ * Proof against Linux 7.2 (linux-source-7.2.tar.xz of Debian's 7.2.13-1;
+ * paths relative to its top directory):
+ *
+ * 1. The NULL lock of dma_fence_init (tdrv_fence_new below) makes the lock
+ *    part of the fence: __dma_fence_init, drivers/dma-buf/dma-fence.c:1079-1084,
+ *    stores an external lock only when one is passed, else runs
+ *    spin_lock_init(&fence->inline_lock) and sets
+ *    DMA_FENCE_FLAG_INLINE_LOCK_BIT; every locker goes through
+ *    dma_fence_spinlock(), include/linux/dma-fence.h:398-402, which picks
+ *    &fence->inline_lock when that bit is set. So the lock lives and dies
+ *    with the fence's own memory (dma-fence.c:1105-1107 recommends exactly
+ *    this: an external lock couples lock and fence lifetime), and
+ *    dma_fence_signal, dma-fence.c:498-500, takes it from any context with
+ *    irqsave. Both name ops exist, as __dma_fence_init's BUG_ON at
+ *    dma-fence.c:1065 demands.
+ *
+ * 2. A sync_file that outlives rmmod needs no module text or data:
+ *    - Signalling detaches the ops: dma_fence_signal_timestamp_locked,
+ *      dma-fence.c:373-375, sets fence->ops to NULL when the ops have
+ *      neither .release nor .wait (ours have neither), after setting the
+ *      signalled bit (dma-fence.c:361-363). Every out-fence is signalled
+ *      before module exit (see fence_fd.rs: open files pin the module,
+ *      unbind at exit ends every job, ending a job signals its fence).
+ *    - Every later user of the ops checks for NULL under RCU:
+ *      dma_fence_release, dma-fence.c:607-611 (NULL ops: dma_fence_free,
+ *      i.e. kfree_rcu in the core, dma-fence.c:623-626: the kzalloc'd
+ *      fence needs no module code to be freed); __dma_fence_enable_signaling,
+ *      dma-fence.c:642-644 (sync_file_poll's dma_fence_add_callback);
+ *      dma_fence_wait_timeout, dma-fence.c:540-551; dma_fence_is_signaled,
+ *      include/linux/dma-fence.h:555-563 (sync_file_poll, FILE_INFO);
+ *      dma_fence_driver_name/timeline_name, dma-fence.c:1165-1180 and
+ *      1203-1218, return core strings ("detached-driver",
+ *      "signaled-timeline") once the fence signalled or its ops are NULL.
+ *    - The sync_file itself is the core's: its file_operations are
+ *      sync_file_fops (drivers/dma-buf/sync_file.c:402-407, release at
+ *      sync_file.c:185-193 drops the fence reference and removes the poll
+ *      callback, both core code), so its fd does not pin tdrv and needs
+ *      nothing of it.
+ *    - A name query that loaded the ops before the signal may still be
+ *      running tdrv_fence_driver_name: those callers hold rcu_read_lock
+ *      across the call and the use of the string (sync_file.c:141-149 and
+ *      274-290, dma-fence.c:577-612), and tdrv_fence_module_exit's
+ *      synchronize_rcu waits for them before the text and the strings go.
+ *
+ * guest test: fencefd "out-fence fds outlive rmmod" (FILE_INFO, poll and
+ * close of a signalled out-fence held across rmmod).
  */
 static const char *tdrv_fence_driver_name(struct dma_fence *fence)
 {

@@ -23,10 +23,15 @@ use kernel::{
     },
     page::PAGE_SIZE,
     prelude::*,
+    rbtree::{
+        RBTree,
+        RBTreeNodeReservation, //
+    },
     sync::{
         atomic::Relaxed,
         Arc,
-        Mutex, //
+        Mutex,
+        UniqueArc, //
     },
     uaccess::{
         UserPtr,
@@ -36,6 +41,10 @@ use kernel::{
 
 use crate::{
     buffer::Buffer,
+    charge::{
+        Account,
+        Charge, //
+    },
     device::{
         client_id,
         raw_device,
@@ -88,24 +97,12 @@ unsafe impl Sync for FileMapping {}
 /// per-file limits and the statistics.
 struct Handles {
     slots: Slots,
-    bytes: u64,
-    per_channel: KVec<u64>,
-}
-
-impl Handles {
-    fn charge(&mut self, channel: u32, bytes: u64) {
-        self.bytes += bytes;
-        if let Some(c) = self.per_channel.get_mut(channel as usize) {
-            *c += bytes;
-        }
-    }
-
-    fn uncharge(&mut self, channel: u32, bytes: u64) {
-        self.bytes = self.bytes.saturating_sub(bytes);
-        if let Some(c) = self.per_channel.get_mut(channel as usize) {
-            *c = c.saturating_sub(bytes);
-        }
-    }
+    /// The file's charges; charged under this lock, so that a limit check
+    /// and its charge are one step.
+    account: Arc<Account>,
+    /// The handles that were exported, with their charge, shared with
+    /// their dma-bufs (see `charge.rs`).
+    exported: RBTree<u64, Arc<Charge>>,
 }
 
 /// What an open file owns: its buffer handles and its jobs. The device
@@ -147,9 +144,9 @@ impl Client for FileState {
             self.id,
             self.pid,
             h.slots.len(),
-            h.bytes
+            h.account.bytes()
         )?;
-        for (ch, bytes) in h.per_channel.iter().enumerate() {
+        for (ch, bytes) in h.account.channel_bytes().enumerate() {
             write!(f, " hbm{ch} {bytes}")?;
         }
         drop(h);
@@ -215,8 +212,7 @@ impl MiscDevice for TdrvFile {
         if !device.is_bound() {
             return Err(ENODEV);
         }
-        let mut per_channel = KVec::new();
-        per_channel.resize(device.channels.count() as usize, 0, GFP_KERNEL_ACCOUNT)?;
+        let account = Account::new(device.channels.count())?;
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
@@ -224,8 +220,8 @@ impl MiscDevice for TdrvFile {
                 handles <- new_mutex!(
                     Handles {
                         slots: Slots::new(),
-                        bytes: 0,
-                        per_channel,
+                        account,
+                        exported: RBTree::new(),
                     },
                     "FileState::handles"
                 ),
@@ -312,7 +308,7 @@ impl MiscDevice for TdrvFile {
         seq_print!(m, "drm-client-id:\t{}\n", st.id);
         {
             let h = st.handles.lock();
-            for (ch, bytes) in h.per_channel.iter().enumerate() {
+            for (ch, bytes) in h.account.channel_bytes().enumerate() {
                 seq_print!(m, "drm-total-hbm{}:\t{}\n", ch, bytes);
                 seq_print!(m, "drm-resident-hbm{}:\t{}\n", ch, bytes);
             }
@@ -418,7 +414,7 @@ impl TdrvFile {
         let charge = a.size.next_multiple_of(PAGE_SIZE as u64);
         {
             let h = self.state.handles.lock();
-            if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
+            if h.slots.len() >= limits.handles || h.account.bytes() + charge > limits.bytes {
                 return Err(ENOSPC);
             }
         }
@@ -432,12 +428,12 @@ impl TdrvFile {
             let mut h = self.state.handles.lock();
             // Checked again: another thread of this file may have allocated
             // meanwhile (the allocation itself is not done under the lock).
-            if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
+            if h.slots.len() >= limits.handles || h.account.bytes() + charge > limits.bytes {
                 return Err(ENOSPC);
             }
             let channel = buf.channel();
             let handle = self.state.table.insert(&mut h.slots, buf)?;
-            h.charge(channel, charge);
+            h.account.charge(channel, charge);
             handle
         };
         let out = Alloc {
@@ -460,12 +456,12 @@ impl TdrvFile {
         let limits = &self.device.limits;
         let charge = buf.charged();
         let mut h = self.state.handles.lock();
-        if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
+        if h.slots.len() >= limits.handles || h.account.bytes() + charge > limits.bytes {
             return Err(ENOSPC);
         }
         let channel = buf.channel();
         let handle = self.state.table.insert(&mut h.slots, buf)?;
-        h.charge(channel, charge);
+        h.account.charge(channel, charge);
         Ok(handle)
     }
 
@@ -475,10 +471,11 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.buffer(a.handle)?;
+        let charge = self.export_charge(a.handle, &buf)?;
         let pending = {
             // Exports of a device being unbound could escape its sweep.
             let _active = self.device.enter()?;
-            dmabuf::export(buf)?
+            dmabuf::export(buf, charge)?
         };
         // The fd becomes visible only once the caller can learn it.
         arg.write(&Export {
@@ -487,6 +484,29 @@ impl TdrvFile {
         })?;
         pending.install();
         Ok(())
+    }
+
+    /// The charge of `handle` (whose buffer is `buf`), shared with the
+    /// dma-bufs exported from it: taken over from the file's account at
+    /// the first export. ENOENT if the handle was freed meanwhile.
+    fn export_charge(&self, handle: u64, buf: &Arc<Buffer>) -> Result<Arc<Charge>> {
+        // Allocated first: nothing fails once the charge is taken over.
+        let node = RBTreeNodeReservation::new(GFP_KERNEL_ACCOUNT)?;
+        let slot = UniqueArc::new_uninit(GFP_KERNEL_ACCOUNT)?;
+        let mut h = self.state.handles.lock();
+        // FREE, which holds the lock too, may have taken the handle (and a
+        // new buffer its number) since `buf` was looked up.
+        match self.state.table.get(handle) {
+            Some(cur) if Arc::ptr_eq(&*cur, buf) => {}
+            _ => return Err(ENOENT),
+        }
+        if let Some(shared) = h.exported.get(&handle) {
+            return Ok(shared.clone());
+        }
+        let shared = Charge::adopt(slot, h.account.clone(), buf.channel(), buf.charged());
+        // (No node was there: the lookup above found none.)
+        drop(h.exported.insert(node.into_node(handle, shared.clone())));
+        Ok(shared)
     }
 
     fn import(&self, arg: &ArgBuf) -> Result {
@@ -543,11 +563,16 @@ impl TdrvFile {
     }
 
     /// Removes `handle` from the table; the caller drops the buffer outside
-    /// the lock (that may free DMA memory).
+    /// the lock (that may free DMA memory). Its charge goes with it, unless
+    /// dma-bufs exported from it still hold the memory: then with the last
+    /// of them.
     fn remove_handle(&self, handle: u64) -> Option<Ref<'_, Arc<Buffer>>> {
         let mut h = self.state.handles.lock();
         let buf = self.state.table.remove(&mut h.slots, handle)?;
-        h.uncharge(buf.channel(), buf.charged());
+        match h.exported.remove(&handle) {
+            Some(shared) => drop(shared),
+            None => h.account.uncharge(buf.channel(), buf.charged()),
+        }
         Some(buf)
     }
 
@@ -734,6 +759,16 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let want_out = a.flags & SUBMIT_OUT_FENCE != 0;
+        // The out-fence fd is reported in `out_fence`: a caller whose
+        // struct ends before it (ABI 1.0/1.1, 48 bytes) could never learn
+        // the fd, which would stay open in its table.
+        if want_out
+            && !arg.reaches(
+                core::mem::offset_of!(Submit, out_fence) + core::mem::size_of::<i32>(),
+            )
+        {
+            return Err(EINVAL);
+        }
         if (want_out || a.in_fence_count > 0) && !fence_fd::supported() {
             return Err(eopnotsupp());
         }

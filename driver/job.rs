@@ -103,8 +103,66 @@ fn now_ns() -> i64 {
 /// `Job::outcome` before the job completed.
 const NO_OUTCOME: i32 = 1;
 
-/// Ring entry of a job that has not finished.
+/// Status of a job that has not finished, in its [`StatusRing`] slot.
 const PENDING: i32 = 1;
+
+/// One slot of a [`StatusRing`]: the job that last took it, and its status.
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    /// Job id; 0 (no job has it) until the first job takes the slot.
+    id: u64,
+    /// `PENDING`, 0, or a negative errno.
+    status: i32,
+}
+
+/// The outcome of a file's last `JOB_WINDOW` jobs, at `id % JOB_WINDOW`.
+///
+/// Each slot keeps the id of the job it belongs to: job N can still be
+/// running when job N + `JOB_WINDOW` takes its slot (the jobs in between
+/// ended), and must then neither report that job's status as its own nor,
+/// when it ends, overwrite it.
+struct StatusRing {
+    slots: KVVec<Slot>,
+}
+
+impl StatusRing {
+    fn new() -> Result<Self> {
+        let mut slots = KVVec::with_capacity(JOB_WINDOW as usize, GFP_KERNEL_ACCOUNT)?;
+        slots.resize(JOB_WINDOW as usize, Slot::default(), GFP_KERNEL_ACCOUNT)?;
+        Ok(Self { slots })
+    }
+
+    fn slot(&mut self, id: u64) -> &mut Slot {
+        &mut self.slots[(id % JOB_WINDOW) as usize]
+    }
+
+    /// Job `id` is submitted: it takes its slot, pending.
+    fn issue(&mut self, id: u64) {
+        *self.slot(id) = Slot {
+            id,
+            status: PENDING,
+        };
+    }
+
+    /// Job `id` ended with `status` (0 or a negative errno). Dropped if a
+    /// later job took the slot meanwhile.
+    fn finish(&mut self, id: u64, status: i32) {
+        let slot = self.slot(id);
+        if slot.id == id {
+            slot.status = status;
+        }
+    }
+
+    /// The status of job `id`; `None` if the slot is not (or no longer)
+    /// job `id`'s.
+    fn status(&self, id: u64) -> Option<JobStatus> {
+        let slot = self.slots[(id % JOB_WINDOW) as usize];
+        (slot.id == id).then_some(match slot.status {
+            PENDING => JobStatus::Pending,
+            errno => JobStatus::Done(errno),
+        })
+    }
+}
 
 /// One buffer-to-buffer copy of a job.
 pub(crate) struct Transfer {
@@ -427,9 +485,8 @@ unsafe extern "C" fn tdrv_deps_ready(ctx: *mut core::ffi::c_void) {
 struct TrackerState {
     /// Id of the next job to submit; ids start at 1.
     next_id: u64,
-    /// Outcome of the last `JOB_WINDOW` jobs, at `id % JOB_WINDOW`:
-    /// `PENDING`, 0, or a negative errno.
-    ring: KVec<i32>,
+    /// Outcome of the last `JOB_WINDOW` jobs.
+    ring: StatusRing,
     /// Jobs submitted and not finished.
     queued: u32,
     /// Bytes those jobs move.
@@ -480,6 +537,7 @@ impl WorkItem for JobTracker {
 }
 
 /// What `TDRV_IOC_JOB_WAIT` reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum JobStatus {
     Pending,
     Done(i32),
@@ -487,8 +545,7 @@ pub(crate) enum JobStatus {
 
 impl JobTracker {
     pub(crate) fn new() -> Result<Arc<Self>> {
-        let mut ring = KVec::with_capacity(JOB_WINDOW as usize, GFP_KERNEL_ACCOUNT)?;
-        ring.resize(JOB_WINDOW as usize, 0, GFP_KERNEL_ACCOUNT)?;
+        let ring = StatusRing::new()?;
         Arc::pin_init(
             pin_init!(Self {
                 state <- new_mutex!(
@@ -647,7 +704,7 @@ impl JobTracker {
     /// (which takes it) comes after this.
     fn issue(&self, state: &mut TrackerState, bytes: u64, device: &TdrvDevice) {
         let id = state.next_id;
-        state.ring[(id % JOB_WINDOW) as usize] = PENDING;
+        state.ring.issue(id);
         state.next_id += 1;
         state.queued += 1;
         self.queued_hint.store(state.queued, Relaxed);
@@ -733,21 +790,22 @@ impl JobTracker {
 
     fn finish(&self, id: u64, bytes: u64, result: Result) {
         let mut state = self.state.lock();
-        state.ring[(id % JOB_WINDOW) as usize] = match result {
-            Ok(()) => 0,
-            Err(e) => e.to_errno(),
-        };
+        state.ring.finish(
+            id,
+            match result {
+                Ok(()) => 0,
+                Err(e) => e.to_errno(),
+            },
+        );
         state.queued = state.queued.saturating_sub(1);
         self.queued_hint.store(state.queued, Relaxed);
         state.inflight_bytes = state.inflight_bytes.saturating_sub(bytes);
         self.wq.wake_all(state);
     }
 
-    fn status_locked(state: &TrackerState, id: u64) -> JobStatus {
-        match state.ring[(id % JOB_WINDOW) as usize] {
-            PENDING => JobStatus::Pending,
-            errno => JobStatus::Done(errno),
-        }
+    /// ESTALE once job `id`'s slot went to a later job.
+    fn status_locked(state: &TrackerState, id: u64) -> Result<JobStatus> {
+        state.ring.status(id).ok_or_else(estale)
     }
 
     /// Waits for job `id`: EINVAL for an id this file never issued, ESTALE
@@ -767,7 +825,7 @@ impl JobTracker {
             _ => 0,
         };
         loop {
-            let status = Self::status_locked(&state, id);
+            let status = Self::status_locked(&state, id)?;
             if matches!(status, JobStatus::Done(_)) {
                 return Ok(status);
             }
@@ -781,7 +839,7 @@ impl JobTracker {
                 Timeout::Jiffies(_) => match self.wq.wait_interruptible_timeout(&mut state, left) {
                     CondVarTimeoutResult::Woken { jiffies } => left = jiffies,
                     CondVarTimeoutResult::Timeout => {
-                        return match Self::status_locked(&state, id) {
+                        return match Self::status_locked(&state, id)? {
                             JobStatus::Pending => Err(ETIMEDOUT),
                             done => Ok(done),
                         };
@@ -790,5 +848,38 @@ impl JobTracker {
                 },
             }
         }
+    }
+}
+
+#[kunit_tests(tdrv_job_status)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_reused_by_a_later_job_keeps_that_jobs_status() -> Result {
+        let mut ring = StatusRing::new()?;
+        assert_eq!(ring.status(1), None);
+        // Job 1 runs long; jobs 2..=4096 end; job 4097 takes job 1's slot.
+        for id in 1..=JOB_WINDOW {
+            ring.issue(id);
+        }
+        for id in 2..=JOB_WINDOW {
+            ring.finish(id, 0);
+        }
+        assert_eq!(ring.status(1), Some(JobStatus::Pending));
+        ring.issue(JOB_WINDOW + 1);
+        // Job 1 no longer has a status here (JOB_WAIT: ESTALE) ...
+        assert_eq!(ring.status(1), None);
+        assert_eq!(ring.status(JOB_WINDOW + 1), Some(JobStatus::Pending));
+        // ... and its end does not pass for job 4097's.
+        ring.finish(1, 0);
+        assert_eq!(ring.status(JOB_WINDOW + 1), Some(JobStatus::Pending));
+        ring.finish(1, -5);
+        assert_eq!(ring.status(JOB_WINDOW + 1), Some(JobStatus::Pending));
+        ring.finish(JOB_WINDOW + 1, -110);
+        assert_eq!(ring.status(JOB_WINDOW + 1), Some(JobStatus::Done(-110)));
+        // Job 4097's neighbours are untouched.
+        assert_eq!(ring.status(2), Some(JobStatus::Done(0)));
+        Ok(())
     }
 }

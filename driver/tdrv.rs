@@ -9,6 +9,8 @@
 //! - `file.rs`: the ioctl and mmap entry points of an open file, with the
 //!   argument checks (`uapi.rs` mirrors the ABI header, `range.rs` checks
 //!   `offset + size`, `handle.rs` maps the file's handles to buffers);
+//! - `charge.rs`: what an open file is charged for its buffers (also
+//!   after FREE, while dma-bufs exported from the handle live);
 //! - `buffer.rs`: a DMA-coherent buffer, charged to a channel
 //!   (`channel.rs`) and mapped by `mmap.rs`;
 //! - `job.rs`: a submitted job, its fence marks and the completion path;
@@ -37,6 +39,7 @@ use kernel::{
 mod backends;
 mod buffer;
 mod channel;
+mod charge;
 mod device;
 mod dmabuf;
 mod engine;

@@ -435,6 +435,12 @@ impl ArgBuf {
         Ok(())
     }
 
+    /// Whether the caller's struct reaches byte `end` of ours: a field
+    /// added after the caller's version is neither read nor written back.
+    pub(crate) fn reaches(&self, end: usize) -> bool {
+        self.size >= end
+    }
+
     /// Reads a `T` under the growth rule: E2BIG if bytes past ours are not
     /// zero; fields the caller's (older) struct lacks read as zero.
     pub(crate) fn read<T: FromBytes + FirstSize>(&self) -> Result<T> {

@@ -262,7 +262,9 @@ struct tdrv_copy {
  *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
- * with a zero count, or an in-fence fd that is not a sync_file; EBADF
+ * with a zero count, an in-fence fd that is not a sync_file, or
+ * TDRV_SUBMIT_OUT_FENCE in a struct too short to hold @out_fence (the
+ * 48 bytes of ABI 1.0/1.1: no fd is created); EBADF
  * for an in-fence that is not an open fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
  * TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file
  * support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the
@@ -353,12 +355,16 @@ struct tdrv_completion_reset {
  * The dma-buf is the buffer itself: the same memory, fence and completion
  * count. It outlives FREE, the exporter's close and exit, and keeps the
  * module loaded (rmmod fails with EWOULDBLOCK/EBUSY while it exists).
+ * It also keeps the buffer's bytes charged to the exporting file's byte
+ * limit (ENOSPC) after FREE of the handle, until every dma-buf exported
+ * from that handle is released (its last fd and mapping gone).
  * On the fd:
  *  - mmap(2) (MAP_SHARED, not PROT_EXEC, within the size) maps the buffer
  *    like tdrv's own mmap; after unbind its pages fault with SIGBUS.
  *  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device
  *    writes (DMA_BUF_SYNC_READ) or all pending device access (with
- *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN; a signal interrupts
+ *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN, whatever the error
+ *    latch says (it does not report the latch); a signal interrupts
  *    it (EINTR/restart), and after unbind it fails with ENODEV. It does not
  *    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.
  *  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the

@@ -14,7 +14,10 @@
 //!   injection.
 //!
 //! Probe binds only a device whose BAR2 carries the simulator's magic,
-//! version 1 and `ready`; any other ivshmem device gets ENODEV. It maps
+//! version 1 and `ready`; any other ivshmem device gets ENODEV. Every
+//! field of the header is untrusted: a layout that breaks a limit of
+//! `docs/sim-device.md`, overflows, or does not fit BAR2 fails probe with
+//! EINVAL and a dmesg line naming the check (see [`Layout::check`]). It maps
 //! the control part of BAR2 (below `hbm_offset`) uncached, marks HBM
 //! write-combined for user mappings, resets every queue, and takes one
 //! MSI-X vector per queue, whose threaded handler consumes that queue's
@@ -216,16 +219,17 @@ struct Layout {
     peer: u32,
 }
 
-/// Reads and checks the header: ENODEV unless it is a ready sim device of
-/// our version with a layout that fits `bar_len`.
-fn read_layout(io: &Mmio<HEADER_SIZE>, bar_len: u64) -> Result<Layout> {
+/// Reads the header: `None` unless it is a ready sim device of our
+/// version (any other ivshmem device). The layout it reports is not
+/// checked yet (see [`Layout::check`]).
+fn read_layout(io: &Mmio<HEADER_SIZE>) -> Option<Layout> {
     if io.read(HDR_MAGIC).value().get() != MAGIC
         || io.read(HDR_VERSION).value().get() != VERSION
         || io.read(HDR_READY).ready().get() != 1
     {
-        return Err(ENODEV);
+        return None;
     }
-    let l = Layout {
+    Some(Layout {
         queues: io.read(HDR_NUM_QUEUES).value().get(),
         entries: io.read(HDR_RING_ENTRIES).value().get(),
         channels: io.read(HDR_NUM_CHANNELS).value().get(),
@@ -234,27 +238,63 @@ fn read_layout(io: &Mmio<HEADER_SIZE>, bar_len: u64) -> Result<Layout> {
         queue_offset: io.read(HDR_QUEUE_OFFSET).value().get(),
         queue_stride: io.read(HDR_QUEUE_STRIDE).value().get(),
         peer: io.read(HDR_SIM_PEER_ID).value().get(),
-    };
-    let hbm_len = u64::from(l.channels).checked_mul(l.channel_size).ok_or(ENODEV)?;
-    let ok = (1..=MAX_QUEUES).contains(&l.queues)
-        && l.entries.is_power_of_two()
-        && (16..=512).contains(&l.entries)
-        && (1..=MAX_CHANNELS).contains(&l.channels)
-        && l.channel_size > 0
-        && l.channel_size % (2 << 20) == 0
-        && l.queue_offset >= HEADER_SIZE as u64
-        && (qr_end(l.entries) as u64) <= l.queue_stride
-        && l
-            .queue_offset
-            .checked_add(u64::from(l.queues) * l.queue_stride)
-            .is_some_and(|end| end <= l.hbm_offset)
-        && l.hbm_offset % (1 << PAGE_SHIFT) == 0
-        && l.hbm_offset.checked_add(hbm_len).is_some_and(|end| end <= bar_len)
-        && l.peer <= 0xffff;
-    if !ok {
-        return Err(ENODEV);
+    })
+}
+
+impl Layout {
+    /// Checks every field the device reported (all untrusted) against the
+    /// limits of `docs/sim-device.md` and a BAR2 of `bar_len` bytes, with
+    /// checked arithmetic: the queue blocks lie between the header page
+    /// and HBM, 8-byte aligned (the rings are accessed in 64-bit words),
+    /// each big enough for its rings; HBM is page aligned and ends inside
+    /// BAR2. On failure, which check failed.
+    fn check(&self, bar_len: u64) -> core::result::Result<(), &'static str> {
+        if !(1..=MAX_QUEUES).contains(&self.queues) {
+            return Err("num_queues outside 1..=8");
+        }
+        if !self.entries.is_power_of_two() || !(16..=512).contains(&self.entries) {
+            return Err("ring_entries not a power of two in 16..=512");
+        }
+        if !(1..=MAX_CHANNELS).contains(&self.channels) {
+            return Err("num_channels outside 1..=16");
+        }
+        if self.channel_size == 0 || self.channel_size % (2 << 20) != 0 {
+            return Err("channel_size not a non-zero multiple of 2 MiB");
+        }
+        let hbm_len = u64::from(self.channels)
+            .checked_mul(self.channel_size)
+            .ok_or("num_channels * channel_size overflows")?;
+        if self.queue_offset < HEADER_SIZE as u64 {
+            return Err("queue_offset inside the header page");
+        }
+        if self.queue_offset % 8 != 0 || self.queue_stride % 8 != 0 {
+            return Err("queue_offset or queue_stride not a multiple of 8");
+        }
+        if (qr_end(self.entries) as u64) > self.queue_stride {
+            return Err("queue_stride smaller than a queue block");
+        }
+        let queues_end = u64::from(self.queues)
+            .checked_mul(self.queue_stride)
+            .and_then(|len| len.checked_add(self.queue_offset))
+            .ok_or("queue_offset + num_queues * queue_stride overflows")?;
+        if queues_end > self.hbm_offset {
+            return Err("queue blocks end past hbm_offset");
+        }
+        if self.hbm_offset % (1 << PAGE_SHIFT) != 0 {
+            return Err("hbm_offset not page aligned");
+        }
+        let hbm_end = self
+            .hbm_offset
+            .checked_add(hbm_len)
+            .ok_or("hbm_offset + HBM size overflows")?;
+        if hbm_end > bar_len {
+            return Err("HBM ends past BAR2");
+        }
+        if self.peer > 0xffff {
+            return Err("sim_peer_id above 0xffff");
+        }
+        Ok(())
     }
-    Ok(l)
 }
 
 /// Bytes of a queue block with `entries`-entry rings.
@@ -384,8 +424,25 @@ impl pci::Driver for SimDriver {
             // ours at all).
             let layout = {
                 let head = CtrlMap::new(pdev, HEADER_SIZE)?;
-                read_layout(head.io(), bar_len)?
+                read_layout(head.io()).ok_or(ENODEV)?
             };
+            if let Err(why) = layout.check(bar_len) {
+                let l = &layout;
+                dev_err!(
+                    pdev.as_ref(),
+                    "sim device reports an unusable layout, not binding: {why} (num_queues {} ring_entries {} num_channels {} channel_size {:#x} hbm_offset {:#x} queue_offset {:#x} queue_stride {:#x} sim_peer_id {} BAR2 {:#x} bytes)\n",
+                    l.queues,
+                    l.entries,
+                    l.channels,
+                    l.channel_size,
+                    l.hbm_offset,
+                    l.queue_offset,
+                    l.queue_stride,
+                    l.peer,
+                    bar_len
+                );
+                return Err(EINVAL);
+            }
             let mut ctrl = CtrlMap::new(pdev, layout.hbm_offset as usize)?;
             let hbm_phys = pdev.resource_start(2)? + layout.hbm_offset;
             let hbm_len = u64::from(layout.channels) * layout.channel_size;

@@ -75,7 +75,7 @@ fn main() {
     let pg = page_size();
     // Edu moves ~4 KiB per 0.2 s of virtual time: keep its jobs small.
     let job_len = if edu { 2 * pg } else { 256 << 10 };
-    let mut t = Tap::new(15);
+    let mut t = Tap::new(16);
 
     t.run("export gives an O_RDWR, O_CLOEXEC dma-buf fd", || -> R {
         let a = ok("alloc", dev.alloc(5000, 0))?;
@@ -478,7 +478,104 @@ fn main() {
         expect_eq("released", after.used_bytes, base.used_bytes)
     });
 
+    let name = "ALLOC, EXPORT, FREE in a loop stays charged to the file: ENOSPC at its byte limit, not the channel's";
+    if version.num_channels < 2 {
+        t.skip(
+            name,
+            "needs two channels (one to fill the file's limit, one for the loop)",
+        );
+    } else {
+        t.run(name, || charge_outlives_free(&node));
+    }
+
     t.finish();
+}
+
+/// The bytes this file is charged on `channel`, from its fdinfo.
+fn charged(d: &Dev, channel: u32) -> Result<u64, String> {
+    let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", d.fd()))
+        .map_err(|e| format!("fdinfo: {e}"))?;
+    let key = format!("drm-total-hbm{channel}:");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("no {key} in fdinfo"))
+}
+
+/// A file at its byte limit (file_max_mib) through imports of one export
+/// (which cost no channel bytes), less one 16 MiB import: ALLOC, EXPORT,
+/// FREE of 1 MiB buffers on channel 1, keeping the dma-buf fds, must stop
+/// with ENOSPC once that room is used, while channel 1 still has room;
+/// closing the fds gives the charge back.
+fn charge_outlives_free(node: &str) -> R {
+    const MIB: u64 = 1 << 20;
+    let d = ok("open", Dev::open(node))?;
+    let big = ok("alloc", d.alloc(16 * MIB, 0))?;
+    let shared = ok("export", d.export(big.handle))?;
+    let mut imports = Vec::new();
+    let err = loop {
+        match d.import(shared.as_raw_fd(), 0) {
+            Ok(i) => imports.push(i.handle),
+            Err(e) => break e,
+        }
+        if imports.len() > 1 << 16 {
+            return Err("65536 imports of 16 MiB and no ENOSPC".into());
+        }
+    };
+    expect_eq("import past the file's byte limit", err, libc::ENOSPC)?;
+    ok("free", d.free(imports.pop().unwrap()))?;
+    let room = ok("channel_info", d.channel_info(1))?;
+    let mut fds = Vec::new();
+    let err = loop {
+        let a = match d.alloc(MIB, 1) {
+            Ok(a) => a,
+            Err(e) => break e,
+        };
+        fds.push(ok("export", d.export(a.handle))?);
+        ok("free", d.free(a.handle))?;
+        expect_eq(
+            "charge on channel 1",
+            charged(&d, 1)?,
+            fds.len() as u64 * MIB,
+        )?;
+        if fds.len() > 4096 {
+            return Err("4096 loops and no ENOSPC".into());
+        }
+    };
+    expect_eq("ALLOC once the file's room is used", err, libc::ENOSPC)?;
+    // The room: the freed 16 MiB import, plus what was left under the
+    // limit (less than one more import).
+    if fds.len() < 16 || fds.len() >= 32 {
+        return Err(format!(
+            "{} loops of 1 MiB in a room of 16 to 32 MiB",
+            fds.len()
+        ));
+    }
+    // The channel did not refuse: it has room, and another file gets it.
+    let c = ok("channel_info", d.channel_info(1))?;
+    expect_eq(
+        "channel 1 used",
+        c.used_bytes,
+        room.used_bytes + fds.len() as u64 * MIB,
+    )?;
+    if c.used_bytes + MIB > c.limit_bytes {
+        return Err(format!(
+            "channel 1 full ({} of {})",
+            c.used_bytes, c.limit_bytes
+        ));
+    }
+    let other = ok("open", Dev::open(node))?;
+    let o = ok("alloc in another file", other.alloc(MIB, 1))?;
+    ok("free", other.free(o.handle))?;
+    // Closing the dma-bufs frees their memory and gives the charge back.
+    fds.clear();
+    expect_eq("charge on channel 1 after close", charged(&d, 1)?, 0)?;
+    let a = ok("alloc after the exports closed", d.alloc(MIB, 1))?;
+    ok("free", d.free(a.handle))?;
+    for h in imports {
+        ok("free", d.free(h))?;
+    }
+    ok("free", d.free(big.handle))
 }
 
 /// CPU access to an imported heap buffer: through tdrv (COPY_IN/OUT,

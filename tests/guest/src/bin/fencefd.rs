@@ -31,7 +31,7 @@ type R = Result<(), String>;
 
 const PCI_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv";
 const SIM_DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv-sim";
-const TESTS: usize = 15;
+const TESTS: usize = 16;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -99,6 +99,13 @@ fn submit_when_ready(dev: &Dev, d: &[tdrv_copy_desc]) -> Result<u64, String> {
         }
     }
     Err("engine still recovering after 30 s".into())
+}
+
+/// The number of open fds of this process.
+fn open_fds() -> Result<usize, String> {
+    fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .map_err(|e| format!("/proc/self/fd: {e}"))
 }
 
 /// `delete_module("tdrv", O_NONBLOCK)`.
@@ -591,6 +598,52 @@ fn main() {
             let id = u64::from_ne_bytes(old[24..32].try_into().unwrap());
             expect_eq(
                 "1.0 job",
+                ok("wait", dev.job_wait(id, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )
+        },
+    );
+
+    t.run(
+        "TDRV_SUBMIT_OUT_FENCE in a 48-byte (1.0/1.1) struct is EINVAL: no fd, no job",
+        || -> R {
+            let (a, b, _) = pair(&dev, 4096, 16)?;
+            let d = [desc(a.handle, 0, b.handle, 0, 4096)];
+            let base = tdrv_submit {
+                descs: d.as_ptr() as u64,
+                desc_count: 1,
+                desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+                flags: TDRV_SUBMIT_OUT_FENCE,
+                ..Default::default()
+            };
+            let mut old = [0u8; 48];
+            // SAFETY: the first 48 bytes of a tdrv_submit, as an old binary sends.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (&base as *const tdrv_submit).cast::<u8>(),
+                    old.as_mut_ptr(),
+                    48,
+                )
+            };
+            let req = (TDRV_IOC_SUBMIT & !(0x3fff << 16)) | (48 << 16);
+            let prev = ok("submit", dev.submit(&d))?;
+            expect_eq(
+                "job",
+                ok("wait", dev.job_wait(prev, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            let fds = open_fds()?;
+            expect_err("submit", dev.ioctl(req, &mut old), libc::EINVAL)?;
+            // The out-fence fd it could not report would be a new open fd.
+            expect_eq("open fds", open_fds()?, fds)?;
+            expect_eq("job_id left alone", &old[24..32], &[0u8; 8][..])?;
+            let i = ok("buf_info", dev.buf_info(a.handle))?;
+            expect_eq("marks", (i.pending_reads, i.pending_writes), (0, 0))?;
+            // No job took an id: the next one gets the id after the last.
+            let id = ok("submit", dev.submit(&d))?;
+            expect_eq("next job id", id, prev + 1)?;
+            expect_eq(
+                "next job",
                 ok("wait", dev.job_wait(id, -1))?,
                 (TDRV_JOB_DONE, 0),
             )

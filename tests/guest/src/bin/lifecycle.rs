@@ -118,7 +118,7 @@ fn main() {
     // `inject` hold_job) however fast the device and however slow the
     // guest: every device and kernel has it, where debugfs is mounted.
     let hold_reason = Hold::unavailable(&path);
-    let mut t = Tap::new(17);
+    let mut t = Tap::new(18);
 
     t.run(
         "an open file or a mapping pins the module (rmmod fails)",
@@ -920,6 +920,97 @@ fn main() {
             expect_eq("debugfs busy_ns", stat(&path, "busy_ns")? >= busy, true)
         },
     );
+
+    let name = "a failed write's latch ends neither FENCE_WAIT(READS) nor a dma-buf SYNC(START|WRITE) while a read is pending";
+    if let Some(why) = &hold_reason {
+        t.skip(name, why);
+    } else {
+        t.run(name, || -> R {
+            let base = ok("channel_info", dev.channel_info(0))?;
+            let b = ok("alloc", dev.alloc(4096, 0))?;
+            let c = ok("alloc", dev.alloc(4096, 0))?;
+            let exported = ok("export", dev.export(b.handle))?;
+            // A second file writes b (the same buffer, imported).
+            let writer = ok("open", Dev::open(&path))?;
+            let wb = ok("import", writer.import(exported.as_raw_fd(), 0))?;
+            let wa = ok("alloc", writer.alloc(4096, 0))?;
+            let hold = Hold::new(&path)?;
+            // The reader is the job the engine holds; the writer queues
+            // behind it (it writes what the reader reads) and fails when
+            // its file closes: b's latch says ECANCELED, no write pending,
+            // the read still pending.
+            let reader = ok(
+                "submit reader",
+                dev.submit(&[desc(b.handle, 0, c.handle, 0, 4096)]),
+            )?;
+            let w = ok(
+                "submit writer",
+                writer.submit(&[desc(wa.handle, 0, wb.handle, 0, 4096)]),
+            )?;
+            expect_eq(
+                "writer",
+                ok("poll", writer.job_wait(w, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            drop(writer);
+            let i = ok("buf_info", dev.buf_info(b.handle))?;
+            expect_eq("latch", i.error, -libc::ECANCELED)?;
+            expect_eq("marks", (i.pending_reads, i.pending_writes), (1, 0))?;
+            expect_err(
+                "FENCE_WAIT(READS) poll with the read pending",
+                dev.fence_wait(b.handle, TDRV_FENCE_READS, 0),
+                libc::ETIMEDOUT,
+            )?;
+            expect_err(
+                "FENCE_WAIT(ALL) poll with the read pending",
+                dev.fence_wait(b.handle, TDRV_FENCE_ALL, 0),
+                libc::ETIMEDOUT,
+            )?;
+            // Each waiter notes the reads still pending on b when its wait
+            // returned; the engine lets the reader run only after both
+            // started.
+            let ended = |dev: &Dev| dev.buf_info(b.handle).map(|i| i.pending_reads);
+            let (sync_r, wait_r) = thread::scope(|sc| {
+                let sync = sc.spawn(|| {
+                    let r = tdrv_guest_tests::dmabuf::sync(
+                        exported.as_raw_fd(),
+                        tdrv_guest_tests::dmabuf::SYNC_WRITE,
+                    );
+                    (r, ended(&dev))
+                });
+                let wait = sc.spawn(|| {
+                    let r = dev.fence_wait(b.handle, TDRV_FENCE_READS, 30_000_000);
+                    (r, ended(&dev))
+                });
+                // Room for a wait that wrongly returns at once to do so
+                // before the release (not a timing condition of the test:
+                // a correct wait returns only after it either way).
+                thread::sleep(Duration::from_millis(300));
+                drop(hold);
+                (sync.join().unwrap(), wait.join().unwrap())
+            });
+            expect_eq(
+                "SYNC(START|WRITE) returned after the read ended (result, reads pending)",
+                sync_r,
+                (Ok(()), Ok(0)),
+            )?;
+            // The read ended; the latch is still set, so the wait reports it.
+            expect_eq(
+                "FENCE_WAIT(READS) returned after the read ended (result, reads pending)",
+                wait_r,
+                (Err(libc::EIO), Ok(0)),
+            )?;
+            expect_eq(
+                "reader",
+                ok("wait", dev.job_wait(reader, -1))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            drop(exported);
+            ok("free", dev.free(b.handle))?;
+            ok("free", dev.free(c.handle))?;
+            wait_usage(&dev, &base, Duration::from_secs(30)).map(drop)
+        });
+    }
 
     t.run(
         "the channel is back to its start after every test",

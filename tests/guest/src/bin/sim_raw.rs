@@ -347,7 +347,7 @@ fn main() {
     };
     println!("# {}: BAR2 {} MiB", pci.display(), bar2_len >> 20);
 
-    let mut t = Tap::new(9);
+    let mut t = Tap::new(10);
     let hdr_ok = bar2.r64(0) == MAGIC && bar2.r32(8) == 1 && bar2.r32(0x3C) == 1;
     t.check(
         "header: magic TDRVSIM1, version 1, ready",
@@ -672,7 +672,146 @@ fn main() {
             expect("after reset", dev.reap(q, 1)?, &[(13, 0, len)])
         },
     );
+    let name = "tdrv refuses garbage header layouts: probe fails with the reason in dmesg, no oops";
+    if Path::new("/lib/modules/tdrv.ko").exists() && Path::new("/etc/tdrv-params").exists() {
+        t.run(name, || bad_layouts(&dev, &pci, bar2_len as u64));
+    } else {
+        t.skip(
+            name,
+            "needs the QEMU guest's /lib/modules/tdrv.ko to load the module",
+        );
+    }
     drop(pages);
     let _ = fs::write(&enable, "0");
     t.finish();
+}
+
+/// Runs a command; an error unless it exits with 0.
+fn command(prog: &str, args: &[&str]) -> R {
+    let st = std::process::Command::new(prog)
+        .args(args)
+        .status()
+        .map_err(|e| format!("{prog}: {e}"))?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("{prog} {args:?}: {st}"))
+    }
+}
+
+/// The kernel log.
+fn dmesg() -> Result<String, String> {
+    let out = std::process::Command::new("dmesg")
+        .output()
+        .map_err(|e| format!("dmesg: {e}"))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The kernel's taint flags.
+fn tainted() -> Result<String, String> {
+    fs::read_to_string("/proc/sys/kernel/tainted").map_err(|e| format!("tainted: {e}"))
+}
+
+/// One header field overwritten with garbage: offset, width, value, and
+/// the check the driver must name.
+struct BadField {
+    off: usize,
+    wide: bool,
+    value: u64,
+    why: &'static str,
+}
+
+/// For each garbage layout: writes it into the header (the simulator keeps
+/// its own copy of the layout, so only the driver sees it), loads tdrv,
+/// expects the sim device unbound and dmesg to name the failed check, and
+/// unloads tdrv and restores the field. Nothing may oops or taint the
+/// kernel.
+fn bad_layouts(dev: &Dev, pci: &Path, bar2_len: u64) -> R {
+    let cases = [
+        BadField {
+            // num_queues (2 or more) * queue_stride overflows 64 bits.
+            off: 0x30,
+            wide: true,
+            value: 1 << 63,
+            why: if dev.queues >= 2 {
+                "queue_offset + num_queues * queue_stride overflows"
+            } else {
+                "queue blocks end past hbm_offset"
+            },
+        },
+        BadField {
+            off: 0x30,
+            wide: true,
+            value: 0x10004,
+            why: "queue_offset or queue_stride not a multiple of 8",
+        },
+        BadField {
+            off: 0x0C,
+            wide: false,
+            value: 0,
+            why: "num_queues outside 1..=8",
+        },
+        BadField {
+            // num_channels (2 or more) * channel_size overflows 64 bits.
+            off: 0x18,
+            wide: true,
+            value: 1 << 63,
+            why: if dev.channels >= 2 {
+                "num_channels * channel_size overflows"
+            } else {
+                "HBM ends past BAR2"
+            },
+        },
+        BadField {
+            off: 0x20,
+            wide: true,
+            value: bar2_len,
+            why: "HBM ends past BAR2",
+        },
+    ];
+    let params = fs::read_to_string("/etc/tdrv-params").map_err(|e| format!("params: {e}"))?;
+    let mut args = vec!["/lib/modules/tdrv.ko"];
+    args.extend(params.split_whitespace());
+    let taint0 = tainted()?;
+    for c in &cases {
+        let line = format!(
+            "sim device reports an unusable layout, not binding: {}",
+            c.why
+        );
+        let seen = dmesg()?.matches(&line).count();
+        let old = if c.wide {
+            dev.bar2.r64(c.off)
+        } else {
+            u64::from(dev.bar2.r32(c.off))
+        };
+        let put = |v: u64| {
+            if c.wide {
+                dev.bar2.w64(c.off, v)
+            } else {
+                dev.bar2.w32(c.off, v as u32)
+            }
+        };
+        put(c.value);
+        fence(Ordering::SeqCst);
+        let loaded = command("insmod", &args);
+        let bound = pci.join("driver").exists();
+        let log = dmesg();
+        let unloaded = if loaded.is_ok() {
+            command("rmmod", &["tdrv"])
+        } else {
+            Ok(())
+        };
+        put(old);
+        fence(Ordering::SeqCst);
+        loaded?;
+        unloaded?;
+        if bound {
+            return Err(format!("{}: the driver bound the device", c.why));
+        }
+        let now = log?.matches(&line).count();
+        if now != seen + 1 {
+            return Err(format!("dmesg has {now} lines {line:?} (before: {seen})"));
+        }
+    }
+    tdrv_guest_tests::expect_eq("taint flags", tainted()?, taint0)
 }
