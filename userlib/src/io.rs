@@ -2,7 +2,10 @@
 //!
 //! Every operation checks its ranges (with overflow checks) against the view
 //! and returns an error instead of asserting like the original. Fake
-//! storage makes them no-ops (after the checks).
+//! storage has no bytes: after the checks, reads from it (and copies from
+//! it) fill the destination with zeros, and writes, memsets and copies into
+//! it discard their bytes. (The seed's read left the caller's buffer as it
+//! was, so a caller saw whatever it held before: zeros are defined.)
 //!
 //! Fences, as in the seed: a read waits for in-flight device writes of the
 //! storage, a write or memset for every in-flight device access. For host
@@ -244,7 +247,16 @@ impl Tensor {
             (&one.0, &one.1)
         };
         match (&st.mem, st.host_base()) {
-            (Memory::Fake, _) => Ok(()),
+            (Memory::Fake, _) => {
+                if dir == Dir::Read {
+                    for &(_, ptr, len) in checked {
+                        // SAFETY: `ptr` is valid for writes of `len` bytes
+                        // and not accessed by others (our contract).
+                        unsafe { ptr::write_bytes(ptr, 0, len) };
+                    }
+                }
+                Ok(())
+            }
             (Memory::Dma(b), None) => {
                 // Unmapped: the kernel copies, and fences itself. A failing
                 // op stops the batch (see DESIGN.md, batches).
@@ -485,7 +497,9 @@ impl Tensor {
     /// ([`Error::CrossChannel`] otherwise). Every other combination does the
     /// host round trip: a host-side memmove through the host addresses, or
     /// `COPY_IN`/`COPY_OUT` for unmapped buffers. Overlapping ranges of one
-    /// storage are copied as by memmove. Fake on either side is a no-op.
+    /// storage are copied as by memmove. A `Fake` source reads as zeros (the
+    /// destination range is zero-filled, as by [`Tensor::memset`]); a
+    /// `Fake` destination discards the bytes.
     pub fn copy(
         src: &Tensor,
         src_offset: usize,
@@ -500,7 +514,8 @@ impl Tensor {
             return Ok(());
         }
         match (&ss.mem, &ds.mem) {
-            (Memory::Fake, _) | (_, Memory::Fake) => Ok(()),
+            (_, Memory::Fake) => Ok(()),
+            (Memory::Fake, _) => dst.memset(dst_offset, 0, size),
             (Memory::Dma(a), Memory::Dma(b)) if std::sync::Arc::ptr_eq(&a.device, &b.device) => {
                 if a.channel != b.channel {
                     return Err(Error::CrossChannel {

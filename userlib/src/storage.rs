@@ -29,7 +29,8 @@ pub enum StorageKind {
     Malloc,
     /// A tdrv device buffer (and its mapping), freed with `TDRV_IOC_FREE`.
     Dma,
-    /// Size only: no bytes exist; I/O is a no-op.
+    /// Size only: no bytes exist. Reads (and copies from it) give zeros;
+    /// writes, memsets and copies into it discard their bytes.
     Fake,
     /// A caller's buffer; never freed by the library.
     User,

@@ -607,7 +607,8 @@ impl Tensor {
         Self::with_storage(name, Storage::new_malloc(size)?)
     }
 
-    /// A size-only tensor (`Fake`): no bytes exist and I/O is a no-op.
+    /// A size-only tensor (`Fake`): no bytes exist. Reads give zeros,
+    /// writes are discarded, and it has no host address.
     pub fn allocate_fake(size: usize, name: Option<&str>) -> Result<Tensor> {
         let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), size);
         Self::with_storage(name, Storage::new_fake(size))
