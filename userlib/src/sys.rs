@@ -333,6 +333,10 @@ pub struct Device {
     /// pinned destination; pinning takes the write side, so it waits for
     /// the writes in progress. See `userlib/DESIGN.md`.
     pins: RwLock<HashMap<u64, usize>>,
+    /// An in-process device answering the ioctls (unit tests only, so the
+    /// `Dma` paths run under Miri): see `fakedev.rs`.
+    #[cfg(test)]
+    fake: Option<Arc<crate::fakedev::FakeDevice>>,
 }
 
 /// A pin of one buffer (see [`Device`]'s `pins`); unpins on drop.
@@ -415,6 +419,8 @@ impl Device {
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
             pins: RwLock::new(HashMap::new()),
+            #[cfg(test)]
+            fake: None,
         };
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
@@ -502,6 +508,12 @@ impl Device {
         arg: &mut T,
         restart: bool,
     ) -> Result<(), SysError> {
+        #[cfg(test)]
+        if let Some(fake) = &self.fake {
+            // SAFETY: as for the real call below: `arg` is the live,
+            // exclusively borrowed struct `request` names.
+            return unsafe { fake.ioctl(op, request, (arg as *mut T).cast()) };
+        }
         loop {
             // SAFETY: the fd is open for the lifetime of `self`; `request` is
             // a tdrv request number whose size field is `size_of::<T>()` (the
@@ -812,7 +824,35 @@ impl Device {
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
             pins: RwLock::new(HashMap::new()),
+            fake: None,
         })
+    }
+
+    /// A device whose ioctls an in-process [`FakeDevice`] answers from heap
+    /// memory (see `fakedev.rs`), reporting `features`; returned with the
+    /// fake for its test knobs.
+    ///
+    /// [`FakeDevice`]: crate::fakedev::FakeDevice
+    #[cfg(test)]
+    pub(crate) fn fake_with(features: u64) -> (Arc<Device>, Arc<crate::fakedev::FakeDevice>) {
+        let fake = Arc::new(crate::fakedev::FakeDevice::new(features));
+        let fd: OwnedFd = std::fs::File::open("/dev/null").expect("/dev/null").into();
+        let dev = Arc::new(Device {
+            fd,
+            path: PathBuf::from("/dev/tdrv-fake"),
+            version: fake.version,
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
+            fake: Some(fake.clone()),
+        });
+        (dev, fake)
+    }
+
+    /// [`Device::fake_with`] the features of a soft device.
+    #[cfg(test)]
+    pub(crate) fn fake() -> (Arc<Device>, Arc<crate::fakedev::FakeDevice>) {
+        Self::fake_with(crate::fakedev::FakeDevice::FEATURES)
     }
 
     #[cfg(test)]
@@ -866,6 +906,18 @@ impl Device {
     /// PROT_WRITE, MAP_SHARED, fd, mmap_offset)`.
     pub fn map(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {
         let len = round_up_to_page(size).ok_or(SysError::from_errno("mmap", libc::EINVAL))?;
+        #[cfg(test)]
+        if let Some(fake) = &self.fake {
+            let mem = fake
+                .map(mmap_offset, len)
+                .map_err(|e| SysError::from_errno("mmap", e))?;
+            let ptr = NonNull::new(mem.as_ptr()).ok_or(SysError::from_errno("mmap", libc::EIO))?;
+            return Ok(Mapping {
+                ptr,
+                len,
+                fake: Some(mem),
+            });
+        }
         let offset = libc::off_t::try_from(mmap_offset)
             .map_err(|_| SysError::from_errno("mmap", libc::EINVAL))?;
         // SAFETY: a fresh shared mapping chosen by the kernel (addr NULL)
@@ -884,8 +936,19 @@ impl Device {
             return Err(SysError::last("mmap"));
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(SysError::from_errno("mmap", libc::EIO))?;
-        Ok(Mapping { ptr, len })
+        Ok(Mapping {
+            ptr,
+            len,
+            #[cfg(test)]
+            fake: None,
+        })
     }
+}
+
+/// `TDRV_FEAT_MMAP` as a feature word (tests of devices without mmap).
+#[cfg(test)]
+pub(crate) fn feat_mmap() -> u64 {
+    uapi::TDRV_FEAT_MMAP.into()
 }
 
 fn page_size() -> usize {
@@ -908,6 +971,9 @@ fn round_up_to_page(size: u64) -> Option<usize> {
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// A fake device's heap block instead of a mapping: kept, not unmapped.
+    #[cfg(test)]
+    fake: Option<Arc<crate::fakedev::FakeMem>>,
 }
 
 // SAFETY: a Mapping is an address range, not a reference; the bytes are
@@ -936,6 +1002,10 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if self.fake.is_some() {
+            return;
+        }
         // SAFETY: (ptr, len) is exactly the range mmap returned, and it is
         // unmapped only here, once.
         unsafe {
