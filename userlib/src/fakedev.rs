@@ -61,6 +61,7 @@ impl Drop for FakeMem {
 
 /// One buffer: what every handle of it (ALLOC, IMPORTs) shares.
 struct Buf {
+    id: u64,
     size: usize,
     channel: u32,
     mem: Arc<FakeMem>,
@@ -150,12 +151,14 @@ impl FakeDevice {
         }
     }
 
-    /// What a soft device reports on a kernel without `sync_file`.
+    /// What a soft device of ABI 1.3 reports on a kernel without
+    /// `sync_file`.
     pub(crate) const FEATURES: u64 = (uapi::TDRV_FEAT_MMAP
         | uapi::TDRV_FEAT_SUBMIT
         | uapi::TDRV_FEAT_COMPLETION
         | uapi::TDRV_FEAT_ERROR_LATCH
-        | uapi::TDRV_FEAT_DMABUF) as u64;
+        | uapi::TDRV_FEAT_DMABUF
+        | uapi::TDRV_FEAT_BUF_ID) as u64;
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -309,6 +312,7 @@ impl FakeDevice {
         st.bufs.insert(
             id,
             Buf {
+                id,
                 size,
                 channel: a.channel,
                 mem,
@@ -343,6 +347,7 @@ impl FakeDevice {
         i.completion_count = b.completions;
         i.channel = b.channel;
         i.error = b.error;
+        i.buf_id = b.id;
         Ok(())
     }
 
@@ -776,5 +781,45 @@ mod tests {
         }
         writer.join().unwrap();
         let _ = Arc::strong_count(&dev);
+    }
+
+    #[test]
+    fn an_import_of_our_own_export_is_the_same_storage() {
+        let (dev, fake) = Device::fake();
+        let t = Tensor::allocate_on(&dev, 0, 64, Some("t")).unwrap();
+        t.write(0, &[1; 64]).unwrap();
+        let fd = t.export_dmabuf().unwrap();
+        let alias = Tensor::from_dmabuf(&dev, &fd).unwrap();
+        // One buffer, one storage: the import's own handle was freed.
+        assert_eq!(alias.dma_handle(), t.dma_handle());
+        assert_eq!(fake.live_handles(), 1);
+        // A shared buffer is not lent as a reference by the safe guards.
+        assert!(matches!(t.map_read(..), Err(Error::SharedBuffer { .. })));
+        assert!(matches!(
+            alias.map_write(..),
+            Err(Error::SharedBuffer { .. })
+        ));
+        // SAFETY: no other process holds the dma-buf.
+        let g = unsafe { t.map_read_shared(0..16) }.unwrap();
+        assert!(matches!(alias.write(0, &[2; 8]), Err(Error::Busy { .. })));
+        assert_eq!(&*g, [1; 16], "the guard's bytes did not change");
+        // A second import resolves to it too.
+        let again = Tensor::from_dmabuf(&dev, &fd).unwrap();
+        assert_eq!(again.dma_handle(), t.dma_handle());
+        assert!(matches!(again.write(8, &[2; 8]), Err(Error::Busy { .. })));
+        drop(g);
+        alias.write(0, &[3; 8]).unwrap();
+        assert_eq!(t.to_vec().unwrap()[..9], [3, 3, 3, 3, 3, 3, 3, 3, 1]);
+        // An export is refused while a guard pins the buffer.
+        let u = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+        {
+            let _g = u.map_read(..).unwrap();
+            assert!(matches!(
+                u.export_dmabuf(),
+                Err(Error::Sys(SysError::Pinned { .. }))
+            ));
+        }
+        drop((t, alias, again, u, fd));
+        assert_eq!(fake.live_handles(), 0);
     }
 }

@@ -97,11 +97,16 @@ impl std::fmt::Debug for MappedBytesMut<'_> {
 type Parts<'a> = (NonNull<u8>, usize, Option<Pin<'a>>, HeldSpan<'a>);
 
 impl Tensor {
+    /// With `shared_ok`, the caller has promised (`map_*_shared`) that no
+    /// other process writes (or, for `write`, accesses) the range while
+    /// the guard lives; otherwise a buffer shared through a dma-buf is
+    /// [`Error::SharedBuffer`].
     fn map_range(
         &self,
         op: &'static str,
         range: impl RangeBounds<usize>,
         write: bool,
+        shared_ok: bool,
     ) -> Result<Parts<'_>> {
         let (offset, len) = byte_range(op, range, self.size())?;
         let (st, abs) = self.locate(op, offset, len)?;
@@ -117,8 +122,14 @@ impl Tensor {
         let span = st.sync.hold(op, Span::guard(abs, len, write))?;
         let pin = match st.dma() {
             Some(b) => {
-                // No device write can start from here on ...
+                // No device write can start from here on, and no export
+                // (it refuses a pinned buffer) ...
                 let pin = b.device.pin(b.handle)?;
+                // ... so whether another process may write the bytes is
+                // settled now.
+                if b.device.is_shared(b.handle) && !shared_ok {
+                    return Err(Error::SharedBuffer { op });
+                }
                 // ... and those in flight are waited for.
                 let kind = if write {
                     FenceKind::All
@@ -148,7 +159,9 @@ impl Tensor {
     /// the buffer are refused ([`crate::SysError::Pinned`]). Waits for
     /// device writes in flight; a buffer a failed job wrote is
     /// [`Error::DeviceWriteFailed`]. `Fake` tensors and unmapped buffers
-    /// are [`Error::Unsupported`].
+    /// are [`Error::Unsupported`]; a buffer shared through a dma-buf,
+    /// which another process may write, is [`Error::SharedBuffer`] (see
+    /// [`Tensor::map_read_shared`]).
     ///
     /// ```
     /// use tdrv::Tensor;
@@ -168,7 +181,7 @@ impl Tensor {
     /// # Ok::<(), tdrv::Error>(())
     /// ```
     pub fn map_read(&self, range: impl RangeBounds<usize>) -> Result<MappedBytes<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false, false)?;
         Ok(MappedBytes {
             ptr,
             len,
@@ -185,7 +198,51 @@ impl Tensor {
     /// latched buffer is [`Error::DeviceWriteFailed`] here; write it with
     /// [`Tensor::write`] first. See [`Tensor::map_read`].
     pub fn map_write(&self, range: impl RangeBounds<usize>) -> Result<MappedBytesMut<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true, false)?;
+        Ok(MappedBytesMut {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_read`] of a buffer shared through a dma-buf, which
+    /// the safe form refuses ([`Error::SharedBuffer`]). Everything in this
+    /// process is still excluded as by `map_read` (host writes are
+    /// [`Error::Busy`], device writes through this process's files are
+    /// refused); what the library cannot see is the other holders of the
+    /// dma-buf.
+    ///
+    /// # Safety
+    /// No other process (nor any device user of the dma-buf outside this
+    /// process's tdrv files) may write the bytes of `range` while the
+    /// guard lives: a reference's bytes must not change under it.
+    pub unsafe fn map_read_shared(
+        &self,
+        range: impl RangeBounds<usize>,
+    ) -> Result<MappedBytes<'_>> {
+        let (ptr, len, _pin, _span) = self.map_range("map_read_shared", range, false, true)?;
+        Ok(MappedBytes {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_write`] of a buffer shared through a dma-buf; see
+    /// [`Tensor::map_read_shared`].
+    ///
+    /// # Safety
+    /// No other process (nor any device user of the dma-buf outside this
+    /// process's tdrv files) may read or write the bytes of `range` while
+    /// the guard lives.
+    pub unsafe fn map_write_shared(
+        &self,
+        range: impl RangeBounds<usize>,
+    ) -> Result<MappedBytesMut<'_>> {
+        let (ptr, len, _pin, _span) = self.map_range("map_write_shared", range, true, true)?;
         Ok(MappedBytesMut {
             ptr,
             len,

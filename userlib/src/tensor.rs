@@ -19,6 +19,7 @@ use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::log::log_warn;
 use crate::storage::{Storage, StorageKind};
 use crate::sys::Device;
 use crate::trace::{self, TraceOp};
@@ -867,6 +868,11 @@ impl Tensor {
         let st = self.view().storage.as_ref()?;
         let b = st.dma()?;
         st.set_counted();
+        // The handle may leave as a dma-buf (`Device::export`): an import
+        // of it in this process must find this storage.
+        if let Err(e) = st.share() {
+            log_warn!("dma_handle: registering buffer {}: {e}", b.handle);
+        }
         Some(b.handle)
     }
 
@@ -902,6 +908,8 @@ impl Tensor {
         // Others may write the buffer from now on: completion baselines
         // must be asked for.
         storage.set_counted();
+        // An import in this process resolves to this storage.
+        storage.share()?;
         Ok(b.device.export(b.handle)?)
     }
 
