@@ -822,4 +822,112 @@ mod tests {
         drop((t, alias, again, u, fd));
         assert_eq!(fake.live_handles(), 0);
     }
+
+    #[test]
+    fn host_waits_on_a_device_that_never_finishes_time_out() {
+        let (dev, fake) = Device::fake();
+        let t = Tensor::allocate_on(&dev, 0, 64, Some("stuck")).unwrap();
+        t.write(0, &[4; 64]).unwrap();
+        let h = t.dma_handle().unwrap();
+        let short = Duration::from_millis(if cfg!(miri) { 5 } else { 50 });
+        let timed_out = |r: Result<(), Error>| match r {
+            Err(Error::Timeout { name, .. }) => name == "stuck",
+            _ => false,
+        };
+        // A device write that never ends: reads and guards time out ...
+        fake.hold(h, true);
+        let mut b = [0u8; 8];
+        assert!(timed_out(t.read_timeout(0, &mut b, short)));
+        assert!(timed_out(t.map_read_timeout(.., short).map(drop)));
+        assert!(timed_out(t.write_timeout(0, &[1; 8], short)));
+        // ... and so do writes behind a device read.
+        fake.release(h, true);
+        fake.hold(h, false);
+        t.read_timeout(0, &mut b, short).unwrap();
+        assert_eq!(b, [4; 8]);
+        assert!(timed_out(t.write_timeout(0, &[1; 8], short)));
+        assert!(timed_out(t.map_write_timeout(.., short).map(drop)));
+        // Nothing was written, and no span or pin stayed behind.
+        fake.release(h, false);
+        t.write_timeout(0, &[1; 8], short).unwrap();
+        assert_eq!(t.to_vec().unwrap()[..9], [1, 1, 1, 1, 1, 1, 1, 1, 4]);
+        drop(t.map_write_timeout(.., short).unwrap());
+        // Unmapped buffers time out as well (before COPY_OUT).
+        let (dev, fake) = Device::fake_with(FakeDevice::FEATURES & !(crate::sys::feat_mmap()));
+        let u = Tensor::allocate_on(&dev, 0, 64, Some("stuck")).unwrap();
+        let h = u.dma_handle().unwrap();
+        fake.hold(h, true);
+        assert!(timed_out(u.read_timeout(0, &mut b, short)));
+        fake.release(h, true);
+        u.read_timeout(0, &mut b, short).unwrap();
+    }
+
+    #[test]
+    fn host_storage_waits_time_out_on_async_marks() {
+        let t = Tensor::allocate_host(32, Some("marked")).unwrap();
+        let short = Duration::from_millis(if cfg!(miri) { 5 } else { 50 });
+        t.mark_async_start(crate::Access::Write).unwrap();
+        let mut b = [0u8; 4];
+        assert!(matches!(
+            t.read_timeout(0, &mut b, short),
+            Err(Error::Timeout { .. })
+        ));
+        assert!(matches!(
+            t.map_read_timeout(.., short),
+            Err(Error::Timeout { .. })
+        ));
+        t.mark_async_finish(crate::Access::Write).unwrap();
+        t.read_timeout(0, &mut b, short).unwrap();
+        drop(t.map_read_timeout(.., short).unwrap());
+    }
+
+    #[test]
+    fn unbounded_host_waits_log_a_heartbeat() {
+        use std::sync::Mutex;
+        let logs = Arc::new(Mutex::new(Vec::<String>::new()));
+        {
+            let logs = logs.clone();
+            crate::set_logger(Some(Box::new(move |_, msg| {
+                logs.lock().unwrap().push(msg.to_owned())
+            })));
+        }
+        crate::set_heartbeat_interval(Duration::from_millis(5));
+        let (dev, fake) = Device::fake();
+        let t = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+        let h = t.dma_handle().unwrap();
+        fake.hold(h, true);
+        let reader = {
+            let t = t.clone();
+            std::thread::spawn(move || t.to_vec())
+        };
+        let seen = |what: &str| logs.lock().unwrap().iter().any(|m| m.contains(what));
+        // Waits for the log line itself; the bound only turns a hang into
+        // a failure.
+        let start = std::time::Instant::now();
+        let seen = |what: &str| {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no heartbeat: {what}"
+            );
+            seen(what)
+        };
+        while !seen("still waiting for device writes of tdrv buffer") {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        fake.release(h, true);
+        assert_eq!(reader.join().unwrap().unwrap(), [0; 64]);
+        let m = Tensor::allocate_host(8, None).unwrap();
+        m.mark_async_start(crate::Access::Write).unwrap();
+        let reader = {
+            let m = m.clone();
+            std::thread::spawn(move || m.to_vec())
+        };
+        while !seen("read: still waiting for overlapping host copies") {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        m.mark_async_finish(crate::Access::Write).unwrap();
+        assert_eq!(reader.join().unwrap().unwrap(), [0; 8]);
+        crate::set_heartbeat_interval(Duration::from_secs(30));
+        crate::set_logger(None);
+    }
 }

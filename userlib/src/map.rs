@@ -19,6 +19,7 @@
 
 use std::ops::{Deref, DerefMut, RangeBounds};
 use std::ptr::NonNull;
+use std::time::Duration;
 
 use crate::builder::byte_range;
 use crate::error::{Error, Result};
@@ -107,7 +108,14 @@ impl Tensor {
         range: impl RangeBounds<usize>,
         write: bool,
         shared_ok: bool,
+        timeout: Option<Duration>,
     ) -> Result<Parts<'_>> {
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op,
+            name: self.name().to_owned(),
+            waited: timeout.unwrap_or_default(),
+        };
         let (offset, len) = byte_range(op, range, self.size())?;
         let (st, abs) = self.locate(op, offset, len)?;
         let st: &Storage = st;
@@ -136,15 +144,20 @@ impl Tensor {
                 } else {
                     FenceKind::Writes
                 };
-                b.fence(kind).map_err(|e| match e {
+                let done = b.fence_until(kind, deadline).map_err(|e| match e {
                     Error::Sys(e) => self.dma_error(op, b, e),
                     e => e,
                 })?;
+                if !done {
+                    return Err(timed_out());
+                }
                 Some(pin)
             }
             None => {
                 // Host storage: the async marks stand for device access.
-                st.sync.wait_device(write, Deadline::Never);
+                if !st.sync.wait_device(write, deadline) {
+                    return Err(timed_out());
+                }
                 None
             }
         };
@@ -181,7 +194,7 @@ impl Tensor {
     /// # Ok::<(), tdrv::Error>(())
     /// ```
     pub fn map_read(&self, range: impl RangeBounds<usize>) -> Result<MappedBytes<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false, false)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false, false, None)?;
         Ok(MappedBytes {
             ptr,
             len,
@@ -198,7 +211,44 @@ impl Tensor {
     /// latched buffer is [`Error::DeviceWriteFailed`] here; write it with
     /// [`Tensor::write`] first. See [`Tensor::map_read`].
     pub fn map_write(&self, range: impl RangeBounds<usize>) -> Result<MappedBytesMut<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true, false)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true, false, None)?;
+        Ok(MappedBytesMut {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_read`] that waits at most `timeout` for the device
+    /// writes in flight ([`Error::Timeout`] then, with nothing held).
+    /// `map_read` itself waits without limit and logs a warning every
+    /// heartbeat interval ([`crate::set_heartbeat_interval`]) meanwhile.
+    pub fn map_read_timeout(
+        &self,
+        range: impl RangeBounds<usize>,
+        timeout: Duration,
+    ) -> Result<MappedBytes<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_read", range, false, false, Some(timeout))?;
+        Ok(MappedBytes {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_write`] that waits at most `timeout` for the device
+    /// accesses in flight ([`Error::Timeout`] then); see
+    /// [`Tensor::map_read_timeout`].
+    pub fn map_write_timeout(
+        &self,
+        range: impl RangeBounds<usize>,
+        timeout: Duration,
+    ) -> Result<MappedBytesMut<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_write", range, true, false, Some(timeout))?;
         Ok(MappedBytesMut {
             ptr,
             len,
@@ -222,7 +272,8 @@ impl Tensor {
         &self,
         range: impl RangeBounds<usize>,
     ) -> Result<MappedBytes<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_read_shared", range, false, true)?;
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_read_shared", range, false, true, None)?;
         Ok(MappedBytes {
             ptr,
             len,
@@ -242,7 +293,8 @@ impl Tensor {
         &self,
         range: impl RangeBounds<usize>,
     ) -> Result<MappedBytesMut<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_write_shared", range, true, true)?;
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_write_shared", range, true, true, None)?;
         Ok(MappedBytesMut {
             ptr,
             len,

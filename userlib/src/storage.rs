@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use crate::error::{Error, Result};
 use crate::fence::HostSync;
-use crate::log::log_warn;
+use crate::log::{heartbeat_interval, log_warn};
 use crate::sys::{Device, FenceKind, Mapping, SysError};
+use crate::wait::Deadline;
 
 /// Alignment of host (`Malloc`) allocations: a cache line.
 pub const HOST_ALIGN: usize = 64;
@@ -132,12 +133,41 @@ impl DmaBuffer {
         self.mapping.get()
     }
 
-    /// Waits (without limit, through signals) for the kernel fence `kind`.
+    /// Waits (without limit, through signals) for the kernel fence `kind`,
+    /// logging a heartbeat every [`crate::set_heartbeat_interval`].
     pub(crate) fn fence(&self, kind: FenceKind) -> Result<()> {
+        self.fence_until(kind, Deadline::Never).map(drop)
+    }
+
+    /// Waits for the kernel fence `kind` until `deadline`: `Ok(false)` if
+    /// it passed first. A wait without limit logs a heartbeat every
+    /// heartbeat interval, so a device that never finishes is visible.
+    pub(crate) fn fence_until(&self, kind: FenceKind, deadline: Deadline) -> Result<bool> {
+        let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
-            match self.device.fence_wait(self.handle, kind, -1) {
-                Err(SysError::Interrupted { .. }) => continue,
-                r => return Ok(r?),
+            match self
+                .device
+                .fence_wait(self.handle, kind, deadline.remaining_us(cap))
+            {
+                Ok(()) => return Ok(true),
+                Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {
+                    log_warn!(
+                        "still waiting for device {} of tdrv buffer {}",
+                        match kind {
+                            FenceKind::Reads => "reads",
+                            FenceKind::Writes => "writes",
+                            FenceKind::All => "accesses",
+                        },
+                        self.handle
+                    );
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
+                    if deadline.expired() =>
+                {
+                    return Ok(false)
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
+                Err(e) => return Err(e.into()),
             }
         }
     }
