@@ -885,6 +885,12 @@ impl Tensor {
     /// dma-buf user that maps it with the CPU. [`Error::Unsupported`] for
     /// tensors that are not on a device.
     ///
+    /// Others may write an exported buffer at any time, so from now on the
+    /// safe [`Tensor::map_read`]/[`Tensor::map_write`] refuse it
+    /// ([`Error::SharedBuffer`]; copies still work), and an export while a
+    /// mapping guard lends the buffer is refused
+    /// ([`crate::SysError::Pinned`]).
+    ///
     /// ```no_run
     /// use tdrv::{Device, Tensor};
     ///
@@ -919,6 +925,13 @@ impl Tensor {
     /// `/dev/dma_heap/system`) is placed on HBM channel 0. `fd` may be
     /// closed afterwards. See [`Tensor::from_dmabuf_on`] for the channel
     /// and name, and [`Tensor::export_dmabuf`] for an example.
+    ///
+    /// A buffer this process already holds (its own export, through any
+    /// [`Device`] opened on the node) is not a second storage: the new
+    /// tensor is a view of the existing one, so host accesses through both
+    /// exclude each other as through two views of one tensor. Needs a
+    /// driver that reports buffer identities (ABI 1.3,
+    /// `TDRV_FEAT_BUF_ID`); older ones are [`Error::InvalidArgument`].
     pub fn from_dmabuf(device: &Arc<Device>, fd: impl std::os::fd::AsFd) -> Result<Tensor> {
         Self::from_dmabuf_on(device, 0, fd, None)
     }
