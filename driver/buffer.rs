@@ -245,7 +245,9 @@ pub(crate) struct Buffer {
     charged: u64,
     channel: u32,
     device: Arc<TdrvDevice>,
-    /// This buffer's key in the device's buffer registry.
+    /// This buffer's key in the device's buffer registry; also its
+    /// `tdrv_buf_info.buf_id` (unique among the device's live buffers,
+    /// never 0).
     registry_key: u64,
     /// The memory is device memory: bytes move by the engine's DMA.
     on_device: bool,
@@ -532,6 +534,11 @@ impl Buffer {
 
     pub(crate) fn channel(&self) -> u32 {
         self.channel
+    }
+
+    /// The buffer's identity on its device (`tdrv_buf_info.buf_id`).
+    pub(crate) fn id(&self) -> u64 {
+        self.registry_key
     }
 
     /// Bus address of byte 0.

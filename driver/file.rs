@@ -367,6 +367,7 @@ impl TdrvFile {
                 | FEAT_COMPLETION
                 | FEAT_ERROR_LATCH
                 | FEAT_DMABUF
+                | FEAT_BUF_ID
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -593,17 +594,18 @@ impl TdrvFile {
     /// handle lookup takes no lock. Other sizes take the general path, with
     /// the same result.
     fn buf_info(&self, arg: &ArgBuf) -> Result {
-        // Words 1..9 are `size` to `pad2`: all the out fields, and `pad`
-        // and `pad2`, which were zero and are written as zero.
-        const OUT: core::ops::Range<usize> = 1..9;
+        // Words 1..10 are `size` to `buf_id`: all the out fields, and
+        // `pad` and `pad2`, which were zero and are written as zero.
+        const OUT: core::ops::Range<usize> = 1..10;
         const _: () = assert!(
             core::mem::offset_of!(BufInfo, size) == OUT.start * 8
-                && core::mem::offset_of!(BufInfo, reserved) == OUT.end * 8
-                && core::mem::size_of::<BufInfo>() == OUT.end * 8 + 8
+                && core::mem::offset_of!(BufInfo, buf_id) == OUT.end * 8 - 8
+                && core::mem::size_of::<BufInfo>() == OUT.end * 8
         );
         let a: BufInfo = arg.read_fast()?;
-        // (`error` is output only: a reused struct may carry one.)
-        if a.pad != 0 || a.pad2 != 0 || a.reserved != 0 {
+        // (`error` and `buf_id` are output only: a reused struct may carry
+        // them.)
+        if a.pad != 0 || a.pad2 != 0 {
             return Err(EINVAL);
         }
         let out = {
@@ -621,7 +623,7 @@ impl TdrvFile {
                 pad: 0,
                 error: c.error,
                 pad2: 0,
-                reserved: 0,
+                buf_id: buf.id(),
             }
         };
         // The caller's `handle` and `reserved` already hold what the

@@ -35,7 +35,7 @@ use kernel::{
 use crate::glue;
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 2;
+pub(crate) const ABI_MINOR: u32 = 3;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
@@ -44,6 +44,7 @@ pub(crate) const FEAT_IRQ: u64 = 1 << 3;
 pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
 pub(crate) const FEAT_DMABUF: u64 = 1 << 5;
 pub(crate) const FEAT_FENCE_FD: u64 = 1 << 6;
+pub(crate) const FEAT_BUF_ID: u64 = 1 << 7;
 
 pub(crate) const SUBMIT_OUT_FENCE: u32 = 1 << 0;
 pub(crate) const MAX_IN_FENCES: u32 = 64;
@@ -139,7 +140,7 @@ uapi_struct!(
         pad: u32,
         error: i32,
         pad2: u32,
-        reserved: u64,
+        buf_id: u64,
     }
 );
 uapi_struct!(
@@ -276,7 +277,7 @@ const_assert_layout!(Free, 16, { handle @ 0, reserved @ 8 });
 const_assert_layout!(BufInfo, 80, {
     handle @ 0, size @ 8, dma_addr @ 16, mmap_offset @ 24, pending_reads @ 32,
     pending_writes @ 40, completion_count @ 48, channel @ 56, pad @ 60, error @ 64,
-    pad2 @ 68, reserved @ 72,
+    pad2 @ 68, buf_id @ 72,
 });
 const_assert_layout!(Xfer, 48, {
     handle @ 0, offset @ 8, size @ 16, user_ptr @ 24, reserved @ 32,

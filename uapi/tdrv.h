@@ -86,7 +86,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 2
+#define TDRV_ABI_MINOR 3
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -97,6 +97,7 @@
 #define TDRV_FEAT_DMABUF	(1ULL << 5) /* TDRV_IOC_EXPORT and TDRV_IOC_IMPORT (1.2) */
 #define TDRV_FEAT_FENCE_FD	(1ULL << 6) /* SUBMIT takes and returns sync_file fds (1.2);
 					     * absent on kernels without CONFIG_SYNC_FILE */
+#define TDRV_FEAT_BUF_ID	(1ULL << 7) /* tdrv_buf_info.buf_id (1.3) */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -181,7 +182,16 @@ struct tdrv_buf_info {
 				 * write (job, COPY_IN, MEMSET, COPY) and by
 				 * TDRV_IOC_COMPLETION_RESET. Ignored on input. */
 	__u32 pad2;		/* in: zero */
-	__u64 reserved;		/* in: zero */
+	__u64 buf_id;		/* out: the buffer's identity (ABI 1.3,
+				 * TDRV_FEAT_BUF_ID): handles of one buffer,
+				 * in any file of the device (an IMPORT of its
+				 * dma-buf included), report the same buf_id,
+				 * and no two live buffers of the device share
+				 * one; a freed buffer's id may be reused.
+				 * Never 0. Lets a process that imports a
+				 * dma-buf find the buffer it already holds.
+				 * Ignored on input (was "reserved, zero" in
+				 * ABI 1.0-1.2). */
 };
 
 /* TDRV_IOC_COPY_IN / TDRV_IOC_COPY_OUT: user memory <-> buffer. COPY_IN

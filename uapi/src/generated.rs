@@ -3,7 +3,7 @@
 // Generated from uapi/tdrv.h by scripts/gen-uapi; do not edit.
 
 pub const TDRV_ABI_MAJOR: u32 = 1;
-pub const TDRV_ABI_MINOR: u32 = 2;
+pub const TDRV_ABI_MINOR: u32 = 3;
 pub const TDRV_FEAT_MMAP: u32 = 1;
 pub const TDRV_FEAT_SUBMIT: u32 = 2;
 pub const TDRV_FEAT_COMPLETION: u32 = 4;
@@ -11,6 +11,7 @@ pub const TDRV_FEAT_IRQ: u32 = 8;
 pub const TDRV_FEAT_ERROR_LATCH: u32 = 16;
 pub const TDRV_FEAT_DMABUF: u32 = 32;
 pub const TDRV_FEAT_FENCE_FD: u32 = 64;
+pub const TDRV_FEAT_BUF_ID: u32 = 128;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
 pub const TDRV_DEVICE_SIM: u32 = 3;
@@ -85,7 +86,7 @@ pub struct tdrv_buf_info {
     pub pad: __u32,
     pub error: __s32,
     pub pad2: __u32,
-    pub reserved: __u64,
+    pub buf_id: __u64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

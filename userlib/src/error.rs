@@ -141,6 +141,20 @@ pub enum Error {
         /// The errno the failed job ended with (`EIO` when unknown).
         errno: i32,
     },
+    /// The safe mapping guards ([`crate::Tensor::map_read`], `map_write`)
+    /// refuse a buffer shared through a dma-buf (exported, imported, or
+    /// whose raw handle was exported with [`crate::Device::export`]):
+    /// another process may write it, so its bytes cannot be lent as a
+    /// Rust reference. Copy them ([`crate::Tensor::read`]), or use the
+    /// `unsafe` [`crate::Tensor::map_read_shared`] / `map_write_shared`.
+    #[error(
+        "{op}: the buffer is shared through a dma-buf (another process may write it); \
+         copy with read/write, or use the unsafe map_*_shared"
+    )]
+    SharedBuffer {
+        /// The operation refused.
+        op: &'static str,
+    },
     /// A host access overlaps bytes an open indexed accessor
     /// ([`crate::accessor::TensorAccessor`]) or mapping guard
     /// ([`crate::Tensor::map_read`], `map_write`), on any view of the same
@@ -191,7 +205,7 @@ impl Error {
             Error::OutOfBounds { .. } => libc::ERANGE,
             Error::Overflow { .. } => libc::EOVERFLOW,
             Error::NoStorage { .. } => libc::ENXIO,
-            Error::Unsupported { .. } => libc::EOPNOTSUPP,
+            Error::Unsupported { .. } | Error::SharedBuffer { .. } => libc::EOPNOTSUPP,
             Error::CrossChannel { .. } => libc::EXDEV,
             Error::InvalidArgument(_) => libc::EINVAL,
             Error::Timeout { .. } => libc::ETIMEDOUT,

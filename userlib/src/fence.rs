@@ -240,17 +240,43 @@ impl HostSync {
         }
     }
 
-    /// Waits until `spans` can be registered; registers them.
-    fn register(&self, op: &'static str, spans: &[Span], fence: bool) -> Result<()> {
+    /// Waits until `spans` can be registered, or `deadline` passes
+    /// (`Ok(false)`, nothing registered); registers them. A wait without
+    /// limit logs a heartbeat every heartbeat interval.
+    fn register(
+        &self,
+        op: &'static str,
+        spans: &[Span],
+        fence: bool,
+        deadline: Deadline,
+    ) -> Result<bool> {
         let mut st = self.lock();
         loop {
             match st.readiness(spans, fence) {
                 Readiness::Ready => break,
                 Readiness::Busy => return Err(Error::Busy { op }),
                 Readiness::Wait => {
+                    let wait = match deadline.remaining() {
+                        Some(left) if left.is_zero() => return Ok(false),
+                        Some(left) => left,
+                        None => heartbeat_interval(),
+                    };
                     st.waiters += 1;
-                    st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+                    let r;
+                    (st, r) = self
+                        .cond
+                        .wait_timeout(st, wait)
+                        .unwrap_or_else(|e| e.into_inner());
                     st.waiters -= 1;
+                    if r.timed_out()
+                        && matches!(deadline, Deadline::Never)
+                        && st.readiness(spans, fence) == Readiness::Wait
+                    {
+                        log_warn!(
+                            "{op}: still waiting for overlapping host copies or device \
+                             accesses (async marks) of the storage"
+                        );
+                    }
                 }
             }
         }
@@ -258,7 +284,7 @@ impl HostSync {
             Error::OutOfMemory(spans.len().saturating_mul(std::mem::size_of::<Span>()))
         })?;
         st.active.extend_from_slice(spans);
-        Ok(())
+        Ok(true)
     }
 
     /// Registers host access to `spans` once no conflicting host copy is
@@ -272,8 +298,21 @@ impl HostSync {
         spans: &'a [Span],
         fence: bool,
     ) -> Result<HostAccess<'a>> {
-        self.register(op, spans, fence)?;
+        self.register(op, spans, fence, Deadline::Never)?;
         Ok(HostAccess { sync: self, spans })
+    }
+
+    /// [`HostSync::acquire`] that gives up at `deadline`: `Ok(None)`.
+    pub(crate) fn acquire_until<'a>(
+        &'a self,
+        op: &'static str,
+        spans: &'a [Span],
+        fence: bool,
+        deadline: Deadline,
+    ) -> Result<Option<HostAccess<'a>>> {
+        Ok(self
+            .register(op, spans, fence, deadline)?
+            .then_some(HostAccess { sync: self, spans }))
     }
 
     /// Registers the long-lived span of an indexed accessor or a mapping
@@ -281,7 +320,8 @@ impl HostSync {
     /// it conflicts with another long-lived span.
     pub(crate) fn hold(&self, op: &'static str, span: Span) -> Result<HeldSpan<'_>> {
         debug_assert!(span.long_lived());
-        self.register(op, &[span], false)?;
+        // The plain copies it waits for always finish.
+        self.register(op, &[span], false, Deadline::Never)?;
         Ok(HeldSpan {
             sync: self,
             span: [span],
@@ -326,7 +366,13 @@ impl HostSync {
     /// `write`, a host write) is in flight.
     pub(crate) fn wait_device(&self, write: bool, deadline: Deadline) -> bool {
         let st = self.lock();
-        self.wait_until(st, deadline, None, |st| st.device_quiet(write))
+        let heartbeat = || {
+            format!(
+                "still waiting for device {} marked on a host storage (mark_async_finish)",
+                if write { "accesses" } else { "writes" }
+            )
+        };
+        self.wait_until(st, deadline, Some(&heartbeat), |st| st.device_quiet(write))
             .1
     }
 

@@ -2,7 +2,10 @@
 //!
 //! Every operation checks its ranges (with overflow checks) against the view
 //! and returns an error instead of asserting like the original. Fake
-//! storage makes them no-ops (after the checks).
+//! storage has no bytes: after the checks, reads from it (and copies from
+//! it) fill the destination with zeros, and writes, memsets and copies into
+//! it discard their bytes. (The seed's read left the caller's buffer as it
+//! was, so a caller saw whatever it held before: zeros are defined.)
 //!
 //! Fences, as in the seed: a read waits for in-flight device writes of the
 //! storage, a write or memset for every in-flight device access. For host
@@ -11,6 +14,7 @@
 //! mapping; the COPY/MEMSET ioctls fence themselves).
 
 use std::ptr::{self, NonNull};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::fence::{HostAccess, Span};
@@ -18,6 +22,7 @@ use crate::storage::{DmaBuffer, Memory, Storage};
 use crate::sys::{tdrv_copy_desc, FenceKind, SysError};
 use crate::tensor::Tensor;
 use crate::trace::{self, TraceOp};
+use crate::wait::Deadline;
 
 /// Whether an operation waits for in-flight device accesses first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -99,9 +104,27 @@ fn dma_fence(
     kind: FenceKind,
     fencing: Fencing,
 ) -> Result<bool> {
-    let Some(b) = st.dma() else { return Ok(false) };
+    dma_fence_until(st, name, op, kind, fencing, Deadline::Never).map(|l| l.unwrap_or(false))
+}
+
+/// [`dma_fence`] that gives up at `deadline`: `Ok(None)`.
+fn dma_fence_until(
+    st: &Storage,
+    name: &str,
+    op: &'static str,
+    kind: FenceKind,
+    fencing: Fencing,
+    deadline: Deadline,
+) -> Result<Option<bool>> {
+    let Some(b) = st.dma() else {
+        return Ok(Some(false));
+    };
     let r = match fencing {
-        Fencing::Wait => b.fence(kind),
+        Fencing::Wait => match b.fence_until(kind, deadline) {
+            Ok(true) => Ok(()),
+            Ok(false) => return Ok(None),
+            Err(e) => Err(e),
+        },
         Fencing::Skip => match b.device.buf_info(b.handle) {
             Ok(info) if info.error != 0 => Err(Error::Sys(SysError::from_errno(op, libc::EIO))),
             Ok(_) => Ok(()),
@@ -109,8 +132,8 @@ fn dma_fence(
         },
     };
     match r {
-        Ok(()) => Ok(false),
-        Err(Error::Sys(e)) if e.errno() == libc::EIO && kind == FenceKind::All => Ok(true),
+        Ok(()) => Ok(Some(false)),
+        Err(Error::Sys(e)) if e.errno() == libc::EIO && kind == FenceKind::All => Ok(Some(true)),
         Err(Error::Sys(e)) => Err(latch_error(op, name, b, e)),
         Err(e) => Err(e),
     }
@@ -206,7 +229,14 @@ impl Tensor {
         dir: Dir,
         ops: &mut dyn ExactSizeIterator<Item = (usize, *mut u8, usize)>,
         fencing: Fencing,
+        timeout: Option<Duration>,
     ) -> Result<()> {
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op,
+            name: self.name().to_owned(),
+            waited: timeout.unwrap_or_default(),
+        };
         // One op (read, write) needs no heap: the arrays below; a batch
         // gets vectors.
         let many = ops.len() > 1;
@@ -244,10 +274,36 @@ impl Tensor {
             (&one.0, &one.1)
         };
         match (&st.mem, st.host_base()) {
-            (Memory::Fake, _) => Ok(()),
+            (Memory::Fake, _) => {
+                if dir == Dir::Read {
+                    for &(_, ptr, len) in checked {
+                        // SAFETY: `ptr` is valid for writes of `len` bytes
+                        // and not accessed by others (our contract).
+                        unsafe { ptr::write_bytes(ptr, 0, len) };
+                    }
+                }
+                Ok(())
+            }
             (Memory::Dma(b), None) => {
-                // Unmapped: the kernel copies, and fences itself. A failing
-                // op stops the batch (see DESIGN.md, batches).
+                // Unmapped: the kernel copies, and fences itself, without
+                // a limit or a heartbeat: wait for the fence here first.
+                if fencing == Fencing::Wait {
+                    let kind = match dir {
+                        Dir::Read => FenceKind::Writes,
+                        Dir::Write => FenceKind::All,
+                    };
+                    match b.fence_until(kind, deadline) {
+                        Ok(true) => {}
+                        Ok(false) => return Err(timed_out()),
+                        Err(Error::Sys(e)) if dir == Dir::Read => {
+                            return Err(latch_error(op, self.name(), b, e))
+                        }
+                        // A latched buffer is written by COPY_IN below.
+                        Err(Error::Sys(e)) if e.errno() == libc::EIO => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                // A failing op stops the batch (see DESIGN.md, batches).
                 for &(abs, ptr, len) in checked {
                     // SAFETY: `ptr` is valid for `len` bytes per our
                     // contract; the kernel accesses it with copy_*_user.
@@ -265,12 +321,21 @@ impl Tensor {
             }
             (_, None) => Ok(()),
             (_, Some(base)) => {
-                let _g = st.sync.acquire(op, spans, fencing == Fencing::Wait)?;
+                let Some(_g) =
+                    st.sync
+                        .acquire_until(op, spans, fencing == Fencing::Wait, deadline)?
+                else {
+                    return Err(timed_out());
+                };
                 let kind = match dir {
                     Dir::Read => FenceKind::Writes,
                     Dir::Write => FenceKind::All,
                 };
-                if dma_fence(st, self.name(), op, kind, fencing)? {
+                let latched = match dma_fence_until(st, self.name(), op, kind, fencing, deadline)? {
+                    Some(latched) => latched,
+                    None => return Err(timed_out()),
+                };
+                if latched {
                     // A latched buffer is written through the kernel.
                     let Some(b) = st.dma() else { return Ok(()) };
                     for &(abs, ptr, len) in checked {
@@ -316,7 +381,7 @@ impl Tensor {
         let _t = trace::scope(TraceOp::Read, self.name(), len);
         let mut ops = std::iter::once((offset, dst, len));
         // SAFETY: forwarded to our caller.
-        unsafe { self.transfer("read", Dir::Read, &mut ops, Fencing::Wait) }
+        unsafe { self.transfer("read", Dir::Read, &mut ops, Fencing::Wait, None) }
     }
 
     /// Writes `src` at `offset` of the view, after every in-flight device
@@ -336,7 +401,30 @@ impl Tensor {
         let _t = trace::scope(TraceOp::Write, self.name(), len);
         let mut ops = std::iter::once((offset, src.cast_mut(), len));
         // SAFETY: forwarded to our caller; the memory is only read.
-        unsafe { self.transfer("write", Dir::Write, &mut ops, Fencing::Wait) }
+        unsafe { self.transfer("write", Dir::Write, &mut ops, Fencing::Wait, None) }
+    }
+
+    /// [`Tensor::read`] that waits at most `timeout` for the in-flight
+    /// device writes and overlapping host copies it must wait for
+    /// ([`Error::Timeout`] then, with nothing read). `read` itself waits
+    /// without limit and logs a warning every heartbeat interval
+    /// ([`crate::set_heartbeat_interval`], 30 s by default) while it does.
+    pub fn read_timeout(&self, offset: usize, dst: &mut [u8], timeout: Duration) -> Result<()> {
+        let _t = trace::scope(TraceOp::Read, self.name(), dst.len());
+        let mut ops = std::iter::once((offset, dst.as_mut_ptr(), dst.len()));
+        // SAFETY: `dst` is an exclusive borrow of `dst.len()` bytes.
+        unsafe { self.transfer("read", Dir::Read, &mut ops, Fencing::Wait, Some(timeout)) }
+    }
+
+    /// [`Tensor::write`] that waits at most `timeout` for every in-flight
+    /// device access and overlapping host copy ([`Error::Timeout`] then,
+    /// with nothing written). See [`Tensor::read_timeout`].
+    pub fn write_timeout(&self, offset: usize, src: &[u8], timeout: Duration) -> Result<()> {
+        let _t = trace::scope(TraceOp::Write, self.name(), src.len());
+        let mut ops = std::iter::once((offset, src.as_ptr().cast_mut(), src.len()));
+        // SAFETY: `src` is a shared borrow: valid and unchanged meanwhile;
+        // it is only read.
+        unsafe { self.transfer("write", Dir::Write, &mut ops, Fencing::Wait, Some(timeout)) }
     }
 
     /// The whole view as a vector.
@@ -405,7 +493,7 @@ impl Tensor {
             .iter_mut()
             .map(|o| (o.offset, o.buf.as_mut_ptr(), o.buf.len()));
         // SAFETY: every buffer is an exclusive borrow of its length.
-        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing) }
+        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing, None) }
     }
 
     /// [`Tensor::read_batch`] into memory given by address.
@@ -419,7 +507,7 @@ impl Tensor {
         let _t = trace::scope(TraceOp::ReadBatch, self.name(), total);
         let mut it = ops.iter().map(|o| (o.offset, o.dst, o.len));
         // SAFETY: forwarded to our caller.
-        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing) }
+        unsafe { self.transfer("read_batch", Dir::Read, &mut it, fencing, None) }
     }
 
     /// Several writes to this tensor, fenced once, applied in order. Every
@@ -433,7 +521,7 @@ impl Tensor {
             .iter()
             .map(|o| (o.offset, o.buf.as_ptr().cast_mut(), o.buf.len()));
         // SAFETY: every buffer is a shared borrow, only read.
-        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing) }
+        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing, None) }
     }
 
     /// [`Tensor::write_batch`] from memory given by address.
@@ -447,7 +535,7 @@ impl Tensor {
         let _t = trace::scope(TraceOp::WriteBatch, self.name(), total);
         let mut it = ops.iter().map(|o| (o.offset, o.src.cast_mut(), o.len));
         // SAFETY: forwarded to our caller; sources are only read.
-        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing) }
+        unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing, None) }
     }
 
     /// Fills `size` bytes at `offset` with `value`, after every in-flight
@@ -485,7 +573,9 @@ impl Tensor {
     /// ([`Error::CrossChannel`] otherwise). Every other combination does the
     /// host round trip: a host-side memmove through the host addresses, or
     /// `COPY_IN`/`COPY_OUT` for unmapped buffers. Overlapping ranges of one
-    /// storage are copied as by memmove. Fake on either side is a no-op.
+    /// storage are copied as by memmove. A `Fake` source reads as zeros (the
+    /// destination range is zero-filled, as by [`Tensor::memset`]); a
+    /// `Fake` destination discards the bytes.
     pub fn copy(
         src: &Tensor,
         src_offset: usize,
@@ -500,7 +590,8 @@ impl Tensor {
             return Ok(());
         }
         match (&ss.mem, &ds.mem) {
-            (Memory::Fake, _) | (_, Memory::Fake) => Ok(()),
+            (_, Memory::Fake) => Ok(()),
+            (Memory::Fake, _) => dst.memset(dst_offset, 0, size),
             (Memory::Dma(a), Memory::Dma(b)) if std::sync::Arc::ptr_eq(&a.device, &b.device) => {
                 if a.channel != b.channel {
                     return Err(Error::CrossChannel {

@@ -69,6 +69,8 @@ pub mod compat;
 mod completion;
 pub mod dump;
 mod error;
+#[cfg(test)]
+mod fakedev;
 mod fence;
 mod few;
 pub mod handles;

@@ -19,6 +19,7 @@
 
 use std::ops::{Deref, DerefMut, RangeBounds};
 use std::ptr::NonNull;
+use std::time::Duration;
 
 use crate::builder::byte_range;
 use crate::error::{Error, Result};
@@ -97,12 +98,24 @@ impl std::fmt::Debug for MappedBytesMut<'_> {
 type Parts<'a> = (NonNull<u8>, usize, Option<Pin<'a>>, HeldSpan<'a>);
 
 impl Tensor {
+    /// With `shared_ok`, the caller has promised (`map_*_shared`) that no
+    /// other process writes (or, for `write`, accesses) the range while
+    /// the guard lives; otherwise a buffer shared through a dma-buf is
+    /// [`Error::SharedBuffer`].
     fn map_range(
         &self,
         op: &'static str,
         range: impl RangeBounds<usize>,
         write: bool,
+        shared_ok: bool,
+        timeout: Option<Duration>,
     ) -> Result<Parts<'_>> {
+        let deadline = Deadline::from_timeout(timeout);
+        let timed_out = || Error::Timeout {
+            op,
+            name: self.name().to_owned(),
+            waited: timeout.unwrap_or_default(),
+        };
         let (offset, len) = byte_range(op, range, self.size())?;
         let (st, abs) = self.locate(op, offset, len)?;
         let st: &Storage = st;
@@ -117,23 +130,34 @@ impl Tensor {
         let span = st.sync.hold(op, Span::guard(abs, len, write))?;
         let pin = match st.dma() {
             Some(b) => {
-                // No device write can start from here on ...
+                // No device write can start from here on, and no export
+                // (it refuses a pinned buffer) ...
                 let pin = b.device.pin(b.handle)?;
+                // ... so whether another process may write the bytes is
+                // settled now.
+                if b.device.is_shared(b.handle) && !shared_ok {
+                    return Err(Error::SharedBuffer { op });
+                }
                 // ... and those in flight are waited for.
                 let kind = if write {
                     FenceKind::All
                 } else {
                     FenceKind::Writes
                 };
-                b.fence(kind).map_err(|e| match e {
+                let done = b.fence_until(kind, deadline).map_err(|e| match e {
                     Error::Sys(e) => self.dma_error(op, b, e),
                     e => e,
                 })?;
+                if !done {
+                    return Err(timed_out());
+                }
                 Some(pin)
             }
             None => {
                 // Host storage: the async marks stand for device access.
-                st.sync.wait_device(write, Deadline::Never);
+                if !st.sync.wait_device(write, deadline) {
+                    return Err(timed_out());
+                }
                 None
             }
         };
@@ -148,7 +172,9 @@ impl Tensor {
     /// the buffer are refused ([`crate::SysError::Pinned`]). Waits for
     /// device writes in flight; a buffer a failed job wrote is
     /// [`Error::DeviceWriteFailed`]. `Fake` tensors and unmapped buffers
-    /// are [`Error::Unsupported`].
+    /// are [`Error::Unsupported`]; a buffer shared through a dma-buf,
+    /// which another process may write, is [`Error::SharedBuffer`] (see
+    /// [`Tensor::map_read_shared`]).
     ///
     /// ```
     /// use tdrv::Tensor;
@@ -168,7 +194,7 @@ impl Tensor {
     /// # Ok::<(), tdrv::Error>(())
     /// ```
     pub fn map_read(&self, range: impl RangeBounds<usize>) -> Result<MappedBytes<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_read", range, false, false, None)?;
         Ok(MappedBytes {
             ptr,
             len,
@@ -185,7 +211,90 @@ impl Tensor {
     /// latched buffer is [`Error::DeviceWriteFailed`] here; write it with
     /// [`Tensor::write`] first. See [`Tensor::map_read`].
     pub fn map_write(&self, range: impl RangeBounds<usize>) -> Result<MappedBytesMut<'_>> {
-        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true)?;
+        let (ptr, len, _pin, _span) = self.map_range("map_write", range, true, false, None)?;
+        Ok(MappedBytesMut {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_read`] that waits at most `timeout` for the device
+    /// writes in flight ([`Error::Timeout`] then, with nothing held).
+    /// `map_read` itself waits without limit and logs a warning every
+    /// heartbeat interval ([`crate::set_heartbeat_interval`]) meanwhile.
+    pub fn map_read_timeout(
+        &self,
+        range: impl RangeBounds<usize>,
+        timeout: Duration,
+    ) -> Result<MappedBytes<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_read", range, false, false, Some(timeout))?;
+        Ok(MappedBytes {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_write`] that waits at most `timeout` for the device
+    /// accesses in flight ([`Error::Timeout`] then); see
+    /// [`Tensor::map_read_timeout`].
+    pub fn map_write_timeout(
+        &self,
+        range: impl RangeBounds<usize>,
+        timeout: Duration,
+    ) -> Result<MappedBytesMut<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_write", range, true, false, Some(timeout))?;
+        Ok(MappedBytesMut {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_read`] of a buffer shared through a dma-buf, which
+    /// the safe form refuses ([`Error::SharedBuffer`]). Everything in this
+    /// process is still excluded as by `map_read` (host writes are
+    /// [`Error::Busy`], device writes through this process's files are
+    /// refused); what the library cannot see is the other holders of the
+    /// dma-buf.
+    ///
+    /// # Safety
+    /// No other process (nor any device user of the dma-buf outside this
+    /// process's tdrv files) may write the bytes of `range` while the
+    /// guard lives: a reference's bytes must not change under it.
+    pub unsafe fn map_read_shared(
+        &self,
+        range: impl RangeBounds<usize>,
+    ) -> Result<MappedBytes<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_read_shared", range, false, true, None)?;
+        Ok(MappedBytes {
+            ptr,
+            len,
+            _pin,
+            _span,
+        })
+    }
+
+    /// [`Tensor::map_write`] of a buffer shared through a dma-buf; see
+    /// [`Tensor::map_read_shared`].
+    ///
+    /// # Safety
+    /// No other process (nor any device user of the dma-buf outside this
+    /// process's tdrv files) may read or write the bytes of `range` while
+    /// the guard lives.
+    pub unsafe fn map_write_shared(
+        &self,
+        range: impl RangeBounds<usize>,
+    ) -> Result<MappedBytesMut<'_>> {
+        let (ptr, len, _pin, _span) =
+            self.map_range("map_write_shared", range, true, true, None)?;
         Ok(MappedBytesMut {
             ptr,
             len,

@@ -459,8 +459,17 @@ fn cpu_copy(
 ) -> Result<()> {
     let len = local.len;
     let base = match (&st.mem, st.host_base()) {
-        // Size-only storage: nothing to move (as the tensor I/O does).
-        (Memory::Fake, _) => return Ok(()),
+        // Size-only storage: it reads as zeros and discards writes (as the
+        // tensor I/O does).
+        (Memory::Fake, _) => {
+            if dir == Dir::FromTensor {
+                // SAFETY: `local` is `len` writable bytes (a checked range
+                // of a LocalBuffer or an exclusive slice) that no one else
+                // touches during the call.
+                unsafe { std::ptr::write_bytes(local.ptr, 0, len) };
+            }
+            return Ok(());
+        }
         (Memory::Dma(b), None) => {
             // Not mappable: only the driver can reach the bytes.
             match dir {

@@ -8,15 +8,17 @@
 //! alone.
 
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use crate::error::{Error, Result};
 use crate::fence::HostSync;
-use crate::log::log_warn;
+use crate::log::{heartbeat_interval, log_warn};
 use crate::sys::{Device, FenceKind, Mapping, SysError};
+use crate::wait::Deadline;
 
 /// Alignment of host (`Malloc`) allocations: a cache line.
 pub const HOST_ALIGN: usize = 64;
@@ -29,7 +31,8 @@ pub enum StorageKind {
     Malloc,
     /// A tdrv device buffer (and its mapping), freed with `TDRV_IOC_FREE`.
     Dma,
-    /// Size only: no bytes exist; I/O is a no-op.
+    /// Size only: no bytes exist. Reads (and copies from it) give zeros;
+    /// writes, memsets and copies into it discard their bytes.
     Fake,
     /// A caller's buffer; never freed by the library.
     User,
@@ -62,6 +65,30 @@ pub(crate) struct DmaBuffer {
     /// The host mapping, made at the first host access (see DESIGN.md,
     /// "Mapping on first host access").
     pub mapping: OnceLock<Mapping>,
+    /// The buffer's `buf_id`, once the storage is in the process's
+    /// registry of shareable buffers ([`Storage::share`]).
+    registered: OnceLock<u64>,
+}
+
+/// The process's storages whose buffer may come back through a dma-buf
+/// import, by (device number, `buf_id`): an import of one of them resolves
+/// to that storage, so one buffer has one host exclusion (`HostSync`) in
+/// the process. An entry's storage keeps its buffer alive, so its
+/// `buf_id` cannot name another buffer meanwhile.
+type Registry = HashMap<(u64, u64), Weak<Storage>>;
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        // Nothing panics while holding it; a poisoned map is still whole.
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether the driver reports `tdrv_buf_info.buf_id`.
+fn has_buf_id(device: &Device) -> bool {
+    device.has_features(tdrv_uapi::TDRV_FEAT_BUF_ID.into())
 }
 
 impl DmaBuffer {
@@ -80,6 +107,7 @@ impl DmaBuffer {
             dma_addr,
             mmap_offset,
             mapping: OnceLock::new(),
+            registered: OnceLock::new(),
         }
     }
 
@@ -105,12 +133,41 @@ impl DmaBuffer {
         self.mapping.get()
     }
 
-    /// Waits (without limit, through signals) for the kernel fence `kind`.
+    /// Waits (without limit, through signals) for the kernel fence `kind`,
+    /// logging a heartbeat every [`crate::set_heartbeat_interval`].
     pub(crate) fn fence(&self, kind: FenceKind) -> Result<()> {
+        self.fence_until(kind, Deadline::Never).map(drop)
+    }
+
+    /// Waits for the kernel fence `kind` until `deadline`: `Ok(false)` if
+    /// it passed first. A wait without limit logs a heartbeat every
+    /// heartbeat interval, so a device that never finishes is visible.
+    pub(crate) fn fence_until(&self, kind: FenceKind, deadline: Deadline) -> Result<bool> {
+        let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
-            match self.device.fence_wait(self.handle, kind, -1) {
-                Err(SysError::Interrupted { .. }) => continue,
-                r => return Ok(r?),
+            match self
+                .device
+                .fence_wait(self.handle, kind, deadline.remaining_us(cap))
+            {
+                Ok(()) => return Ok(true),
+                Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {
+                    log_warn!(
+                        "still waiting for device {} of tdrv buffer {}",
+                        match kind {
+                            FenceKind::Reads => "reads",
+                            FenceKind::Writes => "writes",
+                            FenceKind::All => "accesses",
+                        },
+                        self.handle
+                    );
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
+                    if deadline.expired() =>
+                {
+                    return Ok(false)
+                }
+                Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
+                Err(e) => return Err(e.into()),
             }
         }
     }
@@ -121,6 +178,14 @@ impl Drop for DmaBuffer {
         // Unmap first, then drop the handle; the kernel frees the memory
         // once no mapping and no in-flight job use it.
         drop(self.mapping.take());
+        if let Some(&id) = self.registered.get() {
+            let key = (self.device.rdev(), id);
+            let mut reg = registry();
+            // Only this storage's entry (now dead), not a newer one.
+            if reg.get(&key).is_some_and(|w| w.strong_count() == 0) {
+                reg.remove(&key);
+            }
+        }
         if let Err(e) = self.device.free(self.handle) {
             log_warn!("freeing tdrv buffer {}: {e}", self.handle);
         }
@@ -253,14 +318,61 @@ impl Storage {
                 device.path().display()
             )));
         }
+        // Without buffer identities an import of a buffer this process
+        // holds would get a second storage, whose host exclusion does not
+        // see the first one's guards (DESIGN.md, "One buffer, one storage").
+        if !has_buf_id(device) {
+            return Err(Error::invalid(format!(
+                "{} does not report buffer identities (ABI 1.3, TDRV_FEAT_BUF_ID), \
+                 which dma-buf import needs",
+                device.path().display()
+            )));
+        }
         let i = device.import(fd, channel)?;
         let size = usize::try_from(i.size).map_err(|_| Error::OutOfMemory(usize::MAX))?;
         let map = NonZeroU64::new(i.mmap_offset)
             .filter(|_| device.has_features(tdrv_uapi::TDRV_FEAT_MMAP.into()));
         let mut buf = DmaBuffer::new(device.clone(), i.handle, i.channel, 0, map);
         // On failure `buf` is dropped, which frees the handle.
-        buf.dma_addr = device.buf_info(i.handle)?.dma_addr;
-        Ok(Self::with_count(size, Memory::Dma(buf), true))
+        let info = device.buf_info(i.handle)?;
+        buf.dma_addr = info.dma_addr;
+        let key = (device.rdev(), info.buf_id);
+        // Lookup and insertion under one lock: two threads importing one
+        // buffer get one storage.
+        let mut reg = registry();
+        if let Some(same) = reg.get(&key).and_then(Weak::upgrade) {
+            drop(reg);
+            // The buffer is already a storage here: the new handle goes
+            // (dropping `buf` frees it; it is not in the registry).
+            drop(buf);
+            return Ok(same);
+        }
+        let _ = buf.registered.set(info.buf_id);
+        reg.try_reserve(1).map_err(|_| Error::OutOfMemory(64))?;
+        let st = Self::with_count(size, Memory::Dma(buf), true);
+        reg.insert(key, Arc::downgrade(&st));
+        Ok(st)
+    }
+
+    /// Puts a `Dma` storage in the process's registry of shareable buffers
+    /// (before its buffer can leave as a dma-buf: `export_dmabuf`, or the
+    /// raw handle), so that an import of it in this process resolves to
+    /// this storage. Once per storage; a no-op for host storage and on a
+    /// driver without buffer identities (whose imports are refused).
+    pub(crate) fn share(self: &Arc<Storage>) -> Result<()> {
+        let Some(b) = self.dma() else { return Ok(()) };
+        if b.registered.get().is_some() || !has_buf_id(&b.device) {
+            return Ok(());
+        }
+        let id = b.device.buf_info(b.handle)?.buf_id;
+        let mut reg = registry();
+        if b.registered.get().is_some() {
+            return Ok(());
+        }
+        reg.try_reserve(1).map_err(|_| Error::OutOfMemory(64))?;
+        reg.insert((b.device.rdev(), id), Arc::downgrade(self));
+        let _ = b.registered.set(id);
+        Ok(())
     }
 
     pub(crate) fn kind(&self) -> StorageKind {

@@ -6,7 +6,7 @@
 //! Nothing here knows about tensors: this is the layer the tensor code (and
 //! tests that poke the driver directly) are built on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
@@ -333,6 +333,18 @@ pub struct Device {
     /// pinned destination; pinning takes the write side, so it waits for
     /// the writes in progress. See `userlib/DESIGN.md`.
     pins: RwLock<HashMap<u64, usize>>,
+    /// Handles of this file whose buffer is shared through a dma-buf
+    /// (exported with [`Device::export`], or imported): another process
+    /// may write its bytes. Changed under the read side of `pins`, so a
+    /// pin and an export of one buffer are ordered.
+    shared: Mutex<HashSet<u64>>,
+    /// The device number of the node (`st_rdev`): with a `buf_id`, the
+    /// process-wide name of a buffer.
+    rdev: u64,
+    /// An in-process device answering the ioctls (unit tests only, so the
+    /// `Dma` paths run under Miri): see `fakedev.rs`.
+    #[cfg(test)]
+    fake: Option<Arc<crate::fakedev::FakeDevice>>,
 }
 
 /// A pin of one buffer (see [`Device`]'s `pins`); unpins on drop.
@@ -415,7 +427,18 @@ impl Device {
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
             pins: RwLock::new(HashMap::new()),
+            shared: Mutex::new(HashSet::new()),
+            rdev: 0,
+            #[cfg(test)]
+            fake: None,
         };
+        // SAFETY: an all-zero `stat` is a valid value of the plain C struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: the fd is open and `st` is a live, writable `stat`.
+        if unsafe { libc::fstat(dev.fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(SysError::last("fstat"));
+        }
+        dev.rdev = st.st_rdev;
         dev.version = dev.version()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
             return Err(SysError::AbiMismatch {
@@ -502,6 +525,12 @@ impl Device {
         arg: &mut T,
         restart: bool,
     ) -> Result<(), SysError> {
+        #[cfg(test)]
+        if let Some(fake) = &self.fake {
+            // SAFETY: as for the real call below: `arg` is the live,
+            // exclusively borrowed struct `request` names.
+            return unsafe { fake.ioctl(op, request, (arg as *mut T).cast()) };
+        }
         loop {
             // SAFETY: the fd is open for the lifetime of `self`; `request` is
             // a tdrv request number whose size field is `size_of::<T>()` (the
@@ -558,6 +587,7 @@ impl Device {
             reserved: 0,
         };
         self.ioctl("FREE", uapi::TDRV_IOC_FREE, &mut f, true)?;
+        self.lock_shared().remove(&handle);
         if self.any_reset.load(Ordering::Acquire) {
             self.lock_resets().remove(&handle);
         }
@@ -812,7 +842,43 @@ impl Device {
             resets: Mutex::new(HashMap::new()),
             any_reset: AtomicBool::new(false),
             pins: RwLock::new(HashMap::new()),
+            shared: Mutex::new(HashSet::new()),
+            rdev: 0,
+            fake: None,
         })
+    }
+
+    /// A device whose ioctls an in-process [`FakeDevice`] answers from heap
+    /// memory (see `fakedev.rs`), reporting `features`; returned with the
+    /// fake for its test knobs.
+    ///
+    /// [`FakeDevice`]: crate::fakedev::FakeDevice
+    #[cfg(test)]
+    pub(crate) fn fake_with(features: u64) -> (Arc<Device>, Arc<crate::fakedev::FakeDevice>) {
+        let fake = Arc::new(crate::fakedev::FakeDevice::new(features));
+        let fd: OwnedFd = std::fs::File::open("/dev/null").expect("/dev/null").into();
+        let dev = Arc::new(Device {
+            fd,
+            path: PathBuf::from("/dev/tdrv-fake"),
+            version: fake.version,
+            resets: Mutex::new(HashMap::new()),
+            any_reset: AtomicBool::new(false),
+            pins: RwLock::new(HashMap::new()),
+            shared: Mutex::new(HashSet::new()),
+            rdev: {
+                // A distinct device number per fake device.
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                u64::MAX - NEXT.fetch_add(1, Ordering::Relaxed)
+            },
+            fake: Some(fake.clone()),
+        });
+        (dev, fake)
+    }
+
+    /// [`Device::fake_with`] the features of a soft device.
+    #[cfg(test)]
+    pub(crate) fn fake() -> (Arc<Device>, Arc<crate::fakedev::FakeDevice>) {
+        Self::fake_with(crate::fakedev::FakeDevice::FEATURES)
     }
 
     #[cfg(test)]
@@ -837,13 +903,18 @@ impl Device {
 
     /// `TDRV_IOC_EXPORT` (ABI 1.2): the buffer as a dma-buf fd (O_RDWR,
     /// close-on-exec). The dma-buf is the same memory, fences and
-    /// completion count as the handle, and outlives it.
+    /// completion count as the handle, and outlives it. From now on the
+    /// buffer counts as shared ([`Device::is_shared`]); a buffer pinned by
+    /// a mapping guard is refused with [`SysError::Pinned`], since whoever
+    /// gets the dma-buf could write the bytes the guard lends.
     pub fn export(&self, handle: u64) -> Result<OwnedFd, SysError> {
         let mut e = uapi::tdrv_export {
             handle,
             ..Default::default()
         };
+        let _pins = self.unpinned("EXPORT", [handle])?;
         self.ioctl("EXPORT", uapi::TDRV_IOC_EXPORT, &mut e, true)?;
+        self.lock_shared().insert(handle);
         // SAFETY: on success the driver installed a new fd that nothing else
         // owns.
         Ok(unsafe { OwnedFd::from_raw_fd(e.fd) })
@@ -859,13 +930,44 @@ impl Device {
             ..Default::default()
         };
         self.ioctl("IMPORT", uapi::TDRV_IOC_IMPORT, &mut i, true)?;
+        self.lock_shared().insert(i.handle);
         Ok(i)
+    }
+
+    /// Whether buffer `handle` is shared through a dma-buf: exported with
+    /// [`Device::export`] or made by [`Device::import`]. Another process
+    /// may then write its bytes at any time.
+    pub fn is_shared(&self, handle: u64) -> bool {
+        self.lock_shared().contains(&handle)
+    }
+
+    fn lock_shared(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        // Nothing panics while holding it; a poisoned set is still whole.
+        self.shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The node's device number (`st_rdev`), which with a buffer's
+    /// `buf_id` names the buffer within the machine.
+    pub(crate) fn rdev(&self) -> u64 {
+        self.rdev
     }
 
     /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |
     /// PROT_WRITE, MAP_SHARED, fd, mmap_offset)`.
     pub fn map(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {
         let len = round_up_to_page(size).ok_or(SysError::from_errno("mmap", libc::EINVAL))?;
+        #[cfg(test)]
+        if let Some(fake) = &self.fake {
+            let mem = fake
+                .map(mmap_offset, len)
+                .map_err(|e| SysError::from_errno("mmap", e))?;
+            let ptr = NonNull::new(mem.as_ptr()).ok_or(SysError::from_errno("mmap", libc::EIO))?;
+            return Ok(Mapping {
+                ptr,
+                len,
+                fake: Some(mem),
+            });
+        }
         let offset = libc::off_t::try_from(mmap_offset)
             .map_err(|_| SysError::from_errno("mmap", libc::EINVAL))?;
         // SAFETY: a fresh shared mapping chosen by the kernel (addr NULL)
@@ -884,8 +986,19 @@ impl Device {
             return Err(SysError::last("mmap"));
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(SysError::from_errno("mmap", libc::EIO))?;
-        Ok(Mapping { ptr, len })
+        Ok(Mapping {
+            ptr,
+            len,
+            #[cfg(test)]
+            fake: None,
+        })
     }
+}
+
+/// `TDRV_FEAT_MMAP` as a feature word (tests of devices without mmap).
+#[cfg(test)]
+pub(crate) fn feat_mmap() -> u64 {
+    uapi::TDRV_FEAT_MMAP.into()
 }
 
 fn page_size() -> usize {
@@ -908,6 +1021,9 @@ fn round_up_to_page(size: u64) -> Option<usize> {
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// A fake device's heap block instead of a mapping: kept, not unmapped.
+    #[cfg(test)]
+    fake: Option<Arc<crate::fakedev::FakeMem>>,
 }
 
 // SAFETY: a Mapping is an address range, not a reference; the bytes are
@@ -936,6 +1052,10 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        #[cfg(test)]
+        if self.fake.is_some() {
+            return;
+        }
         // SAFETY: (ptr, len) is exactly the range mmap returned, and it is
         // unmapped only here, once.
         unsafe {

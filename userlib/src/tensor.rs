@@ -19,6 +19,7 @@ use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::log::log_warn;
 use crate::storage::{Storage, StorageKind};
 use crate::sys::Device;
 use crate::trace::{self, TraceOp};
@@ -607,7 +608,8 @@ impl Tensor {
         Self::with_storage(name, Storage::new_malloc(size)?)
     }
 
-    /// A size-only tensor (`Fake`): no bytes exist and I/O is a no-op.
+    /// A size-only tensor (`Fake`): no bytes exist. Reads give zeros,
+    /// writes are discarded, and it has no host address.
     pub fn allocate_fake(size: usize, name: Option<&str>) -> Result<Tensor> {
         let _t = trace::scope(TraceOp::Alloc, name.unwrap_or(DEFAULT_NAME), size);
         Self::with_storage(name, Storage::new_fake(size))
@@ -866,6 +868,11 @@ impl Tensor {
         let st = self.view().storage.as_ref()?;
         let b = st.dma()?;
         st.set_counted();
+        // The handle may leave as a dma-buf (`Device::export`): an import
+        // of it in this process must find this storage.
+        if let Err(e) = st.share() {
+            log_warn!("dma_handle: registering buffer {}: {e}", b.handle);
+        }
         Some(b.handle)
     }
 
@@ -877,6 +884,12 @@ impl Tensor {
     /// open it there with [`Tensor::from_dmabuf`], or give it to any
     /// dma-buf user that maps it with the CPU. [`Error::Unsupported`] for
     /// tensors that are not on a device.
+    ///
+    /// Others may write an exported buffer at any time, so from now on the
+    /// safe [`Tensor::map_read`]/[`Tensor::map_write`] refuse it
+    /// ([`Error::SharedBuffer`]; copies still work), and an export while a
+    /// mapping guard lends the buffer is refused
+    /// ([`crate::SysError::Pinned`]).
     ///
     /// ```no_run
     /// use tdrv::{Device, Tensor};
@@ -901,6 +914,8 @@ impl Tensor {
         // Others may write the buffer from now on: completion baselines
         // must be asked for.
         storage.set_counted();
+        // An import in this process resolves to this storage.
+        storage.share()?;
         Ok(b.device.export(b.handle)?)
     }
 
@@ -910,6 +925,13 @@ impl Tensor {
     /// `/dev/dma_heap/system`) is placed on HBM channel 0. `fd` may be
     /// closed afterwards. See [`Tensor::from_dmabuf_on`] for the channel
     /// and name, and [`Tensor::export_dmabuf`] for an example.
+    ///
+    /// A buffer this process already holds (its own export, through any
+    /// [`Device`] opened on the node) is not a second storage: the new
+    /// tensor is a view of the existing one, so host accesses through both
+    /// exclude each other as through two views of one tensor. Needs a
+    /// driver that reports buffer identities (ABI 1.3,
+    /// `TDRV_FEAT_BUF_ID`); older ones are [`Error::InvalidArgument`].
     pub fn from_dmabuf(device: &Arc<Device>, fd: impl std::os::fd::AsFd) -> Result<Tensor> {
         Self::from_dmabuf_on(device, 0, fd, None)
     }

@@ -200,8 +200,27 @@ fn fake_tensors_have_no_bytes() {
     assert!(f.va().is_none());
     let mut buf = [7u8; 8];
     f.read(0, &mut buf).unwrap();
-    assert_eq!(buf, [7; 8], "a fake read is a no-op");
-    f.write(8, &buf).unwrap();
+    assert_eq!(buf, [0; 8], "a fake tensor reads as zeros");
+    f.write(8, &[7; 8]).unwrap();
+    f.read(8, &mut buf).unwrap();
+    assert_eq!(buf, [0; 8], "writes to a fake tensor are discarded");
+    let mut a = [5u8; 4];
+    let mut b = [6u8; 4];
+    f.read_batch(
+        &mut [
+            ReadOp {
+                offset: 0,
+                buf: &mut a,
+            },
+            ReadOp {
+                offset: 100,
+                buf: &mut b,
+            },
+        ],
+        Fencing::Wait,
+    )
+    .unwrap();
+    assert_eq!((a, b), ([0; 4], [0; 4]), "every op of a batch is filled");
     f.memset(0, 1, 1 << 39).unwrap();
     assert!(
         f.read((1 << 40) - 4, &mut buf).is_err(),
@@ -211,9 +230,18 @@ fn fake_tensors_have_no_bytes() {
     assert_eq!(s.kind(), Some(StorageKind::Fake));
     let h = Tensor::allocate_host(16, None).unwrap();
     h.write(0, &[3; 16]).unwrap();
-    Tensor::copy(&f, 0, &h, 0, 16).unwrap();
     Tensor::copy(&h, 0, &f, 0, 16).unwrap();
-    assert_eq!(h.to_vec().unwrap(), vec![3; 16]);
+    assert_eq!(
+        h.to_vec().unwrap(),
+        [3; 16],
+        "a copy into fake moves nothing"
+    );
+    Tensor::copy(&f, 0, &h, 4, 8).unwrap();
+    assert_eq!(
+        h.to_vec().unwrap(),
+        [3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 3, 3, 3, 3],
+        "a copy from fake zero-fills its destination range"
+    );
     assert!(f.pa().is_err());
 }
 

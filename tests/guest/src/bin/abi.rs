@@ -263,26 +263,25 @@ fn main() {
                 dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
                 libc::EINVAL,
             )?;
-            let mut bi = tdrv_buf_info {
+            // `buf_id` (ABI 1.3, was `reserved`) is output only: a stale
+            // one on input is ignored and replaced by the buffer's id.
+            let mut fresh = tdrv_buf_info {
                 handle: h,
-                reserved: 1,
                 ..Default::default()
             };
-            expect_err(
-                "buf_info.reserved",
-                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
-                libc::EINVAL,
-            )?;
+            dev.ioctl(TDRV_IOC_BUF_INFO, &mut fresh)
+                .map_err(|e| format!("buf_info: errno {e}"))?;
+            if fresh.buf_id == 0 {
+                return Err("buf_info.buf_id is 0".into());
+            }
             let mut bi = tdrv_buf_info {
                 handle: h,
-                reserved: 1 << 63,
+                buf_id: 1 << 63,
                 ..Default::default()
             };
-            expect_err(
-                "buf_info.reserved high bit",
-                dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi),
-                libc::EINVAL,
-            )?;
+            dev.ioctl(TDRV_IOC_BUF_INFO, &mut bi)
+                .map_err(|e| format!("buf_info with a stale buf_id: errno {e}"))?;
+            expect_eq("buf_id with a stale one on input", bi.buf_id, fresh.buf_id)?;
             let mut bi = tdrv_buf_info {
                 handle: h,
                 pad2: 1,

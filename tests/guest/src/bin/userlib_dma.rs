@@ -905,6 +905,66 @@ fn device_fences_and_misuse(c: &Ctx) -> R {
     }
 }
 
+/// Issue 24 item 13: an import of this process's own export is the same
+/// storage (one host exclusion per buffer), from the exporting file and
+/// from another file of the device; a shared buffer is not lent as a
+/// reference by the safe guards.
+fn dmabuf_import_is_the_same_storage(c: &Ctx) -> R {
+    let size = 8192;
+    let t = c.alloc(size, "dmabuf_t")?;
+    let data = pattern(size, 0x5a);
+    e("write", t.write(0, &data))?;
+    let fd = e("export_dmabuf", t.export_dmabuf())?;
+    let alias = e("from_dmabuf", Tensor::from_dmabuf(&c.dev, &fd))?;
+    expect_eq("alias handle", alias.dma_handle(), t.dma_handle())?;
+    let other = Device::open(&c.path).map_err(|err| format!("second open: {err}"))?;
+    let alias2 = e(
+        "from_dmabuf (second file)",
+        Tensor::from_dmabuf(&other, &fd),
+    )?;
+    expect_eq(
+        "second file's alias handle",
+        alias2.dma_handle(),
+        t.dma_handle(),
+    )?;
+    match t.map_read(..) {
+        Err(Error::SharedBuffer { .. }) => {}
+        other => {
+            return Err(format!(
+                "safe map_read of an exported buffer: {:?}",
+                other.map(drop)
+            ))
+        }
+    }
+    // SAFETY: the dma-buf never leaves this process.
+    let g = e("map_read_shared", unsafe { t.map_read_shared(..) })?;
+    for (name, a) in [("alias", &alias), ("second file's alias", &alias2)] {
+        match a.write(0, &[0xee; 64]) {
+            Err(Error::Busy { .. }) => {}
+            other => return Err(format!("write through the {name} under a guard: {other:?}")),
+        }
+        match a.memset(100, 0xee, 64) {
+            Err(Error::Busy { .. }) | Err(Error::Sys(SysError::Pinned { .. })) => {}
+            other => {
+                return Err(format!(
+                    "memset through the {name} under a guard: {other:?}"
+                ))
+            }
+        }
+    }
+    same("bytes under the guard", &g, &data)?;
+    drop(g);
+    same("bytes after the guard", &e("read back", t.to_vec())?, &data)?;
+    e(
+        "write through the alias after the guard",
+        alias.write(0, &[7; 8]),
+    )?;
+    let mut b = [0u8; 8];
+    e("read", t.read(0, &mut b))?;
+    expect_eq("alias write seen by the exporter", b, [7; 8])?;
+    Ok(())
+}
+
 fn main() {
     let path = std::env::args()
         .nth(1)
@@ -959,6 +1019,10 @@ fn main() {
         (
             "owned guards (Python views) keep and pin a device buffer",
             owned_mapping_guards,
+        ),
+        (
+            "a dma-buf import of our own export is the same storage",
+            dmabuf_import_is_the_same_storage,
         ),
     ];
     // +1 open, +1 cross channel, +1 failed job, +1 final accounting.
