@@ -32,6 +32,9 @@ use tdrv_sim::shm::Region;
 use tdrv_sim::Device;
 use tdrv_sim::Options;
 
+/// Bound of every wait for an event: it only turns a hang into a failure.
+const HANG: Duration = Duration::from_secs(60);
+
 fn temp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tdrv-sim-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -151,7 +154,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     };
     let wait_irq = |what: &str| {
         assert!(
-            c.vectors[q as usize].poll(Duration::from_secs(10)),
+            c.vectors[q as usize].poll(HANG),
             "no interrupt on vector {q} for {what}"
         );
         c.vectors[q as usize].take();
@@ -197,7 +200,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     let t0 = Instant::now();
     while bar.u32(blk + qb::STATUS).load(Acquire) != 2 {
         assert!(
-            t0.elapsed() < Duration::from_secs(10),
+            t0.elapsed() < HANG,
             "queue did not stall"
         );
         std::thread::sleep(Duration::from_millis(1));
@@ -211,7 +214,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     bar.u32(blk + qb::RESET).store(1, Release);
     while bar.u32(blk + qb::RESET).load(Acquire) != 0 {
         assert!(
-            t0.elapsed() < Duration::from_secs(10),
+            t0.elapsed() < HANG,
             "reset not acknowledged"
         );
         std::thread::sleep(Duration::from_millis(1));
@@ -265,7 +268,7 @@ fn wait_for(path: &std::path::Path) {
     let t0 = Instant::now();
     while !path.exists() {
         assert!(
-            t0.elapsed() < Duration::from_secs(20),
+            t0.elapsed() < HANG,
             "{} never appeared",
             path.display()
         );

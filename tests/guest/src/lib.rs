@@ -8,6 +8,7 @@ pub mod bail;
 pub mod dmabuf;
 pub mod raw;
 pub mod sync;
+pub mod wait;
 
 use std::fmt::Display;
 

@@ -9,7 +9,6 @@
 use std::{
     fs,
     os::fd::{AsRawFd, OwnedFd},
-    time::Duration,
 };
 
 use tdrv_guest_tests::{
@@ -17,6 +16,7 @@ use tdrv_guest_tests::{
     dmabuf::{child_ok, heap_alloc, in_child, sync, FdLink, SYNC_END, SYNC_READ, SYNC_WRITE},
     expect_eq, expect_err, ok, open_device_or_skip,
     raw::{errno, map_fd, page_size, Dev},
+    wait::until,
     Tap,
 };
 use tdrv_uapi::*;
@@ -428,15 +428,13 @@ fn main() {
             drop(d);
             let pinned = module_refcnt()?;
             drop(fd);
-            // The dma-buf's release (and module_put) may trail the close.
-            let mut free = module_refcnt()?;
-            for _ in 0..100 {
-                if free < pinned {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
+            // The dma-buf's release (and module_put) may trail the close:
+            // wait for it.
+            let mut free = pinned;
+            until("the export's module reference dropped", || {
                 free = module_refcnt()?;
-            }
+                Ok(free < pinned)
+            })?;
             expect_eq("refcnt taken by the export", pinned, free + 1)?;
             // Only now that the pin is known to exist is unloading tried.
             let d = ok("open", Dev::open(&node))?;

@@ -974,13 +974,26 @@ fn main() {
         expect_eq("load generator exit", reap(pid)?, 0)
     });
     t.run(
-        "busy_percent is 0 with the engine idle (0.2 s sample)",
+        "busy_percent is 0 while the device's busy_ns stands still",
         || {
             load_done.clone()?;
+            // Idleness is the counter's, not the clock's: every job of
+            // the load has ended, and the sample must span no engine time.
+            let name = path.trim_start_matches("/dev/");
+            let busy_ns = || -> Result<u64, String> {
+                let f = format!("/sys/class/misc/{name}/busy_ns");
+                std::fs::read_to_string(&f)
+                    .map_err(|e| format!("{f}: {e}"))?
+                    .trim()
+                    .parse()
+                    .map_err(|e| format!("{f}: {e}"))
+            };
+            let before = busy_ns()?;
             let l = smi_json(
                 &mut smi_cmd(&["--json", "-d", &path, "--interval-ms", "200"]),
                 0,
             )?;
+            expect_eq("busy_ns across the sample (engine idle)", busy_ns()?, before)?;
             let p = device_entry(&l, &path)?["busy_percent"].as_f64();
             expect_eq("busy_percent", p, Some(0.0))
         },
