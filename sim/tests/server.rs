@@ -258,9 +258,23 @@ fn serve_returns_when_told_to_stop() {
     let stop = EventFd::new().unwrap();
     std::thread::scope(|s| {
         let t = s.spawn(|| dev.serve(&server, Some(stop.as_fd()), &Options::default()));
-        let _c = handshake(&client, 1);
+        let c = handshake(&client, 1);
+        // With QEMU still connected, serve() does not return on its own.
+        assert!(!t.is_finished(), "serve() returned before the stop");
         stop.signal().unwrap();
+        // The stop is the only reason to return: the client is still
+        // connected. The bound only turns a hang into a failure.
+        let t0 = Instant::now();
+        while !t.is_finished() {
+            assert!(t0.elapsed() < HANG, "serve() ignored the stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         t.join().unwrap().unwrap();
+        // Its queue threads ended with it (serve joins them): nothing was
+        // processed, and the connection was never closed from our side.
+        let stats = dev.stats_lines();
+        assert!(stats.contains("queue=0 descs=0"), "{stats}");
+        drop(c);
     });
 }
 
