@@ -199,10 +199,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     bar.u32(layout.inject(q)).store(inject::STALL, Release);
     let t0 = Instant::now();
     while bar.u32(blk + qb::STATUS).load(Acquire) != 2 {
-        assert!(
-            t0.elapsed() < HANG,
-            "queue did not stall"
-        );
+        assert!(t0.elapsed() < HANG, "queue did not stall");
         std::thread::sleep(Duration::from_millis(1));
     }
     post(0x3000, 0, 80, 16, FLAG_DST_DEV | FLAG_IRQ);
@@ -213,10 +210,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     );
     bar.u32(blk + qb::RESET).store(1, Release);
     while bar.u32(blk + qb::RESET).load(Acquire) != 0 {
-        assert!(
-            t0.elapsed() < HANG,
-            "reset not acknowledged"
-        );
+        assert!(t0.elapsed() < HANG, "reset not acknowledged");
         std::thread::sleep(Duration::from_millis(1));
     }
     for f in [
@@ -281,11 +275,7 @@ fn serve_returns_when_told_to_stop() {
 fn wait_for(path: &std::path::Path) {
     let t0 = Instant::now();
     while !path.exists() {
-        assert!(
-            t0.elapsed() < HANG,
-            "{} never appeared",
-            path.display()
-        );
+        assert!(t0.elapsed() < HANG, "{} never appeared", path.display());
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -176,7 +176,12 @@ fn env_trace_child() {
 fn the_crate_reads_no_trace_file_env_var() {
     let path = std::env::temp_dir().join(format!("tdrv-envtrace-{}.json", std::process::id()));
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "env_trace_child", "--ignored", "--test-threads=1"])
+        .args([
+            "--exact",
+            "env_trace_child",
+            "--ignored",
+            "--test-threads=1",
+        ])
         .env("TDRV_TRACE_FILE", &path)
         .env("TDRV_TRACE_TEST_CHILD", "1")
         .output()

@@ -28,10 +28,12 @@ pub fn until_asleep_in(tid: i32, nr: libc::c_long) -> Result<(), String> {
     until(&format!("thread {tid} asleep in syscall {nr}"), || {
         let syscall = std::fs::read_to_string(format!("{dir}/syscall"))
             .map_err(|e| format!("{dir}/syscall: {e}"))?;
-        let stat =
-            std::fs::read_to_string(format!("{dir}/stat")).map_err(|e| format!("{dir}/stat: {e}"))?;
+        let stat = std::fs::read_to_string(format!("{dir}/stat"))
+            .map_err(|e| format!("{dir}/stat: {e}"))?;
         // The state follows the parenthesised command name.
-        let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+        let state = stat
+            .rsplit_once(") ")
+            .and_then(|(_, rest)| rest.chars().next());
         let in_call = syscall.split_whitespace().next() == Some(nr.to_string().as_str());
         Ok(in_call && state == Some('S'))
     })

@@ -41,7 +41,12 @@ fn env_trace_child() {
 fn trace_file_env_var() {
     let path = std::env::temp_dir().join(format!("nrt-envtrace-{}.json", std::process::id()));
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "env_trace_child", "--ignored", "--test-threads=1"])
+        .args([
+            "--exact",
+            "env_trace_child",
+            "--ignored",
+            "--test-threads=1",
+        ])
         .env(TRACE_FILE_ENV, &path)
         .env("NRT_TRACE_TEST_CHILD", "1")
         .output()

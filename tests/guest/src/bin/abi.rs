@@ -105,13 +105,21 @@ fn main() {
                 let show = |r: Result<i32, Errno>| r.map_or_else(errno_name, |v| format!("ok {v}"));
                 table.push(format!("{name}: {}", show(got)));
                 if got != expected {
-                    wrong.push(format!("{name}: got {}, want {}", show(got), show(expected)));
+                    wrong.push(format!(
+                        "{name}: got {}, want {}",
+                        show(got),
+                        show(expected)
+                    ));
                 }
             }
             if wrong.is_empty() {
                 Ok(())
             } else {
-                Err(format!("{}\nall answers:\n{}", wrong.join("\n"), table.join("\n")))
+                Err(format!(
+                    "{}\nall answers:\n{}",
+                    wrong.join("\n"),
+                    table.join("\n")
+                ))
             }
         },
     );
@@ -175,8 +183,7 @@ fn main() {
                 .map_err(|e| format!("BUF_INFO of the new handle: errno {e}"))?;
             expect_eq("size of the buffer", info.size, 4096)?;
             expect_eq("mmap_offset", info.mmap_offset, a.mmap_offset)?;
-            dev.free(a.handle)
-                .map_err(|e| format!("free: errno {e}"))?;
+            dev.free(a.handle).map_err(|e| format!("free: errno {e}"))?;
             // VERSION: the same answer as with the ABI's size, tail kept.
             let ours = size_of::<tdrv_version>();
             let mut buf = vec![0u8; ours + 8];

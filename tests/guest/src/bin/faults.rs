@@ -35,8 +35,8 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    bail::require, channel_usage, desc, device_stat, errno_name, expect_eq, expect_err,
-    install_fatal_handlers,
+    bail::require,
+    channel_usage, desc, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers,
     ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     skip_all, wait_usage, Tap,
@@ -269,12 +269,10 @@ fn sweep(
                     ))
                 }
             },
-            (Err(e), false) => {
-                return Err(format!(
-                    "injection point {n}: failed with {} although the injected fault was never reached",
-                    errno_name(e)
-                ))
-            }
+            (Err(e), false) => return Err(format!(
+                "injection point {n}: failed with {} although the injected fault was never reached",
+                errno_name(e)
+            )),
         }
     }
     Err(format!(
@@ -302,9 +300,15 @@ fn ioctl_untouched_arg<T: Copy>(
     assert!(std::mem::size_of::<T>() <= page_size());
     // SAFETY: `arg` is a plain-old-data uapi struct, readable as bytes.
     let bytes = unsafe {
-        std::slice::from_raw_parts(std::ptr::from_ref(&arg).cast::<u8>(), std::mem::size_of::<T>())
+        std::slice::from_raw_parts(
+            std::ptr::from_ref(&arg).cast::<u8>(),
+            std::mem::size_of::<T>(),
+        )
     };
-    ok("copy_in of the argument", dev.copy_in(argbuf.handle, 0, bytes))?;
+    ok(
+        "copy_in of the argument",
+        dev.copy_in(argbuf.handle, 0, bytes),
+    )?;
     let p = ok(
         "mmap of the argument",
         mmap_fresh(dev.fd(), argbuf.mmap_offset, page_size(), n),
@@ -433,7 +437,10 @@ fn main() {
     ));
     // Preconditions, not checks: without them no sweep can run, and the
     // test kernel must have fault injection (a failure bails out).
-    let start = require("channel usage at start", channel_usage(dev, version.num_channels));
+    let start = require(
+        "channel usage at start",
+        channel_usage(dev, version.num_channels),
+    );
     let files_at_start = device_stat(&path, "open_files");
     // Sleeping allocations, order 0 pages, silent.
     let saved = require("configuring fault injection", configure());
@@ -483,8 +490,7 @@ fn main() {
                 channel: 0,
                 ..Default::default()
             };
-            let (r, inj) =
-                ioctl_untouched_arg(dev, fail, n, argbuf, TDRV_IOC_CHANNEL_INFO, arg)?;
+            let (r, inj) = ioctl_untouched_arg(dev, fail, n, argbuf, TDRV_IOC_CHANNEL_INFO, arg)?;
             if let Ok(c) = &r {
                 expect_eq("used_bytes, buffers", (c.used_bytes, c.buffers), before)?;
             }
@@ -956,38 +962,38 @@ fn main() {
                 "a user-space page fault that cannot allocate returns VM_FAULT_OOM and is retried",
             ),
             |n| {
-            let before = usage0(dev)?;
-            let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
-            let data = pattern(2 * page, n as u8);
-            ok("copy_in", dev.copy_in(x.handle, 0, &data))?;
-            let p = ok("mmap", mmap_fresh(dev.fd(), x.mmap_offset, 2 * page, n))?;
-            let v = (n as u8) ^ 0xFF;
-            // A fault handler that cannot allocate retries or fails the
-            // access: a SIGBUS here would kill the program (and be a bug).
-            let (seen, inj) = inject(fail, n, || {
-                // SAFETY: `p` maps the two pages of `x`.
-                unsafe {
-                    let seen = [p.read_volatile(), p.add(page).read_volatile()];
-                    p.add(1).write_volatile(v);
-                    p.add(page + 1).write_volatile(v);
-                    seen
-                }
-            })?;
-            // SAFETY: unmaps exactly that mapping.
-            unsafe { libc::munmap(p.cast(), 2 * page) };
-            expect_eq("bytes read", seen, [data[0], data[page]])?;
-            expect_eq(
-                "bytes written",
-                [
-                    read_bytes(dev, x.handle, 1, 1)?[0],
-                    read_bytes(dev, x.handle, page as u64 + 1, 1)?[0],
-                ],
-                [v, v],
-            )?;
-            ok("free", dev.free(x.handle))?;
-            expect_eq("usage after FREE", usage0(dev)?, before)?;
-            Ok((Ok(()), inj))
-        },
+                let before = usage0(dev)?;
+                let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
+                let data = pattern(2 * page, n as u8);
+                ok("copy_in", dev.copy_in(x.handle, 0, &data))?;
+                let p = ok("mmap", mmap_fresh(dev.fd(), x.mmap_offset, 2 * page, n))?;
+                let v = (n as u8) ^ 0xFF;
+                // A fault handler that cannot allocate retries or fails the
+                // access: a SIGBUS here would kill the program (and be a bug).
+                let (seen, inj) = inject(fail, n, || {
+                    // SAFETY: `p` maps the two pages of `x`.
+                    unsafe {
+                        let seen = [p.read_volatile(), p.add(page).read_volatile()];
+                        p.add(1).write_volatile(v);
+                        p.add(page + 1).write_volatile(v);
+                        seen
+                    }
+                })?;
+                // SAFETY: unmaps exactly that mapping.
+                unsafe { libc::munmap(p.cast(), 2 * page) };
+                expect_eq("bytes read", seen, [data[0], data[page]])?;
+                expect_eq(
+                    "bytes written",
+                    [
+                        read_bytes(dev, x.handle, 1, 1)?[0],
+                        read_bytes(dev, x.handle, page as u64 + 1, 1)?[0],
+                    ],
+                    [v, v],
+                )?;
+                ok("free", dev.free(x.handle))?;
+                expect_eq("usage after FREE", usage0(dev)?, before)?;
+                Ok((Ok(()), inj))
+            },
         ),
     );
 
@@ -1037,35 +1043,33 @@ fn main() {
         &mut t,
         "close with buffers, a mapping and a queued job loses nothing",
         sweep(
-            Expect::NoPoints(
-                "close(2) cannot report a failure, so the release allocates nothing",
-            ),
+            Expect::NoPoints("close(2) cannot report a failure, so the release allocates nothing"),
             |n| {
-            let before = usage0(dev)?;
-            let other = ok("open", Dev::open(&path))?;
-            let s = ok("alloc", other.alloc(4096, 0))?;
-            let d = ok("alloc", other.alloc(4096, 0))?;
-            let m = ok("mmap", other.map(&d))?;
-            ok(
-                "submit",
-                other.submit(&[desc(s.handle, 0, d.handle, 0, JOB)]),
-            )?;
-            use std::os::fd::IntoRawFd;
-            let fd = other.into_fd().into_raw_fd();
-            // The release runs inside close(2) (task work on the way out).
-            let (r, inj) = inject(fail, n, || {
-                // SAFETY: closes the descriptor taken out of `other` above.
-                if unsafe { libc::close(fd) } < 0 {
-                    Err(errno())
-                } else {
-                    Ok(())
-                }
-            })?;
-            // The mapping outlives the file; its buffer goes with it.
-            drop(m);
-            wait_usage(dev, &[before], HANG)?;
-            Ok((r, inj))
-        },
+                let before = usage0(dev)?;
+                let other = ok("open", Dev::open(&path))?;
+                let s = ok("alloc", other.alloc(4096, 0))?;
+                let d = ok("alloc", other.alloc(4096, 0))?;
+                let m = ok("mmap", other.map(&d))?;
+                ok(
+                    "submit",
+                    other.submit(&[desc(s.handle, 0, d.handle, 0, JOB)]),
+                )?;
+                use std::os::fd::IntoRawFd;
+                let fd = other.into_fd().into_raw_fd();
+                // The release runs inside close(2) (task work on the way out).
+                let (r, inj) = inject(fail, n, || {
+                    // SAFETY: closes the descriptor taken out of `other` above.
+                    if unsafe { libc::close(fd) } < 0 {
+                        Err(errno())
+                    } else {
+                        Ok(())
+                    }
+                })?;
+                // The mapping outlives the file; its buffer goes with it.
+                drop(m);
+                wait_usage(dev, &[before], HANG)?;
+                Ok((r, inj))
+            },
         ),
     );
 

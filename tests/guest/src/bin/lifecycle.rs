@@ -613,10 +613,8 @@ fn main() {
                     thread::yield_now();
                 }
                 // The signal must land inside the wait, not before it.
-                let asleep = until_asleep_in(
-                    waiter_tid.load(Ordering::SeqCst) as i32,
-                    libc::SYS_ioctl,
-                );
+                let asleep =
+                    until_asleep_in(waiter_tid.load(Ordering::SeqCst) as i32, libc::SYS_ioctl);
                 let before = sig::HITS.load(Ordering::SeqCst);
                 // SAFETY: signals a thread of this process.
                 unsafe {

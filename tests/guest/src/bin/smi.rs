@@ -1042,7 +1042,11 @@ fn main() {
                 &mut smi_cmd(&["--json", "-d", &path, "--interval-ms", "200"]),
                 0,
             )?;
-            expect_eq("busy_ns across the sample (engine idle)", busy_ns()?, before)?;
+            expect_eq(
+                "busy_ns across the sample (engine idle)",
+                busy_ns()?,
+                before,
+            )?;
             let p = device_entry(&l, &path)?["busy_percent"].as_f64();
             expect_eq("busy_percent", p, Some(0.0))
         },

@@ -409,7 +409,10 @@ fn failed_job(c: &Ctx, t: &mut Tap) {
             "unfenced batch read",
             dst.read_batch(&mut ops, Fencing::Skip),
         )?;
-        failed("fence", dst.wait_device_idle(Access::Read, Some(FENCE_WAIT)))?;
+        failed(
+            "fence",
+            dst.wait_device_idle(Access::Read, Some(FENCE_WAIT)),
+        )?;
         let host = e("allocate_host", Tensor::allocate_host(size, None))?;
         failed("copy to host", Tensor::copy(&dst, 0, &host, 0, size))?;
         let other = c.alloc(size, "failed_other")?;
