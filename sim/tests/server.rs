@@ -32,6 +32,9 @@ use tdrv_sim::shm::Region;
 use tdrv_sim::Device;
 use tdrv_sim::Options;
 
+/// Bound of every wait for an event: it only turns a hang into a failure.
+const HANG: Duration = Duration::from_secs(60);
+
 fn temp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("tdrv-sim-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -151,7 +154,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     };
     let wait_irq = |what: &str| {
         assert!(
-            c.vectors[q as usize].poll(Duration::from_secs(10)),
+            c.vectors[q as usize].poll(HANG),
             "no interrupt on vector {q} for {what}"
         );
         c.vectors[q as usize].take();
@@ -196,10 +199,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     bar.u32(layout.inject(q)).store(inject::STALL, Release);
     let t0 = Instant::now();
     while bar.u32(blk + qb::STATUS).load(Acquire) != 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "queue did not stall"
-        );
+        assert!(t0.elapsed() < HANG, "queue did not stall");
         std::thread::sleep(Duration::from_millis(1));
     }
     post(0x3000, 0, 80, 16, FLAG_DST_DEV | FLAG_IRQ);
@@ -210,10 +210,7 @@ fn handshake_then_dma_with_doorbells_and_interrupts() {
     );
     bar.u32(blk + qb::RESET).store(1, Release);
     while bar.u32(blk + qb::RESET).load(Acquire) != 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "reset not acknowledged"
-        );
+        assert!(t0.elapsed() < HANG, "reset not acknowledged");
         std::thread::sleep(Duration::from_millis(1));
     }
     for f in [
@@ -255,20 +252,30 @@ fn serve_returns_when_told_to_stop() {
     let stop = EventFd::new().unwrap();
     std::thread::scope(|s| {
         let t = s.spawn(|| dev.serve(&server, Some(stop.as_fd()), &Options::default()));
-        let _c = handshake(&client, 1);
+        let c = handshake(&client, 1);
+        // With QEMU still connected, serve() does not return on its own.
+        assert!(!t.is_finished(), "serve() returned before the stop");
         stop.signal().unwrap();
+        // The stop is the only reason to return: the client is still
+        // connected. The bound only turns a hang into a failure.
+        let t0 = Instant::now();
+        while !t.is_finished() {
+            assert!(t0.elapsed() < HANG, "serve() ignored the stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         t.join().unwrap().unwrap();
+        // Its queue threads ended with it (serve joins them): nothing was
+        // processed, and the connection was never closed from our side.
+        let stats = dev.stats_lines();
+        assert!(stats.contains("queue=0 descs=0"), "{stats}");
+        drop(c);
     });
 }
 
 fn wait_for(path: &std::path::Path) {
     let t0 = Instant::now();
     while !path.exists() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "{} never appeared",
-            path.display()
-        );
+        assert!(t0.elapsed() < HANG, "{} never appeared", path.display());
         std::thread::sleep(Duration::from_millis(10));
     }
 }

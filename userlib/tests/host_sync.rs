@@ -126,7 +126,7 @@ fn readers_wait_for_device_writers() {
     ));
     t.mark_async_finish(Access::Write).unwrap();
     assert!(
-        eventually(&done, Duration::from_secs(10)),
+        eventually(&done, Duration::from_secs(60)),
         "read was not woken"
     );
     reader.join().unwrap();
@@ -173,12 +173,12 @@ fn writers_wait_for_every_device_access() {
                 "woke with a read pending"
             );
             t.mark_async_finish(Access::Read).unwrap();
-            assert!(eventually(&done, Duration::from_secs(10)));
+            assert!(eventually(&done, Duration::from_secs(60)));
         } else {
             // Let it through by draining, then restore the reads.
             t.mark_async_finish(Access::Read).unwrap();
             t.mark_async_finish(Access::Read).unwrap();
-            assert!(eventually(&done, Duration::from_secs(10)));
+            assert!(eventually(&done, Duration::from_secs(60)));
             t.mark_async_start(Access::Read).unwrap();
             t.mark_async_start(Access::Read).unwrap();
         }
@@ -272,7 +272,18 @@ fn unbounded_completion_wait_logs_a_heartbeat() {
         let out = out.clone();
         thread::spawn(move || out.check_output_completion(None, 1))
     };
-    thread::sleep(Duration::from_millis(150));
+    // The heartbeat is the event: wait for it (the bound only turns a
+    // missing heartbeat into a failure), then let the waiter through.
+    let heartbeat = || {
+        logs.lock()
+            .unwrap()
+            .iter()
+            .any(|m| m.contains("slow_output") && m.contains("still waiting"))
+    };
+    let t0 = Instant::now();
+    while !heartbeat() && t0.elapsed() < Duration::from_secs(60) {
+        thread::sleep(Duration::from_millis(2));
+    }
     out.record_output_completion().unwrap();
     waiter.join().unwrap().unwrap();
     tdrv::set_heartbeat_interval(Duration::from_secs(30));

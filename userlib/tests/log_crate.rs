@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tdrv::Tensor;
 
@@ -34,7 +34,20 @@ fn warnings_reach_the_log_crate() {
         let out = out.clone();
         thread::spawn(move || out.check_output_completion(None, 1))
     };
-    thread::sleep(Duration::from_millis(150));
+    // The heartbeat is the event: wait for it (the bound only turns a
+    // missing heartbeat into a failure), then let the waiter through.
+    let heartbeat = || {
+        SEEN.lock().unwrap().iter().any(|(level, target, msg)| {
+            *level == log::Level::Warn
+                && target == "tdrv"
+                && msg.contains("logged_output")
+                && msg.contains("still waiting")
+        })
+    };
+    let t0 = Instant::now();
+    while !heartbeat() && t0.elapsed() < Duration::from_secs(60) {
+        thread::sleep(Duration::from_millis(2));
+    }
     out.record_output_completion().unwrap();
     waiter.join().unwrap().unwrap();
     let seen = SEEN.lock().unwrap();

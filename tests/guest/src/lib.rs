@@ -4,9 +4,11 @@
 //! Exit codes follow kselftest: 0 all passed, 1 something failed, 4 the
 //! whole program was skipped (feature absent).
 
+pub mod bail;
 pub mod dmabuf;
 pub mod raw;
 pub mod sync;
+pub mod wait;
 
 use std::fmt::Display;
 

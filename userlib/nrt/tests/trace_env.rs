@@ -10,11 +10,15 @@ use std::ptr::null_mut;
 use nrt::*;
 
 /// The child half of `trace_file_env_var`: does work only when asked.
+/// Ignored, so that it is not counted as a test of its own: the parent
+/// runs it with `--ignored`, in a process of its own.
 #[test]
+#[ignore = "the child half of another test; runs only in the process it starts"]
 fn env_trace_child() {
-    if std::env::var_os("NRT_TRACE_TEST_CHILD").is_none() {
-        return;
-    }
+    assert!(
+        std::env::var_os("NRT_TRACE_TEST_CHILD").is_some(),
+        "run only as the child of its parent test"
+    );
     let name = CString::new("from_env").unwrap();
     let mut t = null_mut();
     let data = [7u8; 16];
@@ -37,7 +41,12 @@ fn env_trace_child() {
 fn trace_file_env_var() {
     let path = std::env::temp_dir().join(format!("nrt-envtrace-{}.json", std::process::id()));
     let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "env_trace_child", "--test-threads=1"])
+        .args([
+            "--exact",
+            "env_trace_child",
+            "--ignored",
+            "--test-threads=1",
+        ])
         .env(TRACE_FILE_ENV, &path)
         .env("NRT_TRACE_TEST_CHILD", "1")
         .output()
@@ -47,6 +56,13 @@ fn trace_file_env_var() {
         "child failed: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
+    );
+    // The child really ran its half (a filter that matched nothing would
+    // pass too).
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("test result: ok. 1 passed"),
+        "the child did not run env_trace_child: {}",
+        String::from_utf8_lossy(&out.stdout)
     );
     let text = std::fs::read_to_string(&path).unwrap();
     std::fs::remove_file(&path).unwrap();

@@ -613,7 +613,7 @@ fn main() {
                                 src_offset: SIZE - 8,
                                 ..Default::default()
                             }])
-                            .and_then(|job| dev.job_wait(job, 5_000_000))
+                            .and_then(|job| dev.job_wait(job, 60_000_000))
                             .and_then(|(_, status)| match status {
                                 0 => Ok(()),
                                 e => Err(-e.abs()),

@@ -9,7 +9,6 @@
 use std::{
     fs,
     os::fd::{AsRawFd, OwnedFd},
-    time::Duration,
 };
 
 use tdrv_guest_tests::{
@@ -17,6 +16,7 @@ use tdrv_guest_tests::{
     dmabuf::{child_ok, heap_alloc, in_child, sync, FdLink, SYNC_END, SYNC_READ, SYNC_WRITE},
     expect_eq, expect_err, ok, open_device_or_skip,
     raw::{errno, map_fd, page_size, Dev},
+    wait::until,
     Tap,
 };
 use tdrv_uapi::*;
@@ -351,23 +351,33 @@ fn main() {
         }),
     }
 
-    t.run("a foreign import needs a valid channel", || -> R {
-        let Some(fd) = heap_alloc(pg)? else {
-            return Ok(());
-        };
-        expect_err(
-            "channel",
-            dev.import(fd.as_raw_fd(), version.num_channels),
-            libc::EINVAL,
-        )
-    });
+    // Foreign imports need a foreign exporter: the system dma-heap.
+    let no_heap = match heap_alloc(pg) {
+        Ok(Some(_)) => None,
+        Ok(None) => Some("no /dev/dma_heap/system: no foreign dma-buf to import".to_string()),
+        Err(e) => Some(format!("no foreign dma-buf: {e}")),
+    };
+    let heap_fd = || -> Result<OwnedFd, String> {
+        heap_alloc(pg)?.ok_or_else(|| "/dev/dma_heap/system went away".to_string())
+    };
+    let name = "a foreign import needs a valid channel";
+    match &no_heap {
+        Some(why) => t.skip(name, why),
+        None => t.run(name, || -> R {
+            let fd = heap_fd()?;
+            expect_err(
+                "channel",
+                dev.import(fd.as_raw_fd(), version.num_channels),
+                libc::EINVAL,
+            )
+        }),
+    }
 
-    t.run(
-        "a foreign import outlives the dma-buf fd and is released on FREE",
-        || -> R {
-            let Some(fd) = heap_alloc(pg)? else {
-                return Ok(());
-            };
+    let name = "a foreign import outlives the dma-buf fd and is released on FREE";
+    match &no_heap {
+        Some(why) => t.skip(name, why),
+        None => t.run(name, || -> R {
+            let fd = heap_fd()?;
             let i = ok("import", dev.import(fd.as_raw_fd(), 0))?;
             drop(fd);
             ok("memset", dev.memset(i.handle, 0, pg as u64, 0x33))?;
@@ -378,8 +388,8 @@ fn main() {
             )?;
             ok("free", dev.free(i.handle))?;
             expect_err("freed", dev.buf_info(i.handle).map(drop), libc::ENOENT)
-        },
-    );
+        }),
+    }
 
     t.run(
         "userlib: Tensor::export_dmabuf and Tensor::from_dmabuf share one buffer",
@@ -428,15 +438,13 @@ fn main() {
             drop(d);
             let pinned = module_refcnt()?;
             drop(fd);
-            // The dma-buf's release (and module_put) may trail the close.
-            let mut free = module_refcnt()?;
-            for _ in 0..100 {
-                if free < pinned {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
+            // The dma-buf's release (and module_put) may trail the close:
+            // wait for it.
+            let mut free = pinned;
+            until("the export's module reference dropped", || {
                 free = module_refcnt()?;
-            }
+                Ok(free < pinned)
+            })?;
             expect_eq("refcnt taken by the export", pinned, free + 1)?;
             // Only now that the pin is known to exist is unloading tried.
             let d = ok("open", Dev::open(&node))?;

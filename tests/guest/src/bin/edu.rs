@@ -8,7 +8,11 @@
 use std::{fs, thread, time::Duration};
 
 use tdrv_guest_tests::{
-    expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, stat, MappedChild, Tap,
+    expect_eq, expect_err, ok, open_device_or_skip,
+    raw::Dev,
+    stat,
+    wait::{until, until_asleep_in},
+    MappedChild, Tap,
 };
 use tdrv_uapi::*;
 
@@ -73,11 +77,10 @@ fn main() {
         || -> R {
             let before = stat(&path, "spurious_irqs")?;
             raise_foreign_irq(&path)?;
-            thread::sleep(Duration::from_millis(50));
-            let after = stat(&path, "spurious_irqs")?;
-            if after <= before {
-                return Err(format!("spurious_irqs stayed at {after}"));
-            }
+            // The interrupt arrives asynchronously: wait for its count.
+            until("spurious_irqs counted", || {
+                Ok(stat(&path, "spurious_irqs")? > before)
+            })?;
             // The engine still works afterwards.
             let a = ok("alloc", dev.alloc(100, 0))?;
             let b = ok("alloc", dev.alloc(100, 0))?;
@@ -111,15 +114,27 @@ fn main() {
             let (_, b, _, id, _) = setup.as_ref().map_err(|e| e.clone())?;
             let (b, id) = (b.handle, *id);
             let dev = &dev;
-            let (job, completion, unbind) = thread::scope(|s| {
-                let job = s.spawn(move || dev.job_wait(id, -1));
-                let completion = s.spawn(move || dev.completion_wait(b, 1, -1).map_err(|(e, _)| e));
-                // Let both waiters fall asleep, then pull the device.
-                thread::sleep(Duration::from_millis(200));
+            let (job, completion, asleep, unbind) = thread::scope(|s| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let tx2 = tx.clone();
+                let job = s.spawn(move || {
+                    let _ = tx.send(gettid());
+                    dev.job_wait(id, -1)
+                });
+                let completion = s.spawn(move || {
+                    let _ = tx2.send(gettid());
+                    dev.completion_wait(b, 1, -1).map_err(|(e, _)| e)
+                });
+                // Both waiters asleep in their ioctls, then pull the device.
+                let asleep = (0..2).try_for_each(|_| {
+                    let tid = rx.recv().map_err(|_| "a waiter died".to_string())?;
+                    until_asleep_in(tid, libc::SYS_ioctl)
+                });
                 let unbind = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
-                (job.join(), completion.join(), unbind)
+                (job.join(), completion.join(), asleep, unbind)
             });
             unbind.map_err(|e| format!("unbind {pci}: {e}"))?;
+            asleep?;
             let job = job.map_err(|_| "job waiter panicked".to_string())?;
             expect_eq("job waiter", job, Ok((TDRV_JOB_DONE, -libc::ENODEV)))?;
             let completion = completion.map_err(|_| "completion waiter panicked".to_string())?;
@@ -164,7 +179,8 @@ fn main() {
     t.run("rebind creates a working device again", || -> R {
         let pci = pci.clone()?;
         fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"))?;
-        thread::sleep(Duration::from_millis(100));
+        // The bind probes synchronously, and devtmpfs creates the node
+        // before the probe returns: no wait is needed.
         let nodes = edu_nodes();
         let node = nodes.first().ok_or("no edu device node after rebind")?;
         let dev = ok("open", Dev::open(node))?;
@@ -217,11 +233,17 @@ fn unbind_while_held() -> R {
         ok("poll", dev.job_wait(held, 0))?,
         (TDRV_JOB_PENDING, 0),
     )?;
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
     let waiter = {
         let dev = dev.clone();
-        thread::spawn(move || dev.job_wait(behind, -1))
+        thread::spawn(move || {
+            let _ = tid_tx.send(gettid());
+            dev.job_wait(behind, -1)
+        })
     };
-    thread::sleep(Duration::from_millis(100));
+    // The unbind must find the waiter asleep in JOB_WAIT.
+    let tid = tid_rx.recv().map_err(|_| "waiter died")?;
+    until_asleep_in(tid, libc::SYS_ioctl)?;
     let unbound =
         fs::write(format!("{DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind: {e}"));
     let waited = waiter.join().map_err(|_| "waiter panicked".to_string());
@@ -237,7 +259,6 @@ fn unbind_while_held() -> R {
     }
     drop(dev);
     rebind?;
-    thread::sleep(Duration::from_millis(100));
     let node = edu_nodes()
         .first()
         .cloned()
@@ -251,6 +272,12 @@ fn unbind_while_held() -> R {
         ok("wait", dev.job_wait(id, -1))?,
         (TDRV_JOB_DONE, 0),
     )
+}
+
+/// The calling thread's id.
+fn gettid() -> i32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() }
 }
 
 /// `struct uffdio_api` and `struct uffdio_register` (linux/userfaultfd.h).
@@ -319,9 +346,11 @@ fn unbind_during_stalled_copy() -> R {
         (uffd, region as u64)
     };
     let dev = std::sync::Arc::new(dev);
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
     let copier = {
         let dev = dev.clone();
         thread::spawn(move || {
+            let _ = tid_tx.send(gettid());
             let mut x = tdrv_xfer {
                 handle: a.handle,
                 offset: 0,
@@ -332,7 +361,10 @@ fn unbind_during_stalled_copy() -> R {
             dev.ioctl(TDRV_IOC_COPY_IN, &mut x)
         })
     };
-    thread::sleep(Duration::from_millis(200));
+    // The copy must be stuck in the page fault (asleep in its ioctl)
+    // before the rest runs.
+    let tid = tid_rx.recv().map_err(|_| "copier died")?;
+    until_asleep_in(tid, libc::SYS_ioctl)?;
     if copier.is_finished() {
         return Err("COPY_IN did not block on the unserved page".into());
     }
@@ -371,7 +403,6 @@ fn unbind_during_stalled_copy() -> R {
     unsafe { libc::munmap(region as *mut _, 8192) };
     expect_err("the stalled COPY_IN", copied, libc::ENODEV)?;
     rebind?;
-    thread::sleep(Duration::from_millis(100));
     if edu_nodes().is_empty() {
         return Err("no edu device after rebind".into());
     }

@@ -11,6 +11,15 @@
 //! the end, with every file closed, the channels' usage equals the start.
 //! (kmemleak after rmmod and the dmesg check of the guest cover the rest.)
 //!
+//! A sweep counts only if it tested something: for a call that can fail,
+//! at least one injected fault must fail it (with an allowed errno; the
+//! calls that allocate nothing get their argument in an untouched mapping,
+//! so that the kernel's first touch of it, through tdrv's fault handler,
+//! is the injection point and must give EFAULT); a user-space touch of a
+//! mapping cannot fail, so there every injected fault must be absorbed (the
+//! fault is retried); close(2) cannot report a failure, so its release
+//! must reach no injection point at all.
+//!
 //! fail-nth semantics: writing N makes the N-th fault-injectable call of
 //! this thread fail; reading back 0 means the fault was injected, non-zero
 //! means the calls in between did not reach the N-th site.
@@ -26,6 +35,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
+    bail::require,
     channel_usage, desc, device_stat, errno_name, expect_eq, expect_err, install_fatal_handlers,
     ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
@@ -47,17 +57,6 @@ fn open_fds() -> Result<usize, String> {
 /// failing (or the counting is broken) and must not loop forever.
 const MAX_POINTS: u32 = 500;
 
-/// What a call may fail with when one of its allocations or user copies
-/// fails. ENOSPC and EAGAIN are the per-file and per-channel limits; EINTR
-/// covers waits that treat a failed step as an interruption.
-const ALLOWED: &[Errno] = &[
-    libc::ENOMEM,
-    libc::EFAULT,
-    libc::ENOSPC,
-    libc::EAGAIN,
-    libc::EINTR,
-];
-
 /// Timeout of the waits under injection (µs): long enough for a tiny edu
 /// job (~0.1 s of virtual time), short enough that a lost job fails the test
 /// instead of hanging it.
@@ -65,6 +64,9 @@ const WAIT_US: i64 = 5_000_000;
 /// Bytes of the synchronous transfers: more than two pages, so that user
 /// copies cross page boundaries.
 const XFER: usize = 8200;
+/// Bound of the waits for released memory: only turns a hang into a
+/// failure (the release is asynchronous, never timed).
+const HANG: Duration = Duration::from_secs(60);
 /// Bytes of each job: tiny, because the edu device needs ~0.1 s per chunk.
 const JOB: u64 = 64;
 
@@ -170,9 +172,30 @@ fn inject<T>(fail: &FailNth, n: u32, call: impl FnOnce() -> T) -> Result<(T, boo
 /// whether the fault was injected.
 type Shot = (Result<(), Errno>, bool);
 
+/// How the injected faults of a sweep must end.
+#[derive(Clone, Copy)]
+enum Expect {
+    /// At least one injection point fails the call, and every failure is
+    /// one of these errnos. A sweep where every injected fault was
+    /// absorbed exercised no error path and fails.
+    Fails(&'static [Errno]),
+    /// The call cannot fail (the reason says why): every injected fault
+    /// must be absorbed, and the sweep checks that nothing was lost. At
+    /// least one fault must have been injected.
+    Absorbs(&'static str),
+    /// The call must reach no injection point at all (the reason says
+    /// why): a path that cannot report an error must not allocate.
+    NoPoints(&'static str),
+}
+
 /// Fails injection points 1, 2, 3, ... of one operation until it completes
-/// without reaching the fault. Returns the summary for the TAP line.
-fn sweep(mut attempt: impl FnMut(u32) -> Result<Shot, String>) -> Result<String, String> {
+/// without reaching the fault. Returns the summary for the TAP line. A
+/// sweep that reached no injection point, or (with [`Expect::Fails`]) one
+/// where no injected fault failed the call, tested nothing and is an error.
+fn sweep(
+    expect: Expect,
+    mut attempt: impl FnMut(u32) -> Result<Shot, String>,
+) -> Result<String, String> {
     let mut failed: BTreeMap<Errno, u32> = BTreeMap::new();
     // Injected faults the call survived (a fallback, a retry, or a fault in
     // a debugging allocator's own bookkeeping).
@@ -190,36 +213,130 @@ fn sweep(mut attempt: impl FnMut(u32) -> Result<Shot, String>) -> Result<String,
         }
         match (r, injected) {
             (Ok(()), false) => {
+                let points = n - 1;
                 let hist: Vec<String> = failed
                     .iter()
                     .map(|(e, k)| format!("{} x{k}", errno_name(*e)))
                     .collect();
-                return Ok(format!(
-                    "{} injection points: failed with [{}], {absorbed} absorbed",
-                    n - 1,
+                let summary = format!(
+                    "{points} injection points: failed with [{}], {absorbed} absorbed",
                     hist.join(", ")
-                ));
+                );
+                if let Expect::NoPoints(why) = expect {
+                    if points > 0 {
+                        return Err(format!("{summary}, although {why}"));
+                    }
+                    return Ok(format!("no injection point: {why}"));
+                }
+                if points == 0 {
+                    return Err(
+                        "no injection point: the call completed without reaching any fault-injectable step".into(),
+                    );
+                }
+                if let Expect::Fails(_) = expect {
+                    if failed.is_empty() {
+                        return Err(format!(
+                            "{summary}: no injected fault failed the call, so no error path was tested"
+                        ));
+                    }
+                }
+                return Ok(summary);
             }
-            (Ok(()), true) => absorbed += 1,
-            (Err(e), true) if ALLOWED.contains(&e) => *failed.entry(e).or_default() += 1,
-            (Err(e), true) => {
-                return Err(format!(
-                    "injection point {n}: failed with {}, not one of ENOMEM, EFAULT, ENOSPC, EAGAIN, EINTR",
-                    errno_name(e)
-                ))
+            (Ok(()), true) => {
+                if let Expect::NoPoints(why) = expect {
+                    return Err(format!(
+                        "injection point {n} was reached (and absorbed), although {why}"
+                    ));
+                }
+                absorbed += 1
             }
-            (Err(e), false) => {
-                return Err(format!(
-                    "injection point {n}: failed with {} although the injected fault was never reached",
-                    errno_name(e)
-                ))
-            }
+            (Err(e), true) => match expect {
+                Expect::Fails(allowed) if allowed.contains(&e) => {
+                    *failed.entry(e).or_default() += 1
+                }
+                Expect::Fails(allowed) => {
+                    let names: Vec<String> = allowed.iter().map(|e| errno_name(*e)).collect();
+                    return Err(format!(
+                        "injection point {n}: failed with {}, not one of {}",
+                        errno_name(e),
+                        names.join(", ")
+                    ));
+                }
+                Expect::Absorbs(why) | Expect::NoPoints(why) => {
+                    return Err(format!(
+                        "injection point {n}: failed with {} although {why}",
+                        errno_name(e)
+                    ))
+                }
+            },
+            (Err(e), false) => return Err(format!(
+                "injection point {n}: failed with {} although the injected fault was never reached",
+                errno_name(e)
+            )),
         }
     }
     Err(format!(
         "still reaching injected faults after {MAX_POINTS} points: not converging"
     ))
 }
+
+/// Issues `request` with its argument `arg` in a fresh, never touched
+/// mapping of the one-page buffer `argbuf`, with the `n`-th fault-injectable
+/// call failing. The kernel's own first touch of the argument runs tdrv's
+/// fault handler, whose page-table allocation is an injection point: a
+/// failure there is a kernel-mode fault, which the ioctl must turn into
+/// EFAULT. (The driver reads and writes small arguments with get_user and
+/// put_user, which fail_usercopy does not cover: with the argument on the
+/// stack those ioctls reach no injection point at all.) Returns the
+/// argument as the kernel left it, and whether the fault was injected.
+fn ioctl_untouched_arg<T: Copy>(
+    dev: &Dev,
+    fail: &FailNth,
+    n: u32,
+    argbuf: &tdrv_alloc,
+    request: u64,
+    arg: T,
+) -> Result<(Result<T, Errno>, bool), String> {
+    assert!(std::mem::size_of::<T>() <= page_size());
+    // SAFETY: `arg` is a plain-old-data uapi struct, readable as bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts(
+            std::ptr::from_ref(&arg).cast::<u8>(),
+            std::mem::size_of::<T>(),
+        )
+    };
+    ok(
+        "copy_in of the argument",
+        dev.copy_in(argbuf.handle, 0, bytes),
+    )?;
+    let p = ok(
+        "mmap of the argument",
+        mmap_fresh(dev.fd(), argbuf.mmap_offset, page_size(), n),
+    )?;
+    // SAFETY: `p` maps a whole page that holds no Rust object; the kernel
+    // writes at most the size encoded in `request`, within that page.
+    let (r, inj) = inject(fail, n, || unsafe { dev.ioctl_addr(request, p as usize) })?;
+    // SAFETY: `p` maps a page of `argbuf`, at least `size_of::<T>()` bytes.
+    let out = unsafe { std::ptr::read_unaligned(p.cast::<T>()) };
+    // SAFETY: unmaps exactly that mapping.
+    unsafe { libc::munmap(p.cast(), page_size()) };
+    Ok((r.map(|_| out), inj))
+}
+
+/// What a call may fail with when one of its allocations or user copies
+/// fails. ENOSPC and EAGAIN are the per-file and per-channel limits; EINTR
+/// covers waits that treat a failed step as an interruption.
+const ALLOWED: &[Errno] = &[
+    libc::ENOMEM,
+    libc::EFAULT,
+    libc::ENOSPC,
+    libc::EAGAIN,
+    libc::EINTR,
+];
+/// The expectation of most sweeps.
+const FAILS: Expect = Expect::Fails(ALLOWED);
+/// A call whose only injection points are the first touch of its argument.
+const EFAULT_ONLY: Expect = Expect::Fails(&[libc::EFAULT]);
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -313,65 +430,52 @@ fn main() {
     let dev = &dev_owned;
     // A touch of a mapping that dies of SIGBUS says where.
     install_fatal_handlers();
-    let mut t = Tap::new(28);
+    let mut t = Tap::new(27);
     t.note(format!(
         "device {path}: kind {}, every ioctl, open, mmap and mapping touch with its 1st, 2nd, ... fault-injectable call failing",
         version.device_kind
     ));
-    let start = match channel_usage(dev, version.num_channels) {
-        Ok(u) => u,
-        Err(e) => {
-            t.check("channel usage at start", Err::<(), _>(e));
-            t.finish()
-        }
-    };
+    // Preconditions, not checks: without them no sweep can run, and the
+    // test kernel must have fault injection (a failure bails out).
+    let start = require(
+        "channel usage at start",
+        channel_usage(dev, version.num_channels),
+    );
     let files_at_start = device_stat(&path, "open_files");
+    // Sleeping allocations, order 0 pages, silent.
+    let saved = require("configuring fault injection", configure());
+    let fail = &require("opening fail-nth", FailNth::open());
 
-    let mut saved = Vec::new();
-    let setup = configure()
-        .map(|s| saved = s)
-        .and_then(|()| FailNth::open());
-    let fail = match setup {
-        Ok(f) => {
-            t.check(
-                "fault injection configured (sleeping allocations, order 0 pages, silent)",
-                true,
-            );
-            f
-        }
-        Err(e) => {
-            // The remaining tests are reported missing, so they count as
-            // failures: the test kernel must have fault injection.
-            t.check("fault injection configured", Err::<(), _>(e));
-            t.finish()
-        }
-    };
-    let fail = &fail;
-
-    // Standing buffers for the transfer and job ioctls.
-    let (a, b) = match (dev.alloc(XFER as u64, 0), dev.alloc(XFER as u64, 0)) {
-        (Ok(a), Ok(b)) => (a.handle, b.handle),
-        (a, b) => {
-            t.check(
-                "standing buffers",
-                Err::<(), _>(format!("alloc: {a:?} {b:?}")),
-            );
-            t.finish()
-        }
-    };
+    // Standing buffers for the transfer and job ioctls, and the page that
+    // carries the arguments of the sweeps with an untouched argument.
+    let a = require("alloc", dev.alloc(XFER as u64, 0)).handle;
+    let b = require("alloc", dev.alloc(XFER as u64, 0)).handle;
+    let argbuf = require("alloc", dev.alloc(page_size() as u64, 0));
+    let argbuf = &argbuf;
 
     let report = |t: &mut Tap, name: &str, r: Result<String, String>| match r {
         Ok(summary) => t.check(&format!("{name}: {summary}"), true),
         Err(e) => t.check(name, Err::<(), _>(e)),
     };
 
+    // VERSION, CHANNEL_INFO, BUF_INFO and COMPLETION_WAIT allocate
+    // nothing: their injection points are the first touch of an argument
+    // that lives in an untouched mapping, and each must fail with EFAULT.
     report(
         &mut t,
-        "VERSION",
-        sweep(|n| {
-            let (r, inj) = inject(fail, n, || dev.version())?;
+        "VERSION, argument in an untouched mapping",
+        sweep(EFAULT_ONLY, |n| {
+            let (r, inj) = ioctl_untouched_arg(
+                dev,
+                fail,
+                n,
+                argbuf,
+                TDRV_IOC_VERSION,
+                tdrv_version::default(),
+            )?;
             if let Ok(v) = &r {
                 expect_eq("abi_major", v.abi_major, TDRV_ABI_MAJOR)?;
+                expect_eq("num_channels", v.num_channels, version.num_channels)?;
             }
             Ok((r.map(drop), inj))
         }),
@@ -379,13 +483,18 @@ fn main() {
 
     report(
         &mut t,
-        "CHANNEL_INFO",
-        sweep(|n| {
+        "CHANNEL_INFO, argument in an untouched mapping",
+        sweep(EFAULT_ONLY, |n| {
             let before = usage0(dev)?;
-            let (r, inj) = inject(fail, n, || dev.channel_info(0))?;
+            let arg = tdrv_channel_info {
+                channel: 0,
+                ..Default::default()
+            };
+            let (r, inj) = ioctl_untouched_arg(dev, fail, n, argbuf, TDRV_IOC_CHANNEL_INFO, arg)?;
             if let Ok(c) = &r {
                 expect_eq("used_bytes, buffers", (c.used_bytes, c.buffers), before)?;
             }
+            expect_eq("usage", usage0(dev)?, before)?;
             Ok((r.map(drop), inj))
         }),
     );
@@ -399,7 +508,7 @@ fn main() {
         report(
             &mut t,
             name,
-            sweep(|n| {
+            sweep(FAILS, |n| {
                 let before = usage0(dev)?;
                 let (r, inj) = inject(fail, n, || dev.alloc(size, 0))?;
                 match &r {
@@ -433,7 +542,7 @@ fn main() {
     report(
         &mut t,
         "FREE",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let before = usage0(dev)?;
             let x = ok("alloc", dev.alloc(4096, 0))?.handle;
             let (r, inj) = inject(fail, n, || dev.free(x))?;
@@ -457,13 +566,18 @@ fn main() {
 
     report(
         &mut t,
-        "BUF_INFO",
-        sweep(|n| {
-            let (r, inj) = inject(fail, n, || dev.buf_info(a))?;
+        "BUF_INFO, argument in an untouched mapping",
+        sweep(EFAULT_ONLY, |n| {
+            let arg = tdrv_buf_info {
+                handle: a,
+                ..Default::default()
+            };
+            let (r, inj) = ioctl_untouched_arg(dev, fail, n, argbuf, TDRV_IOC_BUF_INFO, arg)?;
             match &r {
                 Ok(i) => expect_eq("size", i.size, XFER as u64)?,
                 Err(_) => {
-                    ok("BUF_INFO after failed BUF_INFO", dev.buf_info(a))?;
+                    let i = ok("BUF_INFO after failed BUF_INFO", dev.buf_info(a))?;
+                    expect_eq("size", i.size, XFER as u64)?;
                 }
             }
             Ok((r.map(drop), inj))
@@ -480,7 +594,7 @@ fn main() {
     report(
         &mut t,
         "EXPORT",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let before = (usage0(dev)?, fds());
             let (r, inj) = inject(fail, n, || dev.export(a))?;
             let failed = r.is_err();
@@ -497,7 +611,7 @@ fn main() {
     report(
         &mut t,
         "IMPORT of an export",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let fd = ok("export", dev.export(a))?;
             let (r, inj) = inject(fail, n, || dev.import(fd.as_raw_fd(), 0))?;
             match &r {
@@ -523,7 +637,7 @@ fn main() {
     report(
         &mut t,
         "COPY_IN",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let data = pattern(XFER, n as u8);
             let (r, inj) = inject(fail, n, || dev.copy_in(a, 0, &data))?;
             if r.is_err() {
@@ -539,7 +653,7 @@ fn main() {
         let data = pattern(XFER, 0x5c);
         match ok("copy_in", dev.copy_in(a, 0, &data)) {
             Err(e) => Err(e),
-            Ok(()) => sweep(|n| {
+            Ok(()) => sweep(FAILS, |n| {
                 // Filled (so touched) before arming: a first touch inside
                 // the copy would spend injection points on page faults.
                 let mut out = vec![0xA5u8; XFER];
@@ -562,7 +676,7 @@ fn main() {
     report(&mut t, "COPY_IN from a buffer mapping", {
         match &mut mapped {
             Err(e) => Err(format!("alloc and mmap: {}", errno_name(*e))),
-            Ok((_, map)) => sweep(|n| {
+            Ok((_, map)) => sweep(FAILS, |n| {
                 let data = pattern(XFER, n as u8 ^ 0x33);
                 map.as_mut_slice()[..XFER].copy_from_slice(&data);
                 let src = &map.as_slice()[..XFER];
@@ -580,7 +694,7 @@ fn main() {
         match (&mut mapped, dev.copy_in(a, 0, &data)) {
             (Err(e), _) => Err(format!("alloc and mmap: {}", errno_name(*e))),
             (_, Err(e)) => Err(format!("copy_in: {}", errno_name(e))),
-            (Ok((_, map)), Ok(())) => sweep(|n| {
+            (Ok((_, map)), Ok(())) => sweep(FAILS, |n| {
                 let out = &mut map.as_mut_slice()[..XFER];
                 out.fill(0xA5);
                 let (r, inj) = inject(fail, n, || dev.copy_out(a, 0, out))?;
@@ -599,7 +713,7 @@ fn main() {
     report(
         &mut t,
         "MEMSET",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let v = n & 0xff;
             ok("memset", dev.memset(a, 0, XFER as u64, 0xEE))?;
             let (r, inj) = inject(fail, n, || dev.memset(a, 1, XFER as u64 - 2, v))?;
@@ -617,7 +731,7 @@ fn main() {
     report(
         &mut t,
         "COPY",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let data = pattern(XFER, n as u8);
             ok("copy_in", dev.copy_in(a, 0, &data))?;
             ok("memset", dev.memset(b, 0, XFER as u64, 0))?;
@@ -636,7 +750,7 @@ fn main() {
     report(
         &mut t,
         "SUBMIT",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let data = pattern(JOB as usize, n as u8);
             ok("copy_in", dev.copy_in(a, 0, &data))?;
             ok("memset", dev.memset(b, 0, JOB, 0))?;
@@ -663,7 +777,7 @@ fn main() {
         report(
             &mut t,
             "SUBMIT with an in-fence and an out-fence",
-            sweep(|n| {
+            sweep(FAILS, |n| {
                 let data = pattern(JOB as usize, n as u8);
                 ok("copy_in", dev.copy_in(a, 0, &data))?;
                 ok("memset", dev.memset(b, 0, JOB, 0))?;
@@ -709,7 +823,7 @@ fn main() {
     report(
         &mut t,
         "JOB_WAIT",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let id = ok("submit", dev.submit(&[desc(a, 0, b, 0, JOB)]))?;
             let (r, inj) = inject(fail, n, || dev.job_wait(id, WAIT_US))?;
             match r {
@@ -727,7 +841,7 @@ fn main() {
     report(
         &mut t,
         "FENCE_WAIT",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let id = ok("submit", dev.submit(&[desc(a, 0, b, 0, JOB)]))?;
             let (r, inj) = inject(fail, n, || dev.fence_wait(b, TDRV_FENCE_ALL, WAIT_US))?;
             if r.is_ok() {
@@ -745,25 +859,35 @@ fn main() {
 
     report(
         &mut t,
-        "COMPLETION_WAIT",
-        sweep(|n| {
+        "COMPLETION_WAIT, argument in an untouched mapping",
+        sweep(EFAULT_ONLY, |n| {
             let c0 = ok("buf_info", dev.buf_info(b))?.completion_count;
             let id = ok("submit", dev.submit(&[desc(a, 0, b, 0, JOB)]))?;
-            let (r, inj) = inject(fail, n, || dev.completion_wait(b, c0 + 1, WAIT_US))?;
-            if let Ok(count) = r {
-                if count < c0 + 1 {
-                    return Err(format!("count {count} < expected {}", c0 + 1));
+            let arg = tdrv_completion_wait {
+                handle: b,
+                expected: c0 + 1,
+                timeout_us: WAIT_US,
+                ..Default::default()
+            };
+            let (r, inj) =
+                ioctl_untouched_arg(dev, fail, n, argbuf, TDRV_IOC_COMPLETION_WAIT, arg)?;
+            if let Ok(c) = &r {
+                if c.count < c0 + 1 {
+                    return Err(format!("count {} < expected {}", c.count, c0 + 1));
                 }
             }
+            // A failed wait loses no completion.
             wait_done(dev, id)?;
-            Ok((r.map(drop).map_err(|(e, _)| e), inj))
+            let c1 = ok("buf_info", dev.buf_info(b))?.completion_count;
+            expect_eq("completion_count after the job", c1, c0 + 1)?;
+            Ok((r.map(drop), inj))
         }),
     );
 
     report(
         &mut t,
         "COMPLETION_RESET",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let id = ok("submit", dev.submit(&[desc(a, 0, b, 0, JOB)]))?;
             wait_done(dev, id)?;
             let c0 = ok("buf_info", dev.buf_info(b))?.completion_count;
@@ -777,7 +901,7 @@ fn main() {
 
     report(&mut t, "open", {
         let cpath = CString::new(path.as_str()).expect("device path has no NUL");
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let before = usage0(dev)?;
             let (r, inj) = inject(fail, n, || {
                 // SAFETY: a valid NUL-terminated path.
@@ -809,7 +933,7 @@ fn main() {
     report(
         &mut t,
         "mmap",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let before = usage0(dev)?;
             let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
             let data = pattern(2 * page, n as u8);
@@ -832,46 +956,51 @@ fn main() {
 
     report(
         &mut t,
-        "first touch of a mapping",
-        sweep(|n| {
-            let before = usage0(dev)?;
-            let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
-            let data = pattern(2 * page, n as u8);
-            ok("copy_in", dev.copy_in(x.handle, 0, &data))?;
-            let p = ok("mmap", mmap_fresh(dev.fd(), x.mmap_offset, 2 * page, n))?;
-            let v = (n as u8) ^ 0xFF;
-            // A fault handler that cannot allocate retries or fails the
-            // access: a SIGBUS here would kill the program (and be a bug).
-            let (seen, inj) = inject(fail, n, || {
-                // SAFETY: `p` maps the two pages of `x`.
-                unsafe {
-                    let seen = [p.read_volatile(), p.add(page).read_volatile()];
-                    p.add(1).write_volatile(v);
-                    p.add(page + 1).write_volatile(v);
-                    seen
-                }
-            })?;
-            // SAFETY: unmaps exactly that mapping.
-            unsafe { libc::munmap(p.cast(), 2 * page) };
-            expect_eq("bytes read", seen, [data[0], data[page]])?;
-            expect_eq(
-                "bytes written",
-                [
-                    read_bytes(dev, x.handle, 1, 1)?[0],
-                    read_bytes(dev, x.handle, page as u64 + 1, 1)?[0],
-                ],
-                [v, v],
-            )?;
-            ok("free", dev.free(x.handle))?;
-            expect_eq("usage after FREE", usage0(dev)?, before)?;
-            Ok((Ok(()), inj))
-        }),
+        "first touch of a mapping from user space is retried",
+        sweep(
+            Expect::Absorbs(
+                "a user-space page fault that cannot allocate returns VM_FAULT_OOM and is retried",
+            ),
+            |n| {
+                let before = usage0(dev)?;
+                let x = ok("alloc", dev.alloc(2 * page as u64, 0))?;
+                let data = pattern(2 * page, n as u8);
+                ok("copy_in", dev.copy_in(x.handle, 0, &data))?;
+                let p = ok("mmap", mmap_fresh(dev.fd(), x.mmap_offset, 2 * page, n))?;
+                let v = (n as u8) ^ 0xFF;
+                // A fault handler that cannot allocate retries or fails the
+                // access: a SIGBUS here would kill the program (and be a bug).
+                let (seen, inj) = inject(fail, n, || {
+                    // SAFETY: `p` maps the two pages of `x`.
+                    unsafe {
+                        let seen = [p.read_volatile(), p.add(page).read_volatile()];
+                        p.add(1).write_volatile(v);
+                        p.add(page + 1).write_volatile(v);
+                        seen
+                    }
+                })?;
+                // SAFETY: unmaps exactly that mapping.
+                unsafe { libc::munmap(p.cast(), 2 * page) };
+                expect_eq("bytes read", seen, [data[0], data[page]])?;
+                expect_eq(
+                    "bytes written",
+                    [
+                        read_bytes(dev, x.handle, 1, 1)?[0],
+                        read_bytes(dev, x.handle, page as u64 + 1, 1)?[0],
+                    ],
+                    [v, v],
+                )?;
+                ok("free", dev.free(x.handle))?;
+                expect_eq("usage after FREE", usage0(dev)?, before)?;
+                Ok((Ok(()), inj))
+            },
+        ),
     );
 
     report(
         &mut t,
         "munmap splitting a mapping",
-        sweep(|n| {
+        sweep(FAILS, |n| {
             let before = usage0(dev)?;
             let x = ok("alloc", dev.alloc(3 * page as u64, 0))?;
             let p = ok("mmap", mmap_raw(dev.fd(), x.mmap_offset, 3 * page))?;
@@ -912,33 +1041,36 @@ fn main() {
 
     report(
         &mut t,
-        "close with buffers, a mapping and a queued job",
-        sweep(|n| {
-            let before = usage0(dev)?;
-            let other = ok("open", Dev::open(&path))?;
-            let s = ok("alloc", other.alloc(4096, 0))?;
-            let d = ok("alloc", other.alloc(4096, 0))?;
-            let m = ok("mmap", other.map(&d))?;
-            ok(
-                "submit",
-                other.submit(&[desc(s.handle, 0, d.handle, 0, JOB)]),
-            )?;
-            use std::os::fd::IntoRawFd;
-            let fd = other.into_fd().into_raw_fd();
-            // The release runs inside close(2) (task work on the way out).
-            let (r, inj) = inject(fail, n, || {
-                // SAFETY: closes the descriptor taken out of `other` above.
-                if unsafe { libc::close(fd) } < 0 {
-                    Err(errno())
-                } else {
-                    Ok(())
-                }
-            })?;
-            // The mapping outlives the file; its buffer goes with it.
-            drop(m);
-            wait_usage(dev, &[before], Duration::from_secs(5))?;
-            Ok((r, inj))
-        }),
+        "close with buffers, a mapping and a queued job loses nothing",
+        sweep(
+            Expect::NoPoints("close(2) cannot report a failure, so the release allocates nothing"),
+            |n| {
+                let before = usage0(dev)?;
+                let other = ok("open", Dev::open(&path))?;
+                let s = ok("alloc", other.alloc(4096, 0))?;
+                let d = ok("alloc", other.alloc(4096, 0))?;
+                let m = ok("mmap", other.map(&d))?;
+                ok(
+                    "submit",
+                    other.submit(&[desc(s.handle, 0, d.handle, 0, JOB)]),
+                )?;
+                use std::os::fd::IntoRawFd;
+                let fd = other.into_fd().into_raw_fd();
+                // The release runs inside close(2) (task work on the way out).
+                let (r, inj) = inject(fail, n, || {
+                    // SAFETY: closes the descriptor taken out of `other` above.
+                    if unsafe { libc::close(fd) } < 0 {
+                        Err(errno())
+                    } else {
+                        Ok(())
+                    }
+                })?;
+                // The mapping outlives the file; its buffer goes with it.
+                drop(m);
+                wait_usage(dev, &[before], HANG)?;
+                Ok((r, inj))
+            },
+        ),
     );
 
     for (p, old) in &saved {
@@ -947,16 +1079,17 @@ fn main() {
         }
     }
 
-    let freed = (dev.free(a), dev.free(b));
+    let freed = (dev.free(a), dev.free(b), dev.free(argbuf.handle));
     drop(dev_owned);
     t.run(
         "with every file closed, channel usage equals the start",
         || {
             ok("free standing buffer", freed.0)?;
             ok("free standing buffer", freed.1)?;
+            ok("free argument buffer", freed.2)?;
             // A new file reads the counters (the first one is closed).
             let d = ok("open", Dev::open(&path))?;
-            wait_usage(&d, &start, Duration::from_secs(5))?;
+            wait_usage(&d, &start, HANG)?;
             // `files_at_start` counted the first file, which `d` replaces.
             expect_eq(
                 "open_files",

@@ -16,7 +16,7 @@
 //! each other (BUF_INFO with ALLOC, no handle reused in a file, truncated or
 //! junk-tailed structs refused), every child ends by our SIGKILL, and once
 //! all files are closed and the children reaped every channel's used_bytes
-//! and buffers return to their start value within 5 s. The kernel side
+//! and buffers return to their start value. The kernel side
 //! (oops, WARN, lockdep, kmemleak) is checked by the guest after the run.
 //!
 //! usage: fuzz [/dev/tdrvN [CALLS [SEED]]]
@@ -51,13 +51,11 @@ const HEADER: &str = include_str!("../../../../uapi/tdrv.h");
 /// read or write past it.
 const ARG_WORDS: usize = (1 << 14) / 8 + 8;
 
-/// Guard on the guest's clock: no new calls after this, and the run fails
-/// if it stopped short of its call count (it would be too slow for `make
-/// test`). The clock is the host's when the guest has the sim device (the
-/// default: 50,000 calls take 20-30 s on the soft device under TCG on a
-/// loaded host) and virtual under `-icount` (about 5 wall seconds per
-/// second while busy, idle time skipped: ~5 s for the same calls).
-const DEADLINE: Duration = Duration::from_secs(120);
+/// The run goes on until its call count, however long that takes. Only a
+/// run that makes no progress for this long (every worker stuck in the
+/// driver, or a SIGKILLed child that never goes away) fails: the bound
+/// turns a hang into a failure and never measures speed.
+const STALL: Duration = Duration::from_secs(60);
 
 /// Most files, handles per file and mappings one process keeps.
 const MAX_FILES: usize = 4;
@@ -298,7 +296,6 @@ struct Ctx {
     /// unrelated file) until no worker can still be using them.
     null_fd: i32,
     target: u64,
-    deadline: Instant,
     page: u64,
 }
 
@@ -1435,10 +1432,10 @@ impl<'a> Worker<'a> {
         }
     }
 
-    /// Runs calls until the run's target or deadline.
+    /// Runs calls until the run's target.
     fn run(&mut self) {
         let shared = self.ctx.shared;
-        while shared.calls.load(Relaxed) < self.ctx.target && Instant::now() < self.ctx.deadline {
+        while shared.calls.load(Relaxed) < self.ctx.target {
             self.one();
         }
     }
@@ -1517,7 +1514,6 @@ fn main() {
         documented: documented_errnos(),
         null_fd,
         target,
-        deadline: Instant::now() + DEADLINE,
         page: page_size() as u64,
     };
     t.note(format!(
@@ -1545,6 +1541,14 @@ fn main() {
     let began = Instant::now();
     let mut statuses: Vec<String> = Vec::new();
     let mut bad_children = 0;
+    // When the call count last moved: no movement for STALL means stuck.
+    let mut progress = (0u64, Instant::now());
+    let mut stalled = |calls: u64| {
+        if calls != progress.0 {
+            progress = (calls, Instant::now());
+        }
+        progress.1.elapsed() > STALL
+    };
     let handles: Vec<_> = (0..ctx.prof.threads)
         .map(|i| {
             let r = rng.fork();
@@ -1560,7 +1564,7 @@ fn main() {
     for i in 0..ctx.prof.children {
         let due = ctx.target * u64::from(i + 1) / u64::from(ctx.prof.children + 1);
         while ctx.shared.calls.load(Relaxed) < due
-            && Instant::now() < ctx.deadline
+            && !stalled(ctx.shared.calls.load(Relaxed))
             && !handles.iter().all(|h| h.is_finished())
         {
             std::thread::sleep(Duration::from_millis(5));
@@ -1595,7 +1599,7 @@ fn main() {
             if r == pid {
                 break true;
             }
-            if killed_at.elapsed() > Duration::from_secs(10) {
+            if killed_at.elapsed() > STALL {
                 break false;
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -1604,14 +1608,13 @@ fn main() {
         let finished = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
         if !reaped {
             bad_children += 1;
-            statuses.push(format!("child {pid} still alive 10 s after SIGKILL"));
+            statuses.push(format!("child {pid} still alive {STALL:?} after SIGKILL"));
         } else if !killed && !finished {
             bad_children += 1;
             statuses.push(format!("child {pid}: wait status {status:#x}"));
         }
     }
-    let stuck_after = ctx.deadline + Duration::from_secs(10);
-    while !handles.iter().all(|h| h.is_finished()) && Instant::now() < stuck_after {
+    while !handles.iter().all(|h| h.is_finished()) && !stalled(ctx.shared.calls.load(Relaxed)) {
         std::thread::sleep(Duration::from_millis(5));
     }
     if !handles.iter().all(|h| h.is_finished()) {
@@ -1627,8 +1630,7 @@ fn main() {
         t.check(
             "fuzzing threads ran every call and ended",
             Err::<(), _>(format!(
-                "workers stuck in the driver {:?} after the deadline:\n{}",
-                stuck_after - ctx.deadline,
+                "workers stuck in the driver: no call ended for {STALL:?}:\n{}",
                 stuck.join("\n")
             )),
         );
@@ -1681,9 +1683,7 @@ fn main() {
             return Err(format!("{panicked} worker threads panicked"));
         }
         if calls < target {
-            return Err(format!(
-                "only {calls} of {target} calls before the {DEADLINE:?} deadline"
-            ));
+            return Err(format!("only {calls} of {target} calls"));
         }
         Ok(())
     });
@@ -1712,7 +1712,7 @@ fn main() {
         "with files closed and children reaped, every channel's usage returns to the start",
         || {
             let d = ok("open", Dev::open(&path))?;
-            let took = wait_usage(&d, &start, Duration::from_secs(5))?;
+            let took = wait_usage(&d, &start, STALL)?;
             println!("# usage back at the start after {took:?}");
             // `d` stands in for the file opened at the start.
             if let Some(files) = files_at_start {

@@ -226,7 +226,7 @@ impl Dev {
         self.bar2.w32(self.block(q) + 0x10, 1);
         let t0 = Instant::now();
         while self.bar2.r32(self.block(q) + 0x10) != 0 {
-            if t0.elapsed() > Duration::from_secs(10) {
+            if t0.elapsed() > Duration::from_secs(60) {
                 return Err(format!("queue {q}: reset not acknowledged in 10 s"));
             }
             thread::sleep(Duration::from_millis(1));
@@ -272,7 +272,7 @@ impl Dev {
         let head = self.bar2.r32(b + 12);
         let t0 = Instant::now();
         while self.bar2.r32(b + 8).wrapping_sub(head) < n {
-            if t0.elapsed() > Duration::from_secs(10) {
+            if t0.elapsed() > Duration::from_secs(60) {
                 return Err(format!(
                     "queue {q}: {} of {n} completions in 10 s (status {})",
                     self.bar2.r32(b + 8).wrapping_sub(head),
@@ -648,7 +648,7 @@ fn main() {
             dev.ring(q);
             let t0 = Instant::now();
             while dev.idx(q, 0x14) != 2 {
-                if t0.elapsed() > Duration::from_secs(10) {
+                if t0.elapsed() > Duration::from_secs(60) {
                     return Err(format!("status {} after STALL", dev.idx(q, 0x14)));
                 }
                 thread::sleep(Duration::from_millis(1));

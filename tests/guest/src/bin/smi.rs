@@ -33,6 +33,40 @@ type R = Result<(), String>;
 /// The uid/gid of an unprivileged user (`nobody`; no passwd entry needed).
 const NOBODY: u32 = 65534;
 
+/// First argument of this program when it runs as the trampoline that
+/// drops to [`NOBODY`] and execs the rest of its arguments.
+const AS_NOBODY: &str = "--exec-as-nobody";
+/// Exit code of the trampoline when a step before the exec fails.
+const TRAMPOLINE_FAILED: i32 = 125;
+
+/// The trampoline: drops every group, then the gid, then the uid, and
+/// execs `argv`. It exists because std's `Command::uid`/`gid` cannot run
+/// on the test kernel: with them std forks itself (posix_spawn cannot
+/// change ids) and reports exec failures through an AF_UNIX socketpair,
+/// and a kernel without CONFIG_NET answers socketpair(2) with ENOSYS. A
+/// plain `Command` (posix_spawn, a pipe) of this program does work there.
+fn exec_as_nobody(argv: &[String]) -> ! {
+    let fail = |step: &str| -> ! {
+        eprintln!("{AS_NOBODY}: {step}: errno {}", raw::errno());
+        std::process::exit(TRAMPOLINE_FAILED)
+    };
+    // SAFETY: plain syscalls on this single-threaded process.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0 {
+            fail("setgroups");
+        }
+        if libc::setgid(NOBODY) != 0 {
+            fail("setgid");
+        }
+        if libc::setuid(NOBODY) != 0 {
+            fail("setuid");
+        }
+    }
+    let err = Command::new(&argv[0]).args(&argv[1..]).exec();
+    eprintln!("{AS_NOBODY}: exec {}: {err}", argv[0]);
+    std::process::exit(TRAMPOLINE_FAILED)
+}
+
 /// The `key:\tvalue` lines of an fdinfo file.
 type FdInfo = HashMap<String, String>;
 
@@ -357,12 +391,24 @@ fn debugfs_stat(name: &str, key: &str) -> Option<u64> {
 }
 
 fn main() {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(AS_NOBODY) && argv.len() > 2 {
+        exec_as_nobody(&argv[2..]);
+    }
     let (dev, path, v) = open_device_or_skip("/dev/tdrv0", None);
     let name = path.rsplit('/').next().unwrap_or(&path).to_string();
     let smi = smi_path();
     let smi_cmd = |args: &[&str]| {
         let mut c = Command::new(&smi);
         c.args(args);
+        c
+    };
+    // tdrv-smi as user and group `nobody`, through this program's
+    // trampoline (see `exec_as_nobody`).
+    let me_exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("/proc/self/exe"));
+    let smi_as_nobody = |args: &[&str]| {
+        let mut c = Command::new(&me_exe);
+        c.arg(AS_NOBODY).arg(&smi).args(args);
         c
     };
     let me = std::process::id() as i32;
@@ -852,24 +898,26 @@ fn main() {
             )
         },
     );
-    // Unprivileged runs need a second user: kernels without
-    // CONFIG_MULTIUSER (the tinyconfig test kernel) answer setuid with
-    // ENOSYS, and have no permission checks to test.
-    let setuid = Command::new(&smi)
-        .arg("--version")
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .output();
-    let multiuser = !matches!(setuid, Err(e) if e.raw_os_error() == Some(libc::ENOSYS));
-    const NO_USERS: &str = "kernel without CONFIG_MULTIUSER: no other user to run as";
-    if multiuser {
+    // Unprivileged runs need a second user: only a kernel without
+    // CONFIG_MULTIUSER answers setuid itself with ENOSYS, and has no
+    // permission checks to test.
+    let probe = run(&mut smi_as_nobody(&["--version"]));
+    let no_users = match &probe {
+        Ok((TRAMPOLINE_FAILED, _, err)) if err.contains(&format!("errno {}", libc::ENOSYS)) => {
+            Some(format!("kernel without CONFIG_MULTIUSER: {}", err.trim()))
+        }
+        _ => None,
+    };
+    if no_users.is_none() {
         t.run(
             "unprivileged: exit 4, a permission error, sysfs figures only",
             || {
+                let (code, out, err) = run(&mut smi_as_nobody(&["--version"]))?;
+                if code != 0 || !out.contains("tdrv-smi") {
+                    return Err(format!("--version as nobody: exit {code}, {out}{err}"));
+                }
                 let l = smi_json(
-                    smi_cmd(&["--json", "-d", &path, "--interval-ms", "0"])
-                        .uid(NOBODY)
-                        .gid(NOBODY),
+                    &mut smi_as_nobody(&["--json", "-d", &path, "--interval-ms", "0"]),
                     4,
                 )?;
                 let e = &l["errors"][0];
@@ -891,7 +939,7 @@ fn main() {
         t.run(
             "unprivileged ps: root's processes are counted as unreadable",
             || {
-                let ps = smi_json(smi_cmd(&["ps", "--json"]).uid(NOBODY).gid(NOBODY), 0)?;
+                let ps = smi_json(&mut smi_as_nobody(&["ps", "--json"]), 0)?;
                 expect_eq("entries of a root process", ps_entries(&ps, me)?.len(), 0)?;
                 if u(&ps, "unreadable_processes")? == 0 {
                     return Err(format!("unreadable_processes is 0: {ps}"));
@@ -904,13 +952,14 @@ fn main() {
             },
         );
     } else {
+        let why = no_users.unwrap_or_default();
         t.skip(
             "unprivileged: exit 4, a permission error, sysfs figures only",
-            NO_USERS,
+            &why,
         );
         t.skip(
             "unprivileged ps: root's processes are counted as unreadable",
-            NO_USERS,
+            &why,
         );
     }
     t.run("no such device: exit 3 and a no-device error", || {
@@ -974,12 +1023,29 @@ fn main() {
         expect_eq("load generator exit", reap(pid)?, 0)
     });
     t.run(
-        "busy_percent is 0 with the engine idle (0.2 s sample)",
+        "busy_percent is 0 while the device's busy_ns stands still",
         || {
             load_done.clone()?;
+            // Idleness is the counter's, not the clock's: every job of
+            // the load has ended, and the sample must span no engine time.
+            let name = path.trim_start_matches("/dev/");
+            let busy_ns = || -> Result<u64, String> {
+                let f = format!("/sys/class/misc/{name}/busy_ns");
+                std::fs::read_to_string(&f)
+                    .map_err(|e| format!("{f}: {e}"))?
+                    .trim()
+                    .parse()
+                    .map_err(|e| format!("{f}: {e}"))
+            };
+            let before = busy_ns()?;
             let l = smi_json(
                 &mut smi_cmd(&["--json", "-d", &path, "--interval-ms", "200"]),
                 0,
+            )?;
+            expect_eq(
+                "busy_ns across the sample (engine idle)",
+                busy_ns()?,
+                before,
             )?;
             let p = device_entry(&l, &path)?["busy_percent"].as_f64();
             expect_eq("busy_percent", p, Some(0.0))

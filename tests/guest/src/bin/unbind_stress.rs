@@ -4,7 +4,9 @@
 //! the device is bound again; each round then checks that the device
 //! works (ALLOC, COPY_IN, a job, COPY_OUT, FREE). Unlike the edu and sim
 //! programs' unbind tests, which unbind at chosen points, this one lands
-//! wherever the fuzzers happen to be. The guest run's dmesg, kmemleak and
+//! wherever the fuzzers happen to be. Both fuzzers must still be running
+//! at the unbind, and must end by the SIGKILL or with a clean failure
+//! status, never by a crash. The guest run's dmesg, kmemleak and
 //! rmmod checks cover what the kernel must not do meanwhile.
 //!
 //! usage: unbind_stress /dev/tdrvN [ROUNDS [SEED]]  (edu or sim; other
@@ -13,7 +15,8 @@
 
 use std::{
     fs,
-    process::{Child, Command, Stdio},
+    os::unix::process::ExitStatusExt,
+    process::{Child, Command, ExitStatus, Stdio},
     thread,
     time::Duration,
 };
@@ -38,7 +41,7 @@ fn driver_dir(kind: u32) -> &'static str {
 }
 
 /// Starts a fuzzer on `node` with `seed`, its output discarded (its own
-/// checks fail once the device is gone; only the kernel's state counts).
+/// checks fail once the device is gone; what counts is how it ends).
 fn fuzzer(node: &str, seed: u64) -> Result<Child, String> {
     Command::new(FUZZ)
         .args([node, "1000000", &seed.to_string()])
@@ -47,6 +50,29 @@ fn fuzzer(node: &str, seed: u64) -> Result<Child, String> {
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| format!("{FUZZ}: {e}"))
+}
+
+/// How a fuzzer may end once the device is gone: by our SIGKILL; by
+/// SIGBUS, which a touch of a mapping of the unbound device gets (as
+/// documented for unbind); or on its own with kselftest's failure code 1
+/// (its checks see ENODEV). A SIGSEGV, an abort, a panic (101) or any other
+/// status means the driver broke the fuzzer, and fails the round.
+fn ended_well(status: ExitStatus) -> R {
+    match (status.signal(), status.code()) {
+        (Some(libc::SIGKILL | libc::SIGBUS), _) | (None, Some(0 | 1)) => Ok(()),
+        _ => Err(format!("a fuzzer ended with {status}")),
+    }
+}
+
+/// Fails if a fuzzer has already ended: the unbind is meant to land while
+/// both are at work.
+fn still_running(fuzzers: &mut [Child]) -> R {
+    for f in fuzzers {
+        if let Some(status) = f.try_wait().map_err(|e| format!("wait: {e}"))? {
+            return Err(format!("a fuzzer ended before the unbind: {status}"));
+        }
+    }
+    Ok(())
 }
 
 /// The device of `kind` works: a buffer round trip through a job.
@@ -80,17 +106,27 @@ fn round(node: &str, kind: u32, rng: &mut Rng) -> R {
     let dir = driver_dir(kind);
     let pci = bound_pci_address(dir)?;
     let mut fuzzers = vec![fuzzer(node, rng.next_u64())?, fuzzer(node, rng.next_u64())?];
+    // A seeded moment for the unbind (not a threshold: nothing is timed).
     thread::sleep(Duration::from_millis(200 + rng.next_u64() % 1800));
+    let running = still_running(&mut fuzzers);
     let unbound = fs::write(format!("{dir}/unbind"), &pci);
     // Calls on the unbound device fail at once; let them run a moment.
     thread::sleep(Duration::from_millis(300));
+    let mut ends = Vec::new();
     for f in &mut fuzzers {
+        // Fails only if the fuzzer has already been reaped, which wait()
+        // below then reports.
         let _ = f.kill();
-        let _ = f.wait();
+        ends.push(f.wait().map_err(|e| format!("wait: {e}")));
     }
     unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
     fs::write(format!("{dir}/bind"), &pci).map_err(|e| format!("bind {pci}: {e}"))?;
-    thread::sleep(Duration::from_millis(100));
+    running?;
+    for end in ends {
+        ended_well(end?)?;
+    }
+    // The bind probes synchronously, and devtmpfs creates the node before
+    // the probe returns: the device is there now.
     works(kind)
 }
 

@@ -135,7 +135,7 @@ fn main() {
             match dev.submit(&[desc(a.handle, b.handle, 4096)]) {
                 Ok(id) => break id,
                 // Still letting go of the stuck transfer.
-                Err(e) if e == libc::EIO && tries < 30 => {
+                Err(e) if e == libc::EIO && tries < 120 => {
                     tries += 1;
                     thread::sleep(Duration::from_millis(500));
                 }
