@@ -208,7 +208,7 @@ fn inject(node: &str, cmd: &str) -> Result<bool, String> {
 fn main() {
     let (dev, node, version) = open_device_or_skip("/dev/tdrv0", None);
     let edu = version.device_kind == TDRV_DEVICE_EDU;
-    let fence_fds = version.features & TDRV_FEAT_FENCE_FD != 0;
+    let fence_fds = version.features & u64::from(TDRV_FEAT_FENCE_FD) != 0;
     let held = fence_fds && Timeline::available();
     let no_fence_fd = "no TDRV_FEAT_FENCE_FD (kernel without CONFIG_SYNC_FILE)";
     let no_hold = if fence_fds {
