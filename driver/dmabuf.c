@@ -7,7 +7,9 @@
  */
 
 #include <linux/dma-buf.h>
+#include <linux/dma-direct.h>
 #include <linux/dma-direction.h>
+#include <linux/dma-map-ops.h>
 #include <linux/err.h>
 #include <linux/fcntl.h>
 #include <linux/file.h>
@@ -17,6 +19,8 @@
 #include <linux/module.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
+#include <linux/swiotlb.h>
+#include <linux/vmalloc.h>
 
 #include "dmabuf.h"
 
@@ -159,6 +163,45 @@ static bool tdrv_sgt_whole_pages(struct sg_table *sgt, size_t size)
 	return total >= size;
 }
 
+/*
+ * True if @dev maps memory directly (no IOMMU, no bounce buffers) and some
+ * page behind the kernel mapping @vaddr (@size bytes) lies beyond its DMA
+ * mask. Mapping such a page for the device would fail with a one-time
+ * WARN of the DMA core ("DMA addr ... overflow"), which userspace must not
+ * be able to trigger: the import is refused with EIO first. Pages whose
+ * frame cannot be found from the mapping are left to the exporter's map.
+ */
+static bool tdrv_beyond_dma_mask(struct device *dev, const void *vaddr,
+				 size_t size)
+{
+	u64 limit;
+	size_t off;
+
+	if (!dev->dma_mask || get_dma_ops(dev) || dev_dma_iommu(dev))
+		return false;
+#ifdef CONFIG_SWIOTLB
+	if (dev->dma_io_tlb_mem && dev->dma_io_tlb_mem->nslabs)
+		return false;
+#endif
+	limit = min_not_zero(*dev->dma_mask, dev->bus_dma_limit);
+	for (off = 0; off < size; off += PAGE_SIZE) {
+		const void *p = vaddr + off;
+		struct page *page;
+
+		if (is_vmalloc_addr(p))
+			page = vmalloc_to_page(p);
+		else if (virt_addr_valid(p))
+			page = virt_to_page(p);
+		else
+			return false;
+		if (!page)
+			return false;
+		if (phys_to_dma(dev, page_to_phys(page)) + PAGE_SIZE - 1 > limit)
+			return true;
+	}
+	return false;
+}
+
 struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 {
 	struct tdrv_import *imp;
@@ -187,6 +230,10 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 		goto err_vunmap;
 	}
 	if (dev) {
+		if (tdrv_beyond_dma_mask(dev, imp->map.vaddr, dmabuf->size)) {
+			ret = -EIO;
+			goto err_vunmap;
+		}
 		imp->attach = dma_buf_attach(dmabuf, dev);
 		if (IS_ERR(imp->attach)) {
 			ret = PTR_ERR(imp->attach);

@@ -87,7 +87,7 @@ module! {
         },
         edu_dma_bits: u32 {
             default: 28,
-            description: "DMA mask width of edu devices (28 = QEMU's default; match -device edu,dma_mask=)",
+            description: "DMA mask width of edu devices in bits (24-64; 28 = QEMU's default; match -device edu,dma_mask=)",
         },
         edu_timeout_ms: u32 {
             default: 5000,
@@ -131,41 +131,67 @@ pub(crate) struct Params {
     pub(crate) limits: Limits,
 }
 
-/// Reads and range-checks the module parameters.
-pub(crate) fn params() -> Result<Params> {
-    let file_max_buffers = *module_parameters::file_max_buffers.value();
-    let file_max_mib = *module_parameters::file_max_mib.value();
-    let file_max_jobs = *module_parameters::file_max_jobs.value();
-    let file_max_inflight_mib = *module_parameters::file_max_inflight_mib.value();
-    let p = Params {
-        soft_devices: *module_parameters::soft_devices.value(),
-        channels: *module_parameters::channels.value(),
-        channel_limit: u64::from(*module_parameters::channel_mib.value()) << 20,
-        edu_dma_bits: *module_parameters::edu_dma_bits.value(),
-        edu_timeout_ms: *module_parameters::edu_timeout_ms.value(),
-        sim_timeout_ms: *module_parameters::sim_timeout_ms.value(),
-        limits: Limits {
-            handles: file_max_buffers as usize,
-            bytes: u64::from(file_max_mib) << 20,
-            jobs: file_max_jobs,
-            inflight_bytes: u64::from(file_max_inflight_mib) << 20,
-        },
-    };
-    if p.soft_devices > MAX_SOFT_DEVICES
-        || !(1..=16).contains(&p.channels)
-        || !((1 << 20)..=(4096 << 20)).contains(&p.channel_limit)
-        || !(24..=64).contains(&p.edu_dma_bits)
-        || !(edu::MIN_TIMEOUT_MS..=600_000).contains(&p.edu_timeout_ms)
-        || !(100..=600_000).contains(&p.sim_timeout_ms)
-        || !(1..=handle::MAX_HANDLES).contains(&p.limits.handles)
-        || !(1..=1 << 20).contains(&file_max_mib)
-        || !(1..job::JOB_WINDOW as u32).contains(&file_max_jobs)
-        || !(1..=1 << 20).contains(&file_max_inflight_mib)
-    {
-        pr_err!("invalid module parameters\n");
-        return Err(EINVAL);
+/// Checks one module parameter against its allowed range; logs which one
+/// is wrong and what it allows, so that a failed insmod says why.
+fn check_param(name: &str, value: u32, min: u32, max: u32) -> Result<u32> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else {
+        pr_err!("invalid module parameter {name}={value}: allowed range is {min}-{max}\n");
+        Err(EINVAL)
     }
-    Ok(p)
+}
+
+/// Reads and range-checks the module parameters. Every parameter is
+/// checked (and every bad one logged) before the first error is returned.
+pub(crate) fn params() -> Result<Params> {
+    use module_parameters as m;
+    const _: () = assert!(handle::MAX_HANDLES <= u32::MAX as usize);
+    // All checked first, so that every bad parameter is logged.
+    let soft_devices = check_param("soft_devices", *m::soft_devices.value(), 0, MAX_SOFT_DEVICES);
+    let channels = check_param("channels", *m::channels.value(), 1, 16);
+    let channel_mib = check_param("channel_mib", *m::channel_mib.value(), 1, 4096);
+    let edu_dma_bits = check_param("edu_dma_bits", *m::edu_dma_bits.value(), 24, 64);
+    let edu_timeout_ms = check_param(
+        "edu_timeout_ms",
+        *m::edu_timeout_ms.value(),
+        edu::MIN_TIMEOUT_MS,
+        600_000,
+    );
+    let sim_timeout_ms = check_param("sim_timeout_ms", *m::sim_timeout_ms.value(), 100, 600_000);
+    let file_max_buffers = check_param(
+        "file_max_buffers",
+        *m::file_max_buffers.value(),
+        1,
+        handle::MAX_HANDLES as u32,
+    );
+    let file_max_mib = check_param("file_max_mib", *m::file_max_mib.value(), 1, 1 << 20);
+    let file_max_jobs = check_param(
+        "file_max_jobs",
+        *m::file_max_jobs.value(),
+        1,
+        job::JOB_WINDOW as u32 - 1,
+    );
+    let file_max_inflight_mib = check_param(
+        "file_max_inflight_mib",
+        *m::file_max_inflight_mib.value(),
+        1,
+        1 << 20,
+    );
+    Ok(Params {
+        soft_devices: soft_devices?,
+        channels: channels?,
+        channel_limit: u64::from(channel_mib?) << 20,
+        edu_dma_bits: edu_dma_bits?,
+        edu_timeout_ms: edu_timeout_ms?,
+        sim_timeout_ms: sim_timeout_ms?,
+        limits: Limits {
+            handles: file_max_buffers? as usize,
+            bytes: u64::from(file_max_mib?) << 20,
+            jobs: file_max_jobs?,
+            inflight_bytes: u64::from(file_max_inflight_mib?) << 20,
+        },
+    })
 }
 
 #[pin_data(PinnedDrop)]
