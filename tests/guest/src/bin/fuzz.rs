@@ -980,13 +980,19 @@ impl<'a> Worker<'a> {
                 };
                 self.stray32(&mut b.pad);
                 self.stray32(&mut b.pad2);
-                self.stray64(&mut [std::slice::from_mut(&mut b.reserved)]);
-                // An output field: ignored on input.
+                // Output fields (`buf_id` was `reserved` before ABI 1.3):
+                // ignored on input.
                 if self.rng.chance(1, 25) {
                     b.error = -libc::EIO;
                 }
+                if self.rng.chance(1, 25) {
+                    b.buf_id = 1 << self.rng.below(64);
+                }
                 if self.send(fd, op, TDRV_IOC_BUF_INFO, &mut b).is_ok() {
                     self.stale_ok(op, &[p]);
+                    if b.buf_id == 0 {
+                        self.violation(format!("BUF_INFO {:#x}: buf_id 0", p.handle));
+                    }
                     if b.error > 0 || (b.error < 0 && !self.ctx.documented.contains(&-b.error)) {
                         self.violation(format!(
                             "BUF_INFO {:#x}: error latch {}",
