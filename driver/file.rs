@@ -90,6 +90,8 @@ struct Handles {
     slots: Slots,
     bytes: u64,
     per_channel: KVec<u64>,
+    /// Handles of buffers imported from foreign dma-bufs.
+    imports: usize,
 }
 
 impl Handles {
@@ -226,6 +228,7 @@ impl MiscDevice for TdrvFile {
                         slots: Slots::new(),
                         bytes: 0,
                         per_channel,
+                        imports: 0,
                     },
                     "FileState::handles"
                 ),
@@ -459,13 +462,20 @@ impl TdrvFile {
     fn add_handle(&self, buf: Arc<Buffer>) -> Result<u64> {
         let limits = &self.device.limits;
         let charge = buf.charged();
+        let foreign = buf.is_foreign();
         let mut h = self.state.handles.lock();
-        if h.slots.len() >= limits.handles || h.bytes + charge > limits.bytes {
+        if h.slots.len() >= limits.handles
+            || h.bytes + charge > limits.bytes
+            || (foreign && h.imports >= limits.imports)
+        {
             return Err(ENOSPC);
         }
         let channel = buf.channel();
         let handle = self.state.table.insert(&mut h.slots, buf)?;
         h.charge(channel, charge);
+        if foreign {
+            h.imports += 1;
+        }
         Ok(handle)
     }
 
@@ -511,6 +521,11 @@ impl TdrvFile {
                 if a.channel >= self.device.channels.count() {
                     return Err(EINVAL);
                 }
+                // Refused before the dma-buf is mapped (checked again when
+                // the handle is added).
+                if self.state.handles.lock().imports >= self.device.limits.imports {
+                    return Err(ENOSPC);
+                }
                 let active = self.device.enter()?;
                 let dev = if self.device.engine().does_dma() {
                     raw_device(self.device.bound_device(&active)).cast()
@@ -548,6 +563,9 @@ impl TdrvFile {
         let mut h = self.state.handles.lock();
         let buf = self.state.table.remove(&mut h.slots, handle)?;
         h.uncharge(buf.channel(), buf.charged());
+        if buf.is_foreign() {
+            h.imports -= 1;
+        }
         Some(buf)
     }
 

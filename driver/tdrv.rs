@@ -49,6 +49,7 @@ mod job;
 mod mmap;
 mod node;
 mod range;
+mod registry;
 mod stats;
 mod uapi;
 mod waitqueue;
@@ -98,6 +99,14 @@ module! {
             default: 65536,
             description: "Most live buffers one open file may hold (1-16777216); more is ENOSPC",
         },
+        file_max_imports: u32 {
+            default: 4096,
+            description: "Most handles of foreign dma-buf imports one open file may hold (1-16777216); more is ENOSPC",
+        },
+        device_max_imports: u32 {
+            default: 65536,
+            description: "Most live buffers imported from foreign dma-bufs per device (1-16777216); more is ENOSPC",
+        },
         file_max_mib: u32 {
             default: 4096,
             description: "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC",
@@ -134,6 +143,8 @@ pub(crate) fn params() -> Result<Params> {
     let file_max_mib = *module_parameters::file_max_mib.value();
     let file_max_jobs = *module_parameters::file_max_jobs.value();
     let file_max_inflight_mib = *module_parameters::file_max_inflight_mib.value();
+    let file_max_imports = *module_parameters::file_max_imports.value();
+    let device_max_imports = *module_parameters::device_max_imports.value();
     let p = Params {
         soft_devices: *module_parameters::soft_devices.value(),
         channels: *module_parameters::channels.value(),
@@ -146,6 +157,8 @@ pub(crate) fn params() -> Result<Params> {
             bytes: u64::from(file_max_mib) << 20,
             jobs: file_max_jobs,
             inflight_bytes: u64::from(file_max_inflight_mib) << 20,
+            imports: file_max_imports as usize,
+            device_imports: device_max_imports,
         },
     };
     if p.soft_devices > MAX_SOFT_DEVICES
@@ -155,6 +168,8 @@ pub(crate) fn params() -> Result<Params> {
         || !(edu::MIN_TIMEOUT_MS..=600_000).contains(&p.edu_timeout_ms)
         || !(100..=600_000).contains(&p.sim_timeout_ms)
         || !(1..=handle::MAX_HANDLES).contains(&p.limits.handles)
+        || !(1..=handle::MAX_HANDLES).contains(&p.limits.imports)
+        || !(1..=handle::MAX_HANDLES as u32).contains(&p.limits.device_imports)
         || !(1..=1 << 20).contains(&file_max_mib)
         || !(1..job::JOB_WINDOW as u32).contains(&file_max_jobs)
         || !(1..=1 << 20).contains(&file_max_inflight_mib)
