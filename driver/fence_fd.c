@@ -67,9 +67,12 @@ struct dma_fence *tdrv_fence_new(void)
 /* Signals the fence, with error (a negative errno) or 0. Call once. */
 void tdrv_fence_signal(struct dma_fence *fence, int error)
 {
+	bool cookie = dma_fence_begin_signalling();
+
 	if (error < 0 && error >= -MAX_ERRNO)
 		dma_fence_set_error(fence, error);
 	dma_fence_signal(fence);
+	dma_fence_end_signalling(cookie);
 }
 
 void tdrv_fence_put(struct dma_fence *fence)
@@ -282,6 +285,23 @@ void tdrv_deps_free(struct tdrv_deps *deps)
 }
 
 #endif /* CONFIG_SYNC_FILE */
+
+/*
+ * Lockdep annotation of a dma-fence signalling critical section (see
+ * Documentation/driver-api/dma-buf.rst, "Indefinite DMA Fences"): code
+ * that fences wait for must not allocate with reclaim, nor take locks
+ * held elsewhere around such allocations. Without CONFIG_LOCKDEP both are
+ * no-ops.
+ */
+bool tdrv_fence_begin_signalling(void)
+{
+	return dma_fence_begin_signalling();
+}
+
+void tdrv_fence_end_signalling(bool cookie)
+{
+	dma_fence_end_signalling(cookie);
+}
 
 /* The queue of the files' dispatch work items (queued by in-fence
  * callbacks), owned by the module so that exit can drain it. */

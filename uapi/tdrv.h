@@ -78,7 +78,9 @@
  * Lifetime: a file's mapping keeps the module loaded (rmmod fails while a
  * file is open or a buffer mapped). Closing a file (also by exit or
  * SIGKILL) cancels its jobs: queued ones end with ECANCELED, a running one
- * after the chunk in flight.
+ * after the chunk in flight. A chunk is at most 64 MiB: what the engine was
+ * already given of the job (TDRV_DEVICE_SIM keeps a job at most 64 MiB
+ * ahead of its completions) or is copying (soft, edu).
  */
 #ifndef _UAPI_TDRV_H
 #define _UAPI_TDRV_H
