@@ -175,6 +175,9 @@ mod tests {
         let n = 300_000u64;
         for i in 0..n {
             assert_eq!(r.reserve()?, i);
+            if i % 1024 == 0 {
+                crate::glue::cond_resched();
+            }
         }
         // Reserved entries are not buffers: a sweep skips them.
         let seen = Atomic::new(0u32);
@@ -183,6 +186,9 @@ mod tests {
         let ran = Atomic::new(0u64);
         for i in 0..n {
             r.remove(i, || ran.add(1, Relaxed));
+            if i % 1024 == 0 {
+                crate::glue::cond_resched();
+            }
         }
         assert_eq!(ran.load(Relaxed), n);
         // Indices are reused once free.

@@ -549,35 +549,46 @@ fn heap_jobs(dev: &Dev, fd: OwnedFd, len: usize) -> R {
 /// The default of the module parameter `file_max_imports` (uapi/tdrv.h).
 const FILE_MAX_IMPORTS: usize = 4096;
 
+/// A fresh one-page dma-buf from the system heap.
+fn heap_page() -> Result<OwnedFd, String> {
+    heap_alloc(page_size())?.ok_or_else(|| "no /dev/dma_heap/system".to_string())
+}
+
 /// Every IMPORT of a foreign dma-buf makes a buffer the channel does not
 /// pay for: a file gets `FILE_MAX_IMPORTS` handles of them, then ENOSPC,
-/// while its own buffers and other files' imports still work.
+/// while its own buffers and other files' imports still work. Each import
+/// is of its own dma-buf (one page each): a device that maps them for DMA
+/// maps every page once.
 fn import_limit(node: &str, fd: OwnedFd) -> R {
     let full = ok("open", Dev::open(node))?;
     let mut handles = Vec::with_capacity(FILE_MAX_IMPORTS);
-    for i in 0..FILE_MAX_IMPORTS {
+    handles.push(ok("import", full.import(fd.as_raw_fd(), 0))?.handle);
+    for i in 1..FILE_MAX_IMPORTS {
+        let page = heap_page()?;
         let h = full
-            .import(fd.as_raw_fd(), 0)
+            .import(page.as_raw_fd(), 0)
             .map_err(|e| format!("import {i}: errno {e}"))?;
         handles.push(h.handle);
     }
+    let extra = heap_page()?;
     expect_err(
         "one import past file_max_imports",
-        full.import(fd.as_raw_fd(), 0),
+        full.import(extra.as_raw_fd(), 0),
         libc::ENOSPC,
     )?;
     // Not an import: the file's buffer limit is elsewhere.
     let own = ok("alloc in the full file", full.alloc(4096, 0))?;
     ok("free", full.free(own.handle))?;
     let other = ok("open", Dev::open(node))?;
-    let i = ok("import in another file", other.import(fd.as_raw_fd(), 0))?;
+    let i = ok("import in another file", other.import(extra.as_raw_fd(), 0))?;
     ok("free", other.free(i.handle))?;
     // A freed import makes room for one more.
     ok("free", full.free(handles[0]))?;
-    ok("import after a free", full.import(fd.as_raw_fd(), 0))?;
+    ok("import after a free", full.import(extra.as_raw_fd(), 0))?;
+    let again = heap_page()?;
     expect_err(
         "and then the limit again",
-        full.import(fd.as_raw_fd(), 0),
+        full.import(again.as_raw_fd(), 0),
         libc::ENOSPC,
     )
 }
