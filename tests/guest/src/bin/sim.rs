@@ -126,15 +126,27 @@ fn completion_path_allocates_nothing(dev: &Dev) -> R {
         // dispatched at SUBMIT, the rest when earlier ones complete.
         let mut ids = Vec::new();
         for i in 0..16 {
-            let (s, d) = if i % 2 == 0 { (a.handle, b.handle) } else { (b.handle, a.handle) };
+            let (s, d) = if i % 2 == 0 {
+                (a.handle, b.handle)
+            } else {
+                (b.handle, a.handle)
+            };
             ids.push(ok("submit", dev.submit(&[desc(s, 0, d, 0, 64 << 10)]))?);
         }
         for id in ids {
-            expect_eq("job", ok("wait", dev.job_wait(id, 30_000_000))?, (TDRV_JOB_DONE, 0))?;
+            expect_eq(
+                "job",
+                ok("wait", dev.job_wait(id, 30_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
         }
         let left = fs::read_to_string(format!("{dir}/times")).map_err(|e| format!("times: {e}"))?;
         expect_eq("failslab faults left (none fired)", left.trim(), "1000000")?;
-        expect_eq("data", read_all(dev, a.handle, 64 << 10)?, vec![0x3C; 64 << 10])?;
+        expect_eq(
+            "data",
+            read_all(dev, a.handle, 64 << 10)?,
+            vec![0x3C; 64 << 10],
+        )?;
         ok("free", dev.free(a.handle))?;
         ok("free", dev.free(b.handle))
     })();
@@ -224,7 +236,9 @@ fn wait_queues_alive(node: &str) -> R {
             .map_err(|e| format!("stats: {e}"))?;
         let bad: Vec<&str> = text
             .lines()
-            .filter(|l| l.starts_with("queue") && (l.contains(" dead") || !l.ends_with("orphans 0")))
+            .filter(|l| {
+                l.starts_with("queue") && (l.contains(" dead") || !l.ends_with("orphans 0"))
+            })
             .collect();
         if bad.is_empty() {
             return Ok(());
@@ -258,7 +272,10 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     let v_pfns: std::collections::HashSet<u64> = v.pfns()?.into_iter().collect();
     let reused = u_pfns.iter().filter(|p| v_pfns.contains(p)).count();
     let stats = fs::read_to_string(format!("{}/stats", debugfs(path))).unwrap_or_default();
-    if !stats.lines().any(|l| l.starts_with("queue") && l.contains(" dead")) {
+    if !stats
+        .lines()
+        .any(|l| l.starts_with("queue") && l.contains(" dead"))
+    {
         inject(path, "resume")?;
         return Err("no queue is dead after a reset the device ignored".into());
     }
@@ -273,7 +290,11 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     if let Some(i) = v.slice_mut().iter().position(|b| *b != 0x22) {
         return Err(format!("byte {i} of fresh memory changed by the late DMA"));
     }
-    expect_eq("data after the queue came back", read_all(dev, a.handle, len)?, vec![0xA5; len])?;
+    expect_eq(
+        "data after the queue came back",
+        read_all(dev, a.handle, len)?,
+        vec![0xA5; len],
+    )?;
     ok("free", dev.free(a.handle))
 }
 
@@ -748,8 +769,9 @@ fn main() {
             inject(&path, "stall")?;
             // 512 MiB in 32 descriptors of 16 MiB (the device's largest):
             // with ring room for all of them, only 4 may be handed over.
-            let descs: Vec<tdrv_copy_desc> =
-                (0..32).map(|_| desc(a.handle, 0, b.handle, 0, 16 * mb)).collect();
+            let descs: Vec<tdrv_copy_desc> = (0..32)
+                .map(|_| desc(a.handle, 0, b.handle, 0, 16 * mb))
+                .collect();
             ok("submit", other.submit(&descs))?;
             let posted: u64 = queue_field(&path, "outstanding")?.iter().sum();
             if !(1..=4).contains(&posted) {
