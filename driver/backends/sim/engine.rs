@@ -137,7 +137,6 @@ use crate::{
         Hold,
         Prepared, //
     },
-    fence_fd::Signalling,
     glue,
     job::{
         Job,
@@ -377,7 +376,6 @@ impl SimEngine {
     }
 
     fn end_deferred(self: &Arc<Self>) {
-        let _signalling = Signalling::begin();
         loop {
             let op = self.deferred.lock().pop_front();
             let Some(op) = op else {
@@ -419,7 +417,6 @@ impl SimEngine {
 
     /// Interrupt thread of queue `q`.
     pub(crate) fn on_irq(self: &Arc<Self>, q: u32) {
-        let _signalling = Signalling::begin();
         let queue = &self.queues[q as usize];
         let _ending = queue.ending.lock();
         let mut done = List::new();
@@ -435,7 +432,6 @@ impl SimEngine {
     }
 
     fn watch(self: &Arc<Self>) {
-        let _signalling = Signalling::begin();
         let mut busy = {
             let mut s = self.sched.lock();
             if s.stopped {
