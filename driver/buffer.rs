@@ -251,6 +251,8 @@ pub(crate) struct Buffer {
     registry_key: u64,
     /// The memory is device memory: bytes move by the engine's DMA.
     on_device: bool,
+    /// Imported from a foreign dma-buf: counted in the device's imports.
+    foreign: bool,
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
@@ -443,6 +445,7 @@ impl Buffer {
             channel,
         } = layout;
         let on_device = matches!(backing, Backing::Device(_));
+        let foreign = matches!(backing, Backing::Imported { .. });
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
@@ -462,6 +465,7 @@ impl Buffer {
                 device: device.clone(),
                 registry_key,
                 on_device,
+                foreign,
                 fence <- Fence::new(),
             }),
             GFP_KERNEL_ACCOUNT,
@@ -491,6 +495,17 @@ impl Buffer {
         import: Import,
         channel: u32,
     ) -> Result<Arc<Self>> {
+        device.count_import()?;
+        let buf = Self::import_counted(device, import, channel);
+        if buf.is_err() {
+            // Never built: its drop does not give the count back.
+            device.uncount_import();
+        }
+        buf
+    }
+
+    /// [`Buffer::import`] once the device counted the import.
+    fn import_counted(device: &Arc<TdrvDevice>, import: Import, channel: u32) -> Result<Arc<Self>> {
         let size = import.size();
         if size == 0 || size as u64 > MAX_BUFFER_SIZE {
             return Err(EINVAL);
@@ -547,6 +562,11 @@ impl Buffer {
     }
 
     /// Bytes of the buffer's pieces (its page-rounded size).
+    /// True for a buffer imported from a foreign dma-buf.
+    pub(crate) fn is_foreign(&self) -> bool {
+        self.foreign
+    }
+
     pub(crate) fn charged(&self) -> u64 {
         self.charged
     }
@@ -891,6 +911,9 @@ impl PinnedDrop for Buffer {
             drop(old);
         });
         self.device.channels.release(self.channel, self.charged);
+        if self.foreign {
+            self.device.uncount_import();
+        }
     }
 }
 

@@ -38,7 +38,7 @@ use crate::{
         Engine,
         EngineCounters, //
     },
-    handle::HandleTable, //
+    registry::Registry, //
 };
 /// Most tdrv devices at once (software and hardware together).
 pub(crate) const MAX_DEVICES: usize = 8;
@@ -127,6 +127,11 @@ pub(crate) struct Limits {
     pub(crate) jobs: u32,
     /// Bytes those jobs move.
     pub(crate) inflight_bytes: u64,
+    /// Live handles of buffers imported from foreign dma-bufs (which are
+    /// not charged to a channel).
+    pub(crate) imports: usize,
+    /// Live buffers imported from foreign dma-bufs on the whole device.
+    pub(crate) device_imports: u32,
 }
 
 /// The raw `struct device` behind `dev`, for the C calls 7.2 does not wrap.
@@ -134,14 +139,6 @@ pub(crate) fn raw_device(dev: &device::Device) -> *mut kernel::bindings::device 
     // `device::Device` is a `#[repr(transparent)]` wrapper of `struct device`.
     core::ptr::from_ref(dev).cast_mut().cast()
 }
-
-/// Address of a live buffer, kept in the device's buffer registry.
-struct BufferAddr(*const Buffer);
-
-// SAFETY: The registry only dereferences the address under its lock while
-// the buffer is alive (a buffer leaves the registry in its drop, under the
-// same lock), and `Buffer` is `Sync`.
-unsafe impl Send for BufferAddr {}
 
 /// What the device needs from an open file, implemented by the file
 /// layer: revocation at unbind, and a usage line for debugfs.
@@ -191,7 +188,10 @@ pub(crate) struct TdrvDevice {
     /// Every live buffer of the device, so unbind can reach their fences
     /// and memory, also those only jobs or mappings still hold.
     #[pin]
-    buffers: Mutex<HandleTable<BufferAddr>>,
+    buffers: Registry,
+    /// Live buffers imported from foreign dma-bufs (not charged to a
+    /// channel), at most `limits.device_imports`.
+    imports: Atomic<u32>,
     /// Every open file, by client id, so that unbind can zap their mappings
     /// and debugfs can show who holds what.
     #[pin]
@@ -222,7 +222,8 @@ impl TdrvDevice {
                 active: Atomic::new(0),
                 idle_lock <- new_mutex!((), "TdrvDevice::idle_lock"),
                 idle <- new_condvar!("TdrvDevice::idle"),
-                buffers <- new_mutex!(HandleTable::new(), "TdrvDevice::buffers"),
+                buffers <- Registry::new(),
+                imports: Atomic::new(0),
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 exports <- Exports::new(),
                 stats: DeviceStats::new(),
@@ -294,17 +295,16 @@ impl TdrvDevice {
 
     /// Takes a key in the buffer registry for a buffer under construction.
     pub(crate) fn register_buffer(&self) -> Result<u64> {
-        self.buffers.lock().insert(BufferAddr(core::ptr::null()))
+        self.buffers.reserve()
     }
 
     /// Records the address of the buffer built under `key`. A buffer
     /// published after unbind started has its fence killed here: the
     /// unbind's own sweep may have run before it was visible.
     pub(crate) fn publish_buffer(&self, key: u64, buf: &Arc<Buffer>) {
-        if let Some(slot) = self.buffers.lock().get_mut(key) {
-            slot.0 = Arc::as_ptr(buf);
-        }
-        // After the unlock: either the sweep (which takes the lock after
+        // SAFETY: `buf` is live; its drop removes `key` before it is freed.
+        unsafe { self.buffers.publish(key, Arc::as_ptr(buf)) };
+        // After the sweep lock: either the sweep (which takes it after
         // clearing `bound`) saw the address, or this sees `bound` cleared.
         if !self.is_bound() {
             buf.fence.kill();
@@ -313,29 +313,43 @@ impl TdrvDevice {
 
     /// Removes a buffer from the registry (if its construction failed).
     pub(crate) fn unregister_buffer(&self, key: u64) {
-        self.buffers.lock().remove(key);
+        self.buffers.remove(key, || {});
     }
 
     /// Removes a buffer from the registry and runs `free` (which frees its
-    /// memory) under the registry lock: unbind's sweeps hold that lock, so
-    /// a buffer's memory is freed either before unbind frees it, or by
-    /// unbind, never after unbind returned.
+    /// memory) under the registry's sweep lock: unbind's sweeps hold that
+    /// lock, so a buffer's memory is freed either before unbind frees it,
+    /// or by unbind, never after unbind returned.
     pub(crate) fn unregister_buffer_with(&self, key: u64, free: impl FnOnce()) {
-        let mut buffers = self.buffers.lock();
-        buffers.remove(key);
-        free();
+        self.buffers.remove(key, free);
     }
 
-    /// Calls `f` on every registered buffer, under the registry lock.
-    fn for_each_buffer(&self, f: impl Fn(&Buffer)) {
-        self.buffers.lock().for_each(|addr| {
-            if !addr.0.is_null() {
-                // SAFETY: Registered addresses belong to live buffers: a
-                // buffer unregisters in its drop, which takes this lock
-                // first, so it cannot be freed while we hold it.
-                f(unsafe { &*addr.0 });
+    /// Counts a new buffer imported from a foreign dma-buf: ENOSPC if the
+    /// device has `limits.device_imports` of them. Give it back with
+    /// [`TdrvDevice::uncount_import`].
+    pub(crate) fn count_import(&self) -> Result {
+        let max = self.limits.device_imports;
+        let mut n = self.imports.load(Relaxed);
+        loop {
+            if n >= max {
+                return Err(ENOSPC);
             }
-        });
+            match self.imports.cmpxchg(n, n + 1, Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(now) => n = now,
+            }
+        }
+    }
+
+    /// An imported buffer counted by [`TdrvDevice::count_import`] is gone.
+    pub(crate) fn uncount_import(&self) {
+        self.imports.fetch_sub(1, Relaxed);
+    }
+
+    /// Calls `f` on every registered buffer, under the registry's sweep
+    /// lock.
+    fn for_each_buffer(&self, f: impl Fn(&Buffer)) {
+        self.buffers.for_each(f);
     }
 
     /// The bus driver's unbind (or the software device's removal), before

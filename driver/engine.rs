@@ -12,6 +12,8 @@
 //! (files, jobs, unbind) only talks to this trait; the backends live in
 //! `backends/`.
 
+use core::any::Any;
+
 use kernel::{
     bindings,
     list::{
@@ -35,7 +37,8 @@ use crate::{
     device::TdrvDevice,
     job::{
         Job,
-        JobTracker, //
+        JobTracker,
+        Transfer, //
     },
     range::ByteRange, //
 };
@@ -65,10 +68,42 @@ pub(crate) struct EngineCounters {
     pub(crate) polled: u64,
 }
 
+/// What an engine set aside for a job at SUBMIT ([`Engine::prepare`]),
+/// kept in the job until the engine takes it back ([`Job::take_prepared`]).
+pub(crate) struct Prepared(KBox<dyn Any + Send + Sync>);
+
+impl Prepared {
+    pub(crate) fn new<T: Any + Send + Sync>(data: KBox<T>) -> Self {
+        Self(data)
+    }
+
+    /// The data, if it is a `T`.
+    pub(crate) fn downcast<T: Any + Send + Sync>(self) -> Option<KBox<T>> {
+        if !self.0.is::<T>() {
+            return None;
+        }
+        let raw = KBox::into_raw(self.0).cast::<T>();
+        // SAFETY: The allocation holds a `T` (checked above), allocated by
+        // `KBox` and given up by `into_raw`.
+        Some(unsafe { KBox::from_raw(raw) })
+    }
+}
+
 /// A copy engine: what a backend provides to the core.
 pub(crate) trait Engine: Send + Sync {
+    /// Allocates, for a job of `transfers`, everything the engine will need
+    /// to dispatch and complete it: called at SUBMIT, before any lock the
+    /// completion path takes, so that neither dispatching nor completing a
+    /// job allocates (dma-fence signalling rules: reclaim may wait for the
+    /// job's out-fence). ENOMEM fails the SUBMIT, with nothing queued.
+    fn prepare(&self, _transfers: &[Transfer]) -> Result<Option<Prepared>> {
+        Ok(None)
+    }
+
     /// Queues `job`; ENODEV once the engine is shut down, EIO while it
-    /// recovers from a stuck transfer.
+    /// recovers from a stuck transfer. Called under the submitting file's
+    /// tracker lock, which the completion path takes: must not allocate
+    /// (see [`Engine::prepare`]).
     fn submit(&self, job: ListArc<Job>) -> Result;
 
     /// Whether [`Engine::claim`] could take a job of `bytes` bytes in
@@ -240,12 +275,21 @@ impl Hold {
     /// The engine took `jobs` out of its queue (their file closed): if the
     /// held job is one of them, the hold ends. True if it did.
     pub(crate) fn taken(&mut self, jobs: &List<Job>) -> bool {
+        // The jobs are alive (in `jobs`), so no other job has the held
+        // job's address.
+        self.taken_if(|held| {
+            jobs.iter()
+                .any(|j| core::ptr::from_ref::<Job>(&*j) as usize == held)
+        })
+    }
+
+    /// [`Hold::taken`] for jobs the engine keeps elsewhere: `is_taken`
+    /// says whether the job at the held address is among them.
+    pub(crate) fn taken_if(&mut self, is_taken: impl FnOnce(usize) -> bool) -> bool {
         let Some(held) = self.held else {
             return false;
         };
-        // The jobs are alive (in `jobs`), so no other job has the held
-        // job's address.
-        if jobs.iter().any(|j| core::ptr::from_ref::<Job>(&*j) as usize == held) {
+        if is_taken(held) {
             self.held = None;
             return true;
         }

@@ -103,6 +103,8 @@ struct Handles {
     /// The handles that were exported, with their charge, shared with
     /// their dma-bufs (see `charge.rs`).
     exported: RBTree<u64, Arc<Charge>>,
+    /// Handles of buffers imported from foreign dma-bufs.
+    imports: usize,
 }
 
 /// What an open file owns: its buffer handles and its jobs. The device
@@ -222,6 +224,7 @@ impl MiscDevice for TdrvFile {
                         slots: Slots::new(),
                         account,
                         exported: RBTree::new(),
+                        imports: 0,
                     },
                     "FileState::handles"
                 ),
@@ -456,13 +459,20 @@ impl TdrvFile {
     fn add_handle(&self, buf: Arc<Buffer>) -> Result<u64> {
         let limits = &self.device.limits;
         let charge = buf.charged();
+        let foreign = buf.is_foreign();
         let mut h = self.state.handles.lock();
-        if h.slots.len() >= limits.handles || h.account.bytes() + charge > limits.bytes {
+        if h.slots.len() >= limits.handles
+            || h.account.bytes() + charge > limits.bytes
+            || (foreign && h.imports >= limits.imports)
+        {
             return Err(ENOSPC);
         }
         let channel = buf.channel();
         let handle = self.state.table.insert(&mut h.slots, buf)?;
         h.account.charge(channel, charge);
+        if foreign {
+            h.imports += 1;
+        }
         Ok(handle)
     }
 
@@ -532,6 +542,11 @@ impl TdrvFile {
                 if a.channel >= self.device.channels.count() {
                     return Err(EINVAL);
                 }
+                // Refused before the dma-buf is mapped (checked again when
+                // the handle is added).
+                if self.state.handles.lock().imports >= self.device.limits.imports {
+                    return Err(ENOSPC);
+                }
                 let active = self.device.enter()?;
                 let dev = if self.device.engine().does_dma() {
                     raw_device(self.device.bound_device(&active)).cast()
@@ -573,6 +588,9 @@ impl TdrvFile {
         match h.exported.remove(&handle) {
             Some(shared) => drop(shared),
             None => h.account.uncharge(buf.channel(), buf.charged()),
+        }
+        if buf.is_foreign() {
+            h.imports -= 1;
         }
         Some(buf)
     }

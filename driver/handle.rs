@@ -159,67 +159,6 @@ impl Slots {
     }
 }
 
-/// Maps handles to items of type `T`, for an owner that wraps it in a lock
-/// for readers and writers alike (the device's buffer registry).
-pub(crate) struct HandleTable<T> {
-    slots: Slots,
-    items: KVec<Option<T>>,
-}
-
-impl<T> HandleTable<T> {
-    pub(crate) const fn new() -> Self {
-        Self {
-            slots: Slots::new(),
-            items: KVec::new(),
-        }
-    }
-
-    /// Stores `item` and returns its new handle.
-    pub(crate) fn insert(&mut self, item: T) -> Result<u64> {
-        let (slot, generation) = self.slots.take()?;
-        if slot as usize == self.items.len() {
-            if let Err(e) = self.items.push(None, GFP_KERNEL) {
-                self.slots.put(slot, false);
-                return Err(e.into());
-            }
-        }
-        self.items[slot as usize] = Some(item);
-        Ok(encode(slot, generation))
-    }
-
-    /// The slot of `handle`, if the handle is current.
-    fn slot(&self, handle: u64) -> Option<usize> {
-        let (slot, generation) = decode(handle)?;
-        if *self.slots.generations.get(slot)? != generation {
-            return None;
-        }
-        Some(slot)
-    }
-
-    /// Returns the item behind `handle` for update, if the handle is current.
-    pub(crate) fn get_mut(&mut self, handle: u64) -> Option<&mut T> {
-        let slot = self.slot(handle)?;
-        self.items.get_mut(slot)?.as_mut()
-    }
-
-    /// Removes and returns the item behind `handle`; the handle (and every
-    /// copy of it) is dead afterwards.
-    pub(crate) fn remove(&mut self, handle: u64) -> Option<T> {
-        let slot = self.slot(handle)?;
-        let item = self.items.get_mut(slot)?.take()?;
-        self.slots.put(slot as u32, true);
-        Some(item)
-    }
-
-    /// Calls `f` on every live item.
-    pub(crate) fn for_each(&self, mut f: impl FnMut(&T)) {
-        self.items
-            .iter()
-            .filter_map(Option::as_ref)
-            .for_each(&mut f);
-    }
-}
-
 /// What a slot points to: one handle's item and its reference count.
 /// Entries are recycled within their table and freed only when it is
 /// dropped, so a pointer loaded from a slot always points to an `Entry`,
@@ -797,24 +736,6 @@ mod tests {
         }
         assert!(t.get(encode(n, 1)).is_none());
         assert!(t.get(encode(MAX_HANDLES as u32 - 1, 1)).is_none());
-        Ok(())
-    }
-
-    /// The locked table (the device's registry) shares the slot logic.
-    #[test]
-    fn locked_table() -> Result {
-        let mut t = HandleTable::new();
-        let a = t.insert(1u32)?;
-        let b = t.insert(2u32)?;
-        *t.get_mut(b).ok_or(ENOENT)? = 3;
-        assert_eq!(t.remove(a), Some(1));
-        assert_eq!(t.remove(a), None);
-        let c = t.insert(4u32)?;
-        assert_eq!(c & SLOT_MASK, a & SLOT_MASK);
-        assert!(t.get_mut(a).is_none());
-        let mut sum = 0;
-        t.for_each(|v| sum += *v);
-        assert_eq!(sum, 7);
         Ok(())
     }
 }

@@ -45,6 +45,7 @@ use kernel::{
     },
     new_condvar,
     new_mutex,
+    new_spinlock,
     prelude::*,
     sync::{
         atomic::{
@@ -55,7 +56,8 @@ use kernel::{
         },
         Arc,
         CondVarTimeoutResult,
-        Mutex, //
+        Mutex,
+        SpinLock, //
     },
     workqueue::{
         impl_has_work,
@@ -71,7 +73,10 @@ use crate::{
         Limits,
         TdrvDevice, //
     },
-    engine::fail_all,
+    engine::{
+        fail_all,
+        Prepared, //
+    },
     fence::Timeout,
     fence_fd::{
         dispatch_queue,
@@ -257,6 +262,9 @@ pub(crate) struct Job {
     deps_ready: Atomic<bool>,
     /// Signalled with the outcome when the job is dropped.
     out_fence: Option<OutFence>,
+    /// What the engine set aside at SUBMIT, until it takes it back.
+    #[pin]
+    prepared: SpinLock<Option<Prepared>>,
     /// Links of the engine's queue, or of its file's held jobs.
     #[pin]
     links: ListLinks,
@@ -312,6 +320,7 @@ impl Job {
         bytes: u64,
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,
+        prepared: Option<Prepared>,
     ) -> impl PinInit<Self, Error> {
         let ready = in_fences.is_none();
         let tracker = tracker.clone();
@@ -328,8 +337,15 @@ impl Job {
             in_fences,
             deps_ready: Atomic::new(ready),
             out_fence,
+            prepared <- new_spinlock!(prepared, "Job::prepared"),
             links <- ListLinks::new(),
         }? Error)
+    }
+
+    /// Takes what the engine set aside for the job at SUBMIT
+    /// ([`Engine::prepare`](crate::engine::Engine::prepare)).
+    pub(crate) fn take_prepared(&self) -> Option<Prepared> {
+        self.prepared.lock().take()
     }
 
     /// The bytes `transfers` move.
@@ -607,7 +623,7 @@ impl JobTracker {
         {
             // A job the engine may let this thread run lives on the stack:
             // nothing outlives SUBMIT that could hold a reference to it.
-            pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None));
+            pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None, None));
             mark(&job.transfers)?;
             let mut state = self.state.lock();
             if let Err(e) = self.check_limits(&state, bytes, limits) {
@@ -631,8 +647,11 @@ impl JobTracker {
             unmark(&job.transfers, job.transfers.len(), false);
             transfers = core::mem::take(job.as_mut().project().transfers);
         }
+        // Before the tracker lock, which the completion path takes: the
+        // engine's dispatch and completion then allocate nothing.
+        let prepared = device.engine().prepare(&transfers)?;
         let job = ListArc::pin_init(
-            Job::new(self, device, transfers, bytes, in_fences, out_fence),
+            Job::new(self, device, transfers, bytes, in_fences, out_fence, prepared),
             GFP_KERNEL_ACCOUNT,
         )?;
         mark(&job.transfers)?;

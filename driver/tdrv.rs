@@ -52,6 +52,7 @@ mod job;
 mod mmap;
 mod node;
 mod range;
+mod registry;
 mod stats;
 mod uapi;
 mod waitqueue;
@@ -100,6 +101,14 @@ module! {
         file_max_buffers: u32 {
             default: 65536,
             description: "Most live buffers one open file may hold (1-16777216); more is ENOSPC",
+        },
+        file_max_imports: u32 {
+            default: 4096,
+            description: "Most handles of foreign dma-buf imports one open file may hold (1-16777216); more is ENOSPC",
+        },
+        device_max_imports: u32 {
+            default: 65536,
+            description: "Most live buffers imported from foreign dma-bufs per device (1-16777216); more is ENOSPC",
         },
         file_max_mib: u32 {
             default: 4096,
@@ -178,6 +187,18 @@ pub(crate) fn params() -> Result<Params> {
         1,
         1 << 20,
     );
+    let file_max_imports = check_param(
+        "file_max_imports",
+        *m::file_max_imports.value(),
+        1,
+        handle::MAX_HANDLES as u32,
+    );
+    let device_max_imports = check_param(
+        "device_max_imports",
+        *m::device_max_imports.value(),
+        1,
+        handle::MAX_HANDLES as u32,
+    );
     Ok(Params {
         soft_devices: soft_devices?,
         channels: channels?,
@@ -190,6 +211,8 @@ pub(crate) fn params() -> Result<Params> {
             bytes: u64::from(file_max_mib?) << 20,
             jobs: file_max_jobs?,
             inflight_bytes: u64::from(file_max_inflight_mib?) << 20,
+            imports: file_max_imports? as usize,
+            device_imports: device_max_imports?,
         },
     })
 }

@@ -39,8 +39,9 @@
  *  ENOMEM   no memory; on a device with its own memory (TDRV_DEVICE_SIM),
  *           no free range of device memory is large enough (fragmentation)
  *  ENOSPC   the channel's byte limit, or this file's buffer or byte limit
- *           (module parameters file_max_buffers, file_max_mib), would be
- *           exceeded
+ *           (module parameters file_max_buffers, file_max_mib), or the
+ *           limit of foreign dma-buf imports (file_max_imports,
+ *           device_max_imports), would be exceeded
  *  EAGAIN   this file has too many unfinished jobs, or they would move too
  *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
  *           some to finish and submit again
@@ -77,7 +78,9 @@
  * Lifetime: a file's mapping keeps the module loaded (rmmod fails while a
  * file is open or a buffer mapped). Closing a file (also by exit or
  * SIGKILL) cancels its jobs: queued ones end with ECANCELED, a running one
- * after the chunk in flight.
+ * after the chunk in flight. A chunk is at most 64 MiB: what the engine was
+ * already given of the job (TDRV_DEVICE_SIM keeps a job at most 64 MiB
+ * ahead of its completions) or is copying (soft, edu).
  */
 #ifndef _UAPI_TDRV_H
 #define _UAPI_TDRV_H
@@ -415,7 +418,11 @@ struct tdrv_export {
  * attached and mapped for the device once, now; jobs, COPY_IN/OUT,
  * MEMSET, BUF_INFO and mmap then work on it as on any buffer. It counts
  * against file_max_buffers but is not charged to the channel or to
- * file_max_mib (its exporter accounts the memory). tdrv does not take part
+ * file_max_mib (its exporter accounts the memory). Instead, a file holds
+ * at most file_max_imports (default 4096) handles of foreign imports, and
+ * a device at most device_max_imports (default 65536) such buffers
+ * (module parameters); each IMPORT of a foreign dma-buf makes a new one,
+ * alive until its handle is freed and no job uses it. tdrv does not take part
  * in the dma-buf's reservation object (implicit fences): order device work
  * with tdrv's fence waits. Unbind detaches and releases the import.
  *
@@ -425,7 +432,8 @@ struct tdrv_export {
  * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages), EXDEV
  * (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a
  * kernel mapping in system memory), ENOSPC (this file's buffer or byte
- * limit), ENOMEM (also when the exporter cannot map the dma-buf into the
+ * limit, or for a foreign dma-buf file_max_imports or device_max_imports),
+ * ENOMEM (also when the exporter cannot map the dma-buf into the
  * kernel; the dma-buf core then logs a warning once), ENODEV (device
  * removed), or the exporter's error when mapping the dma-buf for the
  * device (EIO when its pages are beyond the device's DMA mask: edu's

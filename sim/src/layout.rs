@@ -91,6 +91,13 @@ pub mod inject {
     pub const STALL: u32 = 2;
     /// The next interrupt is not raised.
     pub const LOSE_IRQ: u32 = 3;
+    /// The queue stops executing and does not answer a reset until
+    /// RESUME: a device that hangs and ignores the driver.
+    pub const HANG: u32 = 4;
+    /// A hung queue wakes up: it executes the descriptors still pending
+    /// (the late writes of a device that was only slow), then answers a
+    /// reset requested meanwhile. Ignored unless the queue hangs.
+    pub const RESUME: u32 = 5;
 }
 
 /// Completion status of a descriptor.

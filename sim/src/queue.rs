@@ -108,6 +108,10 @@ pub struct Engine {
     fail_next: bool,
     lose_irq: bool,
     stalled: bool,
+    /// HANG: stalled, and deaf to resets, until RESUME.
+    hung: bool,
+    /// RESUME: executing what was pending before answering a reset.
+    draining: bool,
     /// Bytes per second the engine copies at most (None: as fast as the
     /// host copies).
     rate: Option<u64>,
@@ -132,6 +136,8 @@ impl Engine {
             fail_next: false,
             lose_irq: false,
             stalled: false,
+            hung: false,
+            draining: false,
             rate: None,
             log: crate::log::stderr(),
         };
@@ -164,10 +170,18 @@ impl Engine {
         self.stalled
     }
 
+    /// Whether the queue resumed from a hang and still executes what was
+    /// pending then (see `inject::RESUME`).
+    pub fn draining(&self) -> bool {
+        self.draining
+    }
+
     /// Handles a requested reset and takes a fault command; called on
     /// every wake and before each descriptor.
     pub fn poll_control(&mut self) {
-        if self.field(qb::RESET).load(Acquire) != 0 {
+        // A hung queue, and one still executing what it had when it
+        // resumed, leaves a reset request pending.
+        if !self.hung && !self.draining && self.field(qb::RESET).load(Acquire) != 0 {
             self.reset();
         }
         let cmd = self
@@ -181,6 +195,17 @@ impl Engine {
                 inject::FAIL_NEXT => self.fail_next = true,
                 inject::LOSE_IRQ => self.lose_irq = true,
                 inject::STALL => self.stall(),
+                inject::HANG => {
+                    self.hung = true;
+                    self.stall();
+                }
+                inject::RESUME if self.hung => {
+                    self.hung = false;
+                    self.stalled = false;
+                    self.draining = true;
+                    self.set_status(qstatus::BUSY);
+                }
+                inject::RESUME => {}
                 _ => self.log.line(format_args!(
                     "tdrv-sim: queue {}: unknown fault command {cmd} ignored",
                     self.q
@@ -201,6 +226,8 @@ impl Engine {
     /// zeroes the four indices, then acknowledges with reset = 0.
     fn reset(&mut self) {
         self.stalled = false;
+        self.hung = false;
+        self.draining = false;
         self.fail_next = false;
         self.lose_irq = false;
         self.sq_head = 0;
@@ -251,6 +278,11 @@ impl Engine {
             let tail = self.field(qb::SQ_TAIL).load(Acquire);
             let pending = tail.wrapping_sub(self.sq_head);
             if pending == 0 {
+                if self.draining {
+                    // Resumed and done: now the reset, if one waits.
+                    self.draining = false;
+                    continue;
+                }
                 self.set_status(qstatus::IDLE);
                 return done;
             }
@@ -356,6 +388,10 @@ pub fn run(mut e: Engine, bell: &dyn Doorbell, irq: &dyn Irq, stop: &AtomicBool,
             e.service_until(irq, stop);
         } else {
             e.poll_control();
+            if e.draining() {
+                // RESUME needs no doorbell either.
+                e.service_until(irq, stop);
+            }
         }
     }
 }
@@ -646,6 +682,35 @@ mod tests {
         assert_eq!(stats.stalls.load(Relaxed), 1);
         assert_eq!(stats.resets.load(Relaxed), 1);
         // The queue works again from index 0.
+        drv.post(h2d(3, 1));
+        assert_eq!(e.service(&irqs), 1);
+        assert_eq!(drv.reap(), vec![(3, 0, 1)]);
+    }
+
+    #[test]
+    fn hang_ignores_reset_until_resume_then_executes_then_resets() {
+        let (drv, mut e, stats) = Drv::new(16);
+        let irqs = Irqs::default();
+        drv.inject(inject::HANG);
+        drv.post(h2d(1, 1));
+        drv.post(h2d(2, 1));
+        assert_eq!(e.service(&irqs), 0);
+        assert_eq!(drv.status(), qstatus::STALLED);
+        // The driver gives up: a reset, not answered.
+        drv.f(qb::RESET).store(1, Release);
+        e.poll_control();
+        assert_eq!(e.service(&irqs), 0);
+        assert_eq!(drv.f(qb::RESET).load(Acquire), 1);
+        assert!(drv.reap().is_empty());
+        // RESUME: what was pending runs (late writes), then the reset.
+        drv.inject(inject::RESUME);
+        assert_eq!(e.service(&irqs), 2);
+        assert_eq!(drv.f(qb::RESET).load(Acquire), 0);
+        assert_eq!(drv.status(), qstatus::IDLE);
+        assert_eq!(stats.resets.load(Relaxed), 1);
+        assert!(!e.stalled() && !e.draining());
+        // RESUME of a queue that does not hang does nothing.
+        drv.inject(inject::RESUME);
         drv.post(h2d(3, 1));
         assert_eq!(e.service(&irqs), 1);
         assert_eq!(drv.reap(), vec![(3, 0, 1)]);

@@ -41,15 +41,20 @@
 //! queue has work) reaps the completion rings, which recovers a lost
 //! interrupt, and resets a queue with no progress for `sim_timeout_ms`:
 //! its running op fails with ETIMEDOUT, the ops behind it with EIO, and
-//! the queue serves new work afterwards. Debugfs `inject` takes
-//! `fail_desc`, `stall` and `lose_irq`, each optionally followed by a
-//! queue number; without one the fault goes to the queue of the next op
-//! (job or transfer). `fail_job` fails the next job's first descriptor.
+//! the queue serves new work afterwards. A queue that does not acknowledge
+//! the reset is dead until it does (see `queue.rs`: its orphans keep what
+//! the device may still write). Debugfs `inject` takes `fail_desc`,
+//! `stall`, `lose_irq` and `hang` (a stall that ignores resets until
+//! `resume`), each optionally followed by a queue number; without one the
+//! fault goes to the queue of the next op (job or transfer), and `resume`
+//! to every queue. `fail_job` fails the next job's first descriptor.
 //! `hold_job` keeps the next job the scheduler would dispatch pending, and
 //! dispatches no job at all, until `release` (see [`engine::Hold`]); unlike
 //! `stall`, which the watchdog ends after `sim_timeout_ms`, a hold lasts
 //! as long as the test needs, and transfers (allocation, COPY_IN) still
 //! run meanwhile.
+
+use core::any::Any;
 
 use kernel::{
     alloc::KVVec,
@@ -73,7 +78,8 @@ use kernel::{
             Relaxed, //
         },
         Arc,
-        Mutex, //
+        Mutex,
+        SetOnce, //
     },
     time::{
         msecs_to_jiffies,
@@ -107,7 +113,9 @@ use super::{
         DESC_SRC_DEV,
         HDR_INJECT,
         INJECT_FAIL_NEXT,
+        INJECT_HANG,
         INJECT_LOSE_IRQ,
+        INJECT_RESUME,
         INJECT_STALL, //
     },
     SimHw,
@@ -124,16 +132,16 @@ use crate::{
     },
     engine::{
         self,
-        fail_all,
-        take_jobs_of,
         Engine,
         EngineCounters,
-        Hold, //
+        Hold,
+        Prepared, //
     },
     glue,
     job::{
         Job,
-        JobTracker, //
+        JobTracker,
+        Transfer, //
     },
     range::ByteRange,
     uapi::ecanceled, //
@@ -157,10 +165,10 @@ const QUEUE_DEPTH: usize = 4;
 
 /// The buffers a job touches, sorted by address, with whether it writes
 /// them.
-struct BufSet(KVec<(usize, bool)>);
+pub(crate) struct BufSet(KVec<(usize, bool)>);
 
 impl BufSet {
-    fn of(job: &Job) -> Result<Self> {
+    fn of(transfers: &[Transfer]) -> Result<Self> {
         let mut v: KVec<(usize, bool)> = KVec::new();
         let mut add = |buf: &Arc<Buffer>, write: bool| -> Result {
             let key = Arc::as_ptr(buf) as usize;
@@ -176,7 +184,7 @@ impl BufSet {
             }
             Ok(())
         };
-        for t in &job.transfers {
+        for t in transfers {
             add(&t.src, false)?;
             add(&t.dst, true)?;
         }
@@ -206,15 +214,22 @@ impl BufSet {
 
 /// A dispatched job the scheduler still orders others against.
 struct Running {
-    job: Arc<Job>,
+    /// The job's op (its job and buffer set).
+    op: Arc<Op>,
     queue: u32,
-    set: BufSet,
 }
 
+/// The scheduler's state. Nothing here allocates after the engine was
+/// created: the vectors have room for their most entries, and a job's op
+/// is built at SUBMIT.
 struct Sched {
-    /// Submitted jobs not yet dispatched, in submission order.
-    pending: List<Job>,
+    /// The ops of submitted jobs not yet dispatched, in submission order.
+    pending: List<Op>,
+    /// Room for `QUEUE_DEPTH` jobs per queue.
     running: KVec<Running>,
+    /// Scratch of `schedule`: pending jobs passed over (room for
+    /// `SCAN_LIMIT`).
+    earlier: KVec<Arc<Op>>,
     stopped: bool,
     /// `hold_job`: the held job stays in `pending`.
     hold: Hold,
@@ -278,6 +293,8 @@ impl SimEngine {
         hbm: Arc<Hbm>,
         timeout_ms: u32,
     ) -> Result<Arc<Self>> {
+        let running = KVec::with_capacity(queues.len() * QUEUE_DEPTH, GFP_KERNEL)?;
+        let earlier = KVec::with_capacity(SCAN_LIMIT, GFP_KERNEL)?;
         Arc::pin_init(
             try_pin_init!(Self {
                 hw,
@@ -286,7 +303,8 @@ impl SimEngine {
                 sched <- new_mutex!(
                     Sched {
                         pending: List::new(),
-                        running: KVec::new(),
+                        running,
+                        earlier,
                         stopped: false,
                         hold: Hold::default(),
                     },
@@ -371,19 +389,19 @@ impl SimEngine {
     /// that waited for it) and completes; a transfer wakes its waiter.
     /// Call with no lock held.
     fn end(self: &Arc<Self>, op: ListArc<Op>) {
-        let job = match &op.kind {
-            OpKind::Job(job) => job.clone(),
-            OpKind::Sync => return op.signal(),
+        let Some(job) = op.job().cloned() else {
+            return op.signal();
         };
         // The job completes (fences released, its completion counted) and
         // lets go of its buffers (its outcome reaches JOB_WAIT) before it
         // leaves the scheduler: a job that waited for it may then start on
         // another queue at once, and must never be seen done first.
         job.complete(op.result());
+        let key = core::ptr::from_ref::<Op>(&op);
         drop(op);
         let entry = {
             let mut s = self.sched.lock();
-            let i = s.running.iter().position(|r| Arc::ptr_eq(&r.job, &job));
+            let i = s.running.iter().position(|r| core::ptr::eq(&*r.op, key));
             i.and_then(|i| s.running.remove(i).ok())
         };
         // Dropped outside the lock: the last reference ends the job.
@@ -419,8 +437,8 @@ impl SimEngine {
             if s.stopped {
                 return;
             }
-            // Jobs left pending by a failed allocation get another chance;
-            // with nothing running, no completion would give them one.
+            // Pending jobs get another pass (a completion gives them one
+            // too; this covers a queue that was not usable then).
             self.schedule(&mut s);
             // (A held job waits for `release`, which schedules.)
             !s.pending.is_empty() && s.running.is_empty() && !s.hold.holding()
@@ -440,6 +458,27 @@ impl SimEngine {
                         self.timeout.as_millis()
                     );
                 }
+                Health::Dead => {
+                    self.watchdog_timeouts.add(1, Relaxed);
+                    pr_err!(
+                        "tdrv-sim: queue {} made no progress for {} ms and did not acknowledge its reset: dead, its jobs failed; the memory its descriptors name stays allocated until the device acknowledges\n",
+                        q.index,
+                        self.timeout.as_millis()
+                    );
+                    if !self.queues.iter().any(|q| q.usable()) {
+                        pr_err!("tdrv-sim: every queue is dead: the device takes no work until one acknowledges its reset\n");
+                    }
+                    self.report_orphans(q);
+                    busy = true;
+                }
+                Health::StillDead => busy = true,
+                Health::Revived => {
+                    self.resets.add(1, Relaxed);
+                    pr_warn!(
+                        "tdrv-sim: queue {} acknowledged its reset late: usable again, its orphaned work released\n",
+                        q.index
+                    );
+                }
             }
             self.end_all(done);
         }
@@ -448,13 +487,26 @@ impl SimEngine {
         }
     }
 
-    /// The least loaded usable queue that `room` accepts, counting
-    /// `extra(q)` ops on queue `q` that are not on it yet.
-    fn least_loaded(&self, room: impl Fn(u32) -> bool, extra: impl Fn(u32) -> u32) -> Option<u32> {
+    /// The ops a dead queue keeps have failed: their jobs' outcomes reach
+    /// JOB_WAIT now, their transfers' waiters return; what they hold goes
+    /// when the device acknowledges (`end`). Call holding `q.ending`.
+    fn report_orphans(&self, q: &Queue) {
+        let orphans = q.take_orphans();
+        for op in orphans.iter() {
+            match op.job() {
+                Some(job) => job.report(op.result()),
+                None => op.signal(),
+            }
+        }
+        q.put_orphans(orphans);
+    }
+
+    /// The least loaded usable queue that `room` accepts.
+    fn least_loaded(&self, room: impl Fn(u32) -> bool) -> Option<u32> {
         let mut best = None;
         let mut best_load = u32::MAX;
         for q in self.queues.iter() {
-            let l = q.load.load(Relaxed).saturating_add(extra(q.index));
+            let l = q.load.load(Relaxed);
             if l < best_load && room(q.index) && q.usable() {
                 best = Some(q.index);
                 best_load = l;
@@ -467,101 +519,92 @@ impl SimEngine {
     /// does not wait behind jobs (or behind a stuck queue's work) when
     /// another queue is free.
     fn next_sync_queue(&self) -> u32 {
-        self.least_loaded(|_| true, |_| 0).unwrap_or(0)
+        self.least_loaded(|_| true).unwrap_or(0)
     }
 
     /// Dispatches the pending jobs that may run now (see the module docs).
+    /// Allocates nothing: it runs on the completion path, which out-fences
+    /// wait for (see `Engine::prepare`).
     fn schedule(self: &Arc<Self>, s: &mut Sched) {
         if s.stopped || s.hold.holding() {
             return;
         }
-        let mut earlier: KVec<BufSet> = KVec::new();
-        let mut ready: KVec<(ListArc<Op>, Arc<Job>, BufSet, u32)> = KVec::new();
-        {
-            let running = &s.running;
-            let mut cursor = s.pending.cursor_front();
-            let mut scanned = 0;
-            while let Some(next) = cursor.peek_next() {
-                if scanned == SCAN_LIMIT {
-                    break;
-                }
-                scanned += 1;
-                let Ok(set) = BufSet::of(&next.arc()) else {
-                    // Out of memory: the watchdog tries again.
-                    self.arm_watchdog();
-                    break;
-                };
-                let blocked = earlier.iter().any(|e| e.conflicts(&set))
-                    || ready.iter().any(|(_, _, e, _)| e.conflicts(&set));
+        let Sched {
+            pending,
+            running,
+            earlier,
+            hold,
+            ..
+        } = s;
+        earlier.clear();
+        let mut cursor = pending.cursor_front();
+        let mut scanned = 0;
+        while let Some(next) = cursor.peek_next() {
+            if scanned == SCAN_LIMIT {
+                break;
+            }
+            scanned += 1;
+            let op: Arc<Op> = next.arc().into();
+            let (Some(set), Some(job)) = (op.set(), op.job()) else {
+                // Only jobs' ops are pending, with their job.
+                cursor.move_next();
+                continue;
+            };
+            let queue = {
+                let blocked = earlier
+                    .iter()
+                    .any(|e| e.set().is_some_and(|es| es.conflicts(set)));
                 let mut queue = None;
                 let mut multi = blocked;
-                for r in running.iter().filter(|r| r.set.conflicts(&set)) {
+                for r in running
+                    .iter()
+                    .filter(|r| r.op.set().is_some_and(|rs| rs.conflicts(set)))
+                {
                     match queue {
                         None => queue = Some(r.queue),
                         Some(q) if q != r.queue => multi = true,
                         _ => {}
                     }
                 }
-                let depth = |q: u32| {
-                    running.iter().filter(|r| r.queue == q).count()
-                        + ready.iter().filter(|(_, _, _, rq)| *rq == q).count()
-                };
+                // Jobs dispatched in this pass count: they are in `running`
+                // and on their queue already.
+                let depth = |q: u32| running.iter().filter(|r| r.queue == q).count();
                 let queue = match queue {
                     Some(q) if depth(q) < QUEUE_DEPTH => Some(q),
                     Some(_) => None,
-                    // The jobs picked earlier in this pass are not on
-                    // their queues yet: count them, or a batch released
-                    // together would all go to the same queue.
-                    None => self.least_loaded(
-                        |q| depth(q) < QUEUE_DEPTH,
-                        |q| ready.iter().filter(|(_, _, _, rq)| *rq == q).count() as u32,
-                    ),
+                    None => self.least_loaded(|q| depth(q) < QUEUE_DEPTH),
                 };
-                if multi || queue.is_none() {
-                    if earlier.push(set, GFP_KERNEL).is_err() {
-                        self.arm_watchdog();
-                        break;
-                    }
-                    cursor.move_next();
-                    continue;
+                if multi {
+                    None
+                } else {
+                    queue
                 }
-                if s.hold.holds(&next.arc()) {
-                    // It stays pending, and so does every job after it.
+            };
+            let Some(q) = queue else {
+                // Later jobs are ordered against it. Within capacity:
+                // at most `SCAN_LIMIT` are scanned.
+                if earlier.push_within_capacity(op).is_err() {
                     break;
                 }
-                // Everything the dispatch needs is allocated before the job
-                // leaves the pending list: nothing can fail after that.
-                let job: Arc<Job> = next.arc().into();
-                let op = job_descs(&job).and_then(|d| Op::new(OpKind::Job(job.clone()), d));
-                let Ok(op) = op.and_then(|op| Ok((op, ready.reserve(1, GFP_KERNEL)?))) else {
-                    self.arm_watchdog();
-                    break;
-                };
-                let (op, ()) = op;
-                let Some(q) = queue else {
-                    break;
-                };
-                // The op holds the job now; the list's reference goes.
-                drop(next.remove());
-                let _ = ready.push((op, job, set, q), GFP_KERNEL);
-            }
-        }
-        let room = s.running.reserve(ready.len(), GFP_KERNEL).is_ok();
-        for (op, job, set, q) in ready.drain_all() {
-            if !room {
-                // Ended from the work item, outside any tracker lock.
-                op.fail(ENOMEM);
-                self.defer(op);
+                cursor.move_next();
                 continue;
+            };
+            if hold.holds(job) {
+                // It stays pending, and so does every job after it.
+                break;
             }
-            let _ = s.running.push(
-                Running {
-                    job: job.clone(),
+            // Within capacity: `QUEUE_DEPTH` jobs per queue at most.
+            let job = job.clone();
+            if running
+                .push_within_capacity(Running {
+                    op: op.clone(),
                     queue: q,
-                    set,
-                },
-                GFP_KERNEL,
-            );
+                })
+                .is_err()
+            {
+                break;
+            }
+            let op = next.remove();
             job.start();
             let cmd = self.inject_next_job.xchg(0, Relaxed);
             if cmd != 0 {
@@ -569,18 +612,39 @@ impl SimEngine {
             }
             self.push(q, op);
         }
+        earlier.clear();
     }
 
-    /// Runs `descs` on a queue and waits for them.
-    fn run_sync(self: &Arc<Self>, descs: KVec<Desc>) -> Result {
+    /// Runs `descs` on a queue and waits for them. `held` is what the
+    /// descriptors name in host memory (pinned pages, mappings, bounce
+    /// buffers): given back once the op ended, or kept by the op if a
+    /// reset the device did not acknowledge failed it (the device may
+    /// still write there; see `queue.rs`).
+    fn run_sync<T: Any + Send + Sync>(
+        self: &Arc<Self>,
+        descs: KVec<Desc>,
+        held: T,
+    ) -> (Result, Option<T>) {
         if descs.is_empty() {
-            return Ok(());
+            return (Ok(()), Some(held));
         }
-        let op = Op::new(OpKind::Sync, descs)?;
+        // Boxed first: nothing may fail once the device has the op.
+        let held = match KBox::new(held, GFP_KERNEL) {
+            Ok(held) => held,
+            Err(e) => return (Err(e.into()), None),
+        };
+        let op = match Op::new(OpKind::Sync, descs) {
+            Ok(op) => op,
+            Err(e) => return (Err(e), Some(KBox::into_inner(held))),
+        };
         let waiter = op.clone_arc();
         self.push(self.next_sync_queue(), op);
         waiter.wait();
-        waiter.result()
+        if waiter.orphaned() {
+            waiter.keep(held);
+            return (waiter.result(), None);
+        }
+        (waiter.result(), Some(KBox::into_inner(held)))
     }
 
     /// COPY_IN/COPY_OUT: DMA between device memory at `dev_addr` and the
@@ -636,11 +700,19 @@ impl SimEngine {
                 // are pinned until `pages` drops, after the mapping.
                 let mapped = unsafe { MappedPages::map(dev, &pages, off, n, dir)? };
                 let descs = mapped.descs(dev_addr + done as u64, to_device)?;
-                // The mapping ends (drop) only after the op ended: the
-                // device no longer touches the pages.
-                self.run_sync(descs)?;
+                // The mapping ends (drop, the mapping before the pages)
+                // only after the op ended: the device no longer touches
+                // the pages. An orphaned op keeps both.
+                let (r, back) = self.run_sync(
+                    descs,
+                    UserChunk {
+                        _mapped: mapped,
+                        _pages: pages,
+                    },
+                );
+                drop(back);
+                r?;
             }
-            drop(pages);
             done += n;
         }
         Ok(())
@@ -700,8 +772,11 @@ impl SimEngine {
                 let mut descs = KVec::new();
                 descs.push(desc, GFP_KERNEL)?;
                 // The bounce buffer is freed (drop) only after the op
-                // ended, and inside the section: the device is bound.
-                self.run_sync(descs)?;
+                // ended, and inside the section: the device is bound. An
+                // orphaned op keeps it.
+                let (r, back) = self.run_sync(descs, bounce);
+                r?;
+                let bounce = back.ok_or(EIO)?;
                 if !to_device {
                     // SAFETY: The op ended, so the device no longer writes
                     // the `n` bytes of the bounce buffer; `stage` has room.
@@ -770,9 +845,9 @@ impl SimEngine {
             )?;
             filled += n;
         }
-        // `pattern` lives until the op ended.
-        let r = self.run_sync(descs);
-        drop(pattern);
+        // `pattern` lives until the op ended (or with the orphaned op).
+        let (r, back) = self.run_sync(descs, pattern);
+        drop(back);
         r
     }
 }
@@ -787,17 +862,6 @@ fn locate(buf: &Buffer, offset: usize) -> (u64, usize, bool) {
         let (bus, left) = buf.dma_span(offset);
         (bus, left, false)
     }
-}
-
-/// The descriptors of a job: one per run that is contiguous on both
-/// sides, at most `DESC_MAX_LEN` bytes; HBM to HBM for buffers in device
-/// memory.
-fn job_descs(job: &Job) -> Result<KVec<Desc>> {
-    let mut descs = KVec::new();
-    for t in &job.transfers {
-        transfer_descs(&mut descs, &t.dst, t.dst_offset, &t.src, t.src_range)?;
-    }
-    Ok(descs)
 }
 
 /// Appends the descriptors that copy `src_range` of `src` to `dst` at
@@ -837,6 +901,19 @@ fn transfer_descs(
 struct PinnedPages {
     pages: KVec<*mut bindings::page>,
     write: bool,
+}
+
+// SAFETY: The pointers are pinned pages this object owns; unpinning them
+// (drop) works from any task, and nothing else goes through them.
+unsafe impl Send for PinnedPages {}
+// SAFETY: Shared access only reads the pointers.
+unsafe impl Sync for PinnedPages {}
+
+/// One chunk of a COPY_IN or COPY_OUT: the mapping (dropped first) and the
+/// pinned pages behind it, held until the device is done with them.
+struct UserChunk {
+    _mapped: MappedPages,
+    _pages: PinnedPages,
 }
 
 impl PinnedPages {
@@ -887,6 +964,12 @@ struct MappedPages {
     /// `(bus address, length)` per page.
     maps: KVec<(u64, usize)>,
 }
+
+// SAFETY: `dev` is a bound device (the contract of `map`), usable from any
+// task; unmapping (drop) has no thread affinity.
+unsafe impl Send for MappedPages {}
+// SAFETY: Shared access only reads the addresses.
+unsafe impl Sync for MappedPages {}
 
 impl MappedPages {
     /// Maps `len` bytes of `pages` from byte `off` of the first page.
@@ -979,9 +1062,40 @@ impl Drop for MappedPages {
 /// The sim engine as the core sees it.
 pub(crate) struct SimBackend(pub(crate) Arc<SimEngine>);
 
+/// Ends the jobs of `ops` (never dispatched) with `err`.
+fn fail_ops(mut ops: List<Op>, err: Error) {
+    while let Some(op) = ops.pop_front() {
+        if let Some(job) = op.job() {
+            job.complete(Err(err));
+        }
+    }
+}
+
 impl Engine for SimBackend {
+    fn prepare(&self, transfers: &[Transfer]) -> Result<Option<Prepared>> {
+        let set = BufSet::of(transfers)?;
+        let mut descs = KVec::new();
+        for t in transfers {
+            transfer_descs(&mut descs, &t.dst, t.dst_offset, &t.src, t.src_range)?;
+        }
+        let op = Op::new(
+            OpKind::Job {
+                job: SetOnce::new(),
+                set,
+            },
+            descs,
+        )?;
+        Ok(Some(Prepared::new(KBox::new(op, GFP_KERNEL)?)))
+    }
+
     fn submit(&self, job: ListArc<Job>) -> Result {
         let e = &self.0;
+        // Built by `prepare` (the core calls it for every job it submits).
+        let op = job
+            .take_prepared()
+            .and_then(Prepared::downcast::<ListArc<Op>>)
+            .ok_or(EINVAL)?;
+        let op = KBox::into_inner(op);
         let mut s = e.sched.lock();
         if s.stopped {
             return Err(ENODEV);
@@ -989,12 +1103,17 @@ impl Engine for SimBackend {
         if !e.queues.iter().any(|q| q.usable()) {
             return Err(EIO);
         }
+        if let OpKind::Job { job: slot, .. } = &op.kind {
+            // The op holds the job from now on; the job no longer holds
+            // the op.
+            slot.populate(job.into_arc());
+        }
         // A job behind other pending ones waits for the next pass, which
         // every completion (and the watchdog) makes; only a job arriving at
         // an empty list is dispatched from here. That keeps SUBMIT O(1)
         // however many jobs wait.
         let was_empty = s.pending.is_empty();
-        s.pending.push_back(job);
+        s.pending.push_back(op);
         if was_empty {
             e.schedule(&mut s);
         }
@@ -1005,13 +1124,26 @@ impl Engine for SimBackend {
         let e = &self.0;
         let taken = {
             let mut s = e.sched.lock();
-            let taken = take_jobs_of(&mut s.pending, tracker);
+            let mut taken = List::new();
+            let mut cursor = s.pending.cursor_front();
+            while let Some(next) = cursor.peek_next() {
+                if next.arc().job().is_some_and(|j| j.submitted_by(tracker)) {
+                    taken.push_back(next.remove());
+                } else {
+                    cursor.move_next();
+                }
+            }
             // A held job of the file ends the hold.
-            s.hold.taken(&taken);
+            s.hold.taken_if(|held| {
+                taken.iter().any(|op| {
+                    op.job()
+                        .is_some_and(|j| core::ptr::from_ref::<Job>(&**j) as usize == held)
+                })
+            });
             e.schedule(&mut s);
             taken
         };
-        fail_all(taken, ecanceled());
+        fail_ops(taken, ecanceled());
     }
 
     fn shutdown(&self, stopped: &mut dyn FnMut()) {
@@ -1024,7 +1156,27 @@ impl Engine for SimBackend {
         };
         let mut ops = List::new();
         for q in e.queues.iter() {
-            q.stop(&e.hw, &mut ops);
+            let mut leak = List::new();
+            q.stop(&e.hw, &mut ops, &mut leak);
+            let mut leaked = 0;
+            while let Some(op) = leak.pop_front() {
+                // Reported, never freed: what it holds stays allocated and
+                // pinned, since the device may write there as long as the
+                // guest runs.
+                match op.job() {
+                    Some(job) => job.report(op.result()),
+                    None => op.signal(),
+                }
+                core::mem::forget(op);
+                leaked += 1;
+            }
+            if leaked > 0 {
+                pr_err!(
+                    "tdrv-sim: queue {} never acknowledged its reset: the memory of {} operations (pinned pages, bounce buffers, buffers) is leaked, the device may still write it\n",
+                    q.index,
+                    leaked
+                );
+            }
         }
         e.flush();
         // The queues were reset: the device no longer touches memory.
@@ -1034,7 +1186,7 @@ impl Engine for SimBackend {
             e.end(op);
         }
         e.end_deferred();
-        fail_all(pending, ENODEV);
+        fail_ops(pending, ENODEV);
     }
 
     fn does_dma(&self) -> bool {
@@ -1096,6 +1248,8 @@ impl Engine for SimBackend {
             Some(b"fail_desc") => INJECT_FAIL_NEXT,
             Some(b"stall") => INJECT_STALL,
             Some(b"lose_irq") => INJECT_LOSE_IRQ,
+            Some(b"hang") => INJECT_HANG,
+            Some(b"resume") => INJECT_RESUME,
             _ => return Err(EINVAL),
         };
         let queue = match words.next() {
@@ -1114,6 +1268,14 @@ impl Engine for SimBackend {
         }
         match queue {
             Some(q) => e.inject(q, code),
+            // A hung queue takes no next op: `resume` goes to every queue
+            // (it does nothing to one that does not hang).
+            None if code == INJECT_RESUME => {
+                for q in 0..e.queues.len() as u32 {
+                    e.inject(q, code)?;
+                }
+                Ok(())
+            }
             None => {
                 e.inject_next.store(code, Relaxed);
                 Ok(())
@@ -1162,7 +1324,7 @@ impl Engine for SimBackend {
         let _active = device.enter()?;
         let mut descs = KVec::new();
         transfer_descs(&mut descs, dst, dst_offset, src, src_range)?;
-        self.0.run_sync(descs)
+        self.0.run_sync(descs, ()).0
     }
 }
 

@@ -30,7 +30,7 @@ use kernel::{
 
 /// A free range `[start, start + len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Free {
+pub(crate) struct Free {
     start: u64,
     len: u64,
 }
@@ -97,6 +97,25 @@ impl RangeAlloc {
         }
         self.allocated += 1;
         Ok(start)
+    }
+
+    /// The capacity of the free list [`RangeAlloc::alloc`] needs, if it
+    /// has less (then `alloc` would allocate).
+    pub(crate) fn capacity_for_alloc(&self) -> Option<usize> {
+        let need = (self.allocated + 2).max(self.free.len());
+        (self.free.capacity() < need).then_some(need)
+    }
+
+    /// Moves the free list into `spare` if that has more room; returns the
+    /// vector to free (by the caller, outside its lock).
+    pub(crate) fn adopt(&mut self, mut spare: KVec<Free>) -> KVec<Free> {
+        if spare.capacity() < self.free.len() || spare.capacity() <= self.free.capacity() {
+            return spare;
+        }
+        for f in self.free.iter() {
+            let _ = spare.push_within_capacity(*f);
+        }
+        core::mem::replace(&mut self.free, spare)
     }
 
     /// Gives back a range returned by [`RangeAlloc::alloc`] for `len`
@@ -176,9 +195,25 @@ impl Hbm {
 
     /// Allocates `len` bytes on `channel`: the range, freed when dropped.
     pub(crate) fn alloc(self: &Arc<Self>, channel: u32, len: u64) -> Result<HbmRange> {
-        let start = {
-            let mut channels = self.channels.lock();
-            channels.get_mut(channel as usize).ok_or(EINVAL)?.alloc(len)?
+        let start = loop {
+            let want = {
+                let mut channels = self.channels.lock();
+                let a = channels.get_mut(channel as usize).ok_or(EINVAL)?;
+                match a.capacity_for_alloc() {
+                    // Room enough: `alloc` allocates nothing.
+                    None => break a.alloc(len)?,
+                    Some(want) => want,
+                }
+            };
+            // The free list grows outside the lock: freeing a buffer takes
+            // it, also on the completion path, which must not wait for an
+            // allocation (dma-fence signalling rules).
+            let spare = KVec::with_capacity(want, GFP_KERNEL)?;
+            let old = {
+                let mut channels = self.channels.lock();
+                channels.get_mut(channel as usize).ok_or(EINVAL)?.adopt(spare)
+            };
+            drop(old);
         };
         Ok(HbmRange {
             hbm: self.clone(),

@@ -15,14 +15,31 @@
 //! completed with an error, its job was cancelled) and its posted
 //! descriptors completed: the rest is never posted.
 //!
+//! A job's descriptors are posted at most [`JOB_AHEAD`] bytes ahead of
+//! its completions, however much ring space there is: descriptors in the
+//! ring run whatever happens to their job (only a reset removes them, and
+//! it would take other files' work along), so this bounds what a job moves
+//! after its file closed (the uapi's "chunk in flight"). Later ops of the
+//! queue wait behind it, as they would in the ring.
+//!
 //! Interrupts: the last descriptor of every op and of every posting batch
 //! asks for one (`DESC_IRQ`), so each batch wakes the driver when it is
 //! done, to finish ops or post more. The watchdog (`engine.rs`) reaps the
 //! ring too, which covers a lost interrupt, and resets a queue that made
 //! no progress for the timeout.
 //!
+//! A reset the device does not acknowledge leaves the queue dead: its ops
+//! fail (a job's outcome is reported, a transfer's waiter returns), but
+//! the ones with descriptors in the ring become orphans that keep what
+//! those descriptors name (a job's buffers, a transfer's pinned pages,
+//! DMA mappings and bounce buffers) until the device acknowledges after
+//! all, since until then it may still write there. The watchdog keeps
+//! looking; unbind leaks what a device that never answered may write.
+//!
 //! All ring state is under the queue lock: the interrupt thread, the
 //! watchdog and submitters serialise on it.
+
+use core::any::Any;
 
 use kernel::{
     io::{
@@ -37,15 +54,20 @@ use kernel::{
         ListLinks, //
     },
     new_mutex,
+    new_spinlock,
     prelude::*,
     sync::{
         atomic::{
+            Acquire,
             Atomic,
-            Relaxed, //
+            Relaxed,
+            Release, //
         },
         Arc,
         Completion,
-        Mutex, //
+        Mutex,
+        SetOnce,
+        SpinLock, //
     },
     time::{
         delay::fsleep,
@@ -63,7 +85,14 @@ use super::regs::{
     DESC_SIZE,
     HEADER_SIZE, //
 };
+use super::engine::BufSet;
 use crate::job::Job;
+
+/// Most bytes of one job posted to the device and not yet completed (at
+/// least one descriptor is always posted): what the device may still move
+/// for a job after its file closed. Four descriptors of the largest size
+/// keep the engine busy while the driver refills the ring.
+pub(crate) const JOB_AHEAD: u64 = 64 << 20;
 
 /// One descriptor before it is posted (the id is the ring index).
 #[derive(Clone, Copy)]
@@ -76,8 +105,10 @@ pub(crate) struct Desc {
 
 /// What an op is for: how it ends.
 pub(crate) enum OpKind {
-    /// A submitted job: ends through `Job::complete`.
-    Job(Arc<Job>),
+    /// A job: ends through `Job::complete`. Built at SUBMIT (see
+    /// `SimBackend::prepare`) with the buffers the job touches, and given
+    /// the job when the engine takes it.
+    Job { job: SetOnce<Arc<Job>>, set: BufSet },
     /// A synchronous transfer: ends by completing `Op::done`, which the
     /// ioctl waits for.
     Sync,
@@ -96,8 +127,17 @@ pub(crate) struct Op {
     next: Atomic<usize>,
     /// Posted descriptors whose completion has not been consumed.
     outstanding: Atomic<u32>,
+    /// Bytes of those descriptors.
+    ahead: Atomic<u64>,
     /// 0, or the negative errno the op failed with (the first one wins).
     status: Atomic<i32>,
+    /// Failed by a reset the device did not acknowledge: what its
+    /// descriptors name must outlive the device's interest.
+    orphaned: Atomic<bool>,
+    /// What a transfer's descriptors name (pinned pages, mappings, bounce
+    /// buffers), handed over by its waiter if the op was orphaned.
+    #[pin]
+    keep: SpinLock<Option<KBox<dyn Any + Send + Sync>>>,
     #[pin]
     done: Completion,
 }
@@ -118,11 +158,30 @@ impl Op {
                 descs,
                 next: Atomic::new(0),
                 outstanding: Atomic::new(0),
+                ahead: Atomic::new(0),
                 status: Atomic::new(0),
+                orphaned: Atomic::new(false),
+                keep <- new_spinlock!(None, "SimOp::keep"),
                 done <- Completion::new(),
             }),
             GFP_KERNEL,
         )
+    }
+
+    /// The job of a job's op, once the engine took it.
+    pub(crate) fn job(&self) -> Option<&Arc<Job>> {
+        match &self.kind {
+            OpKind::Job { job, .. } => job.as_ref(),
+            OpKind::Sync => None,
+        }
+    }
+
+    /// The buffers a job's op touches.
+    pub(crate) fn set(&self) -> Option<&BufSet> {
+        match &self.kind {
+            OpKind::Job { set, .. } => Some(set),
+            OpKind::Sync => None,
+        }
     }
 
     /// Fails the op with `err` unless it already failed.
@@ -150,6 +209,19 @@ impl Op {
     /// A synchronous op ended: wake its waiter.
     pub(crate) fn signal(&self) {
         self.done.complete_all();
+    }
+
+    /// Whether a reset the device did not acknowledge failed the op (see
+    /// the module docs). Set before its waiter is woken.
+    pub(crate) fn orphaned(&self) -> bool {
+        self.orphaned.load(Acquire)
+    }
+
+    /// Keeps `what` (memory the op's descriptors name) until the op is
+    /// dropped: by the queue once the device acknowledged, or at once if it
+    /// already did.
+    pub(crate) fn keep(&self, what: KBox<dyn Any + Send + Sync>) {
+        *self.keep.lock() = Some(what);
     }
 
     /// Waits (uninterruptibly: the device may still write the caller's
@@ -181,8 +253,11 @@ struct QueueState {
     progress: Instant<Monotonic>,
     /// Unbind stopped the queue.
     dead: bool,
-    /// A reset did not finish: the queue takes no more work.
+    /// A reset was not acknowledged: the queue takes no more work, and
+    /// the device may still run what was in the ring.
     broken: bool,
+    /// Ops failed by that reset whose descriptors were in the ring.
+    orphans: List<Op>,
 }
 
 /// What the watchdog found.
@@ -193,6 +268,14 @@ pub(crate) enum Health {
     Busy,
     /// Stuck, and reset: its ops ended.
     Reset,
+    /// Stuck, and its reset was not acknowledged: its ops failed, and the
+    /// orphans among them stay with the queue (see the module docs).
+    Dead,
+    /// Dead, and waiting for the device to acknowledge.
+    StillDead,
+    /// Dead until the device acknowledged its reset now: usable again, its
+    /// orphans ended.
+    Revived,
 }
 
 /// One DMA queue.
@@ -228,6 +311,7 @@ impl Queue {
                     progress: Instant::now(),
                     dead: false,
                     broken: false,
+                    orphans: List::new(),
                 },
                 "SimQueue::st"
             ),
@@ -283,7 +367,8 @@ impl Queue {
         };
         let posted = hw.with_ctrl(|io| {
             for op in st.ops.iter() {
-                if let OpKind::Job(job) = &op.kind {
+                let is_job = matches!(op.kind, OpKind::Job { .. });
+                if let Some(job) = op.job() {
                     if job.cancelled() && !op.emitted() {
                         op.fail(crate::uapi::ecanceled());
                     }
@@ -291,6 +376,12 @@ impl Queue {
                 while free > 0 && !op.emitted() {
                     let i = op.next.load(Relaxed);
                     let d = op.descs[i];
+                    let ahead = op.ahead.load(Relaxed);
+                    if is_job && ahead > 0 && ahead + u64::from(d.len) > JOB_AHEAD {
+                        // The rest when these complete (the batch's last
+                        // descriptor interrupts).
+                        break;
+                    }
                     if let Some((idx, h)) = held.take() {
                         ok &= write(io, idx, h, false).is_ok();
                     }
@@ -302,11 +393,14 @@ impl Queue {
                     }
                     op.next.store(i + 1, Relaxed);
                     op.outstanding.add(1, Relaxed);
+                    op.ahead.add(u64::from(d.len), Relaxed);
                     tail = tail.wrapping_add(1);
                     free -= 1;
                 }
                 if !op.emitted() {
-                    // Ring full: later ops wait their turn.
+                    // Ring full, or the job is `JOB_AHEAD` ahead: later
+                    // ops wait their turn (completions must come in the
+                    // order of the ops).
                     break;
                 }
             }
@@ -366,6 +460,10 @@ impl Queue {
                     bad = true;
                     break;
                 };
+                // Its oldest posted descriptor: descriptors complete in
+                // the order they were posted.
+                let oldest = op.next.load(Relaxed) - op.outstanding.load(Relaxed) as usize;
+                op.ahead.fetch_sub(u64::from(op.descs[oldest].len), Relaxed);
                 op.outstanding.fetch_sub(1, Relaxed);
                 if status != CPL_OK || id != u64::from(head) {
                     op.fail(EIO);
@@ -412,8 +510,11 @@ impl Queue {
         polled: &Atomic<u64>,
     ) -> Health {
         let mut st = self.st.lock();
-        if st.dead || st.broken {
+        if st.dead {
             return Health::Idle;
+        }
+        if st.broken {
+            return self.poll_ack(hw, &mut st, done);
         }
         let n = self.reap_locked(hw, &mut st, done);
         polled.add(u64::from(n), Relaxed);
@@ -423,17 +524,59 @@ impl Queue {
         if st.progress.elapsed() < timeout {
             return Health::Busy;
         }
+        let acked = self.reset_locked(hw, &mut st);
         let mut first = true;
         while let Some(op) = st.ops.pop_front() {
             op.fail(if first { ETIMEDOUT } else { EIO });
             first = false;
             self.load.fetch_sub(1, Relaxed);
+            if !acked && op.outstanding.load(Relaxed) > 0 {
+                // The device may still run its descriptors.
+                op.orphaned.store(true, Release);
+                st.orphans.push_back(op);
+            } else {
+                done.push_back(op);
+            }
+        }
+        if acked {
+            return Health::Reset;
+        }
+        st.broken = true;
+        Health::Dead
+    }
+
+    /// A dead queue: if the device acknowledged its reset meanwhile, the
+    /// queue is usable again and its orphans move to `done`.
+    fn poll_ack(&self, hw: &impl Hw, st: &mut QueueState, done: &mut List<Op>) -> Health {
+        match hw.with_ctrl(|io| io.try_read32(self.base + qr::RESET)) {
+            Some(Ok(0)) => {}
+            _ => return Health::StillDead,
+        }
+        // The device zeroed its indices with the acknowledgement.
+        st.sq_tail = 0;
+        st.cq_head = 0;
+        st.progress = Instant::now();
+        st.broken = false;
+        while let Some(op) = st.orphans.pop_front() {
             done.push_back(op);
         }
-        if !self.reset_locked(hw, &mut st) {
-            st.broken = true;
+        Health::Revived
+    }
+
+    /// Takes the orphans, to report them outside the queue lock (which the
+    /// completion path must not hold while it takes a file's tracker lock);
+    /// give them back with [`Queue::put_orphans`]. The caller holds
+    /// `ending`, as every taker of the orphans does.
+    pub(crate) fn take_orphans(&self) -> List<Op> {
+        core::mem::take(&mut self.st.lock().orphans)
+    }
+
+    /// Gives back what [`Queue::take_orphans`] took.
+    pub(crate) fn put_orphans(&self, mut orphans: List<Op>) {
+        let mut st = self.st.lock();
+        while let Some(op) = orphans.pop_front() {
+            st.orphans.push_back(op);
         }
-        Health::Reset
     }
 
     /// Resets the device's queue: it discards what is pending and zeroes
@@ -470,25 +613,44 @@ impl Queue {
     }
 
     /// Unbind: the queue takes no more work, the device stops it, and its
-    /// ops move to `out` (the caller fails them once DMA is off).
-    pub(crate) fn stop(&self, hw: &impl Hw, out: &mut List<Op>) {
+    /// ops move to `out` (the caller fails them once DMA is off). If the
+    /// device does not acknowledge the reset (a dead queue gets one more
+    /// try), the ops it may still write for move to `leak` instead: the
+    /// caller reports them and leaks them rather than free what they hold.
+    pub(crate) fn stop(&self, hw: &impl Hw, out: &mut List<Op>, leak: &mut List<Op>) {
         let mut st = self.st.lock();
-        if !st.dead && !st.broken && !self.reset_locked(hw, &mut st) {
-            pr_warn!("tdrv-sim: queue {} did not acknowledge its reset\n", self.index);
-        }
+        let acked = !st.dead && self.reset_locked(hw, &mut st);
         st.dead = true;
         while let Some(op) = st.ops.pop_front() {
             self.load.fetch_sub(1, Relaxed);
-            out.push_back(op);
+            if !acked && op.outstanding.load(Relaxed) > 0 {
+                op.orphaned.store(true, Release);
+                st.orphans.push_back(op);
+            } else {
+                out.push_back(op);
+            }
+        }
+        while let Some(op) = st.orphans.pop_front() {
+            if acked {
+                out.push_back(op);
+            } else {
+                op.fail(ENODEV);
+                leak.push_back(op);
+            }
         }
     }
 
     /// One debugfs line: outstanding descriptors, ops, interrupts, and
     /// the device's view (consumed descriptors, status).
     pub(crate) fn describe(&self, hw: &impl Hw, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        let (outstanding, ops) = {
+        let (outstanding, ops, dead, orphans) = {
             let st = self.st.lock();
-            (st.sq_tail.wrapping_sub(st.cq_head), self.load.load(Relaxed))
+            (
+                st.sq_tail.wrapping_sub(st.cq_head),
+                self.load.load(Relaxed),
+                st.broken,
+                st.orphans.iter().count(),
+            )
         };
         let (sq_head, status) = hw
             .with_ctrl(|io| {
@@ -506,13 +668,15 @@ impl Queue {
         };
         writeln!(
             f,
-            "queue{}: outstanding {} ops {} irqs {} sq_head {} {}",
+            "queue{}: outstanding {} ops {} irqs {} sq_head {} {}{} orphans {}",
             self.index,
             outstanding,
             ops,
             self.irqs.load(Relaxed),
             sq_head,
-            state
+            state,
+            if dead { " dead" } else { "" },
+            orphans
         )
     }
 }

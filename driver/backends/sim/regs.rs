@@ -106,6 +106,11 @@ pub(crate) const INJECT_FAIL_NEXT: u32 = 1;
 pub(crate) const INJECT_STALL: u32 = 2;
 /// `inject[q]`: the next interrupt is not raised (its completion is).
 pub(crate) const INJECT_LOSE_IRQ: u32 = 3;
+/// The queue stops and ignores resets until `INJECT_RESUME` (a device
+/// that hangs).
+pub(crate) const INJECT_HANG: u32 = 4;
+/// A hung queue executes what is pending, then answers a pending reset.
+pub(crate) const INJECT_RESUME: u32 = 5;
 
 /// Registers of a queue block, at `queue_offset + q * queue_stride`.
 pub(crate) mod queue {

@@ -328,6 +328,13 @@ fn main() {
         }
     }
 
+    let name = "a file holds at most file_max_imports foreign imports (ENOSPC); other files are unaffected";
+    match heap_alloc(pg) {
+        Ok(Some(fd)) => t.run(name, || import_limit(&node, fd)),
+        Ok(None) => t.skip(name, "no /dev/dma_heap/system"),
+        Err(e) => t.check(name, Err::<(), String>(e)),
+    }
+
     let other_node = fs::read_dir("/dev").ok().and_then(|d| {
         d.filter_map(|e| e.ok())
             .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
@@ -642,4 +649,51 @@ fn heap_jobs(dev: &Dev, fd: OwnedFd, len: usize) -> R {
     expect_eq("completion count", info.completion_count, 1)?;
     ok("free", dev.free(a.handle))?;
     ok("free", dev.free(i.handle))
+}
+
+/// The default of the module parameter `file_max_imports` (uapi/tdrv.h).
+const FILE_MAX_IMPORTS: usize = 4096;
+
+/// A fresh one-page dma-buf from the system heap.
+fn heap_page() -> Result<OwnedFd, String> {
+    heap_alloc(page_size())?.ok_or_else(|| "no /dev/dma_heap/system".to_string())
+}
+
+/// Every IMPORT of a foreign dma-buf makes a buffer the channel does not
+/// pay for: a file gets `FILE_MAX_IMPORTS` handles of them, then ENOSPC,
+/// while its own buffers and other files' imports still work. Each import
+/// is of its own dma-buf (one page each): a device that maps them for DMA
+/// maps every page once.
+fn import_limit(node: &str, fd: OwnedFd) -> R {
+    let full = ok("open", Dev::open(node))?;
+    let mut handles = Vec::with_capacity(FILE_MAX_IMPORTS);
+    handles.push(ok("import", full.import(fd.as_raw_fd(), 0))?.handle);
+    for i in 1..FILE_MAX_IMPORTS {
+        let page = heap_page()?;
+        let h = full
+            .import(page.as_raw_fd(), 0)
+            .map_err(|e| format!("import {i}: errno {e}"))?;
+        handles.push(h.handle);
+    }
+    let extra = heap_page()?;
+    expect_err(
+        "one import past file_max_imports",
+        full.import(extra.as_raw_fd(), 0),
+        libc::ENOSPC,
+    )?;
+    // Not an import: the file's buffer limit is elsewhere.
+    let own = ok("alloc in the full file", full.alloc(4096, 0))?;
+    ok("free", full.free(own.handle))?;
+    let other = ok("open", Dev::open(node))?;
+    let i = ok("import in another file", other.import(extra.as_raw_fd(), 0))?;
+    ok("free", other.free(i.handle))?;
+    // A freed import makes room for one more.
+    ok("free", full.free(handles[0]))?;
+    ok("import after a free", full.import(extra.as_raw_fd(), 0))?;
+    let again = heap_page()?;
+    expect_err(
+        "and then the limit again",
+        full.import(again.as_raw_fd(), 0),
+        libc::ENOSPC,
+    )
 }

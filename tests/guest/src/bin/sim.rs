@@ -15,7 +15,7 @@ use std::{
         Arc,
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tdrv_guest_tests::{
@@ -46,15 +46,16 @@ fn inject(node: &str, cmd: &str) -> R {
     fs::write(format!("{}/inject", debugfs(node)), cmd).map_err(|e| format!("inject {cmd}: {e}"))
 }
 
-/// Interrupts counted per queue (debugfs `queueN: ... irqs K` lines).
-fn queue_irqs(node: &str) -> Result<Vec<u64>, String> {
+/// One number per queue from the debugfs `queueN: ...` lines: the value
+/// after the word `key` (`irqs`, `outstanding`).
+fn queue_field(node: &str, key: &str) -> Result<Vec<u64>, String> {
     let text = fs::read_to_string(format!("{}/stats", debugfs(node)))
         .map_err(|e| format!("stats: {e}"))?;
     let mut v = Vec::new();
     for line in text.lines().filter(|l| l.starts_with("queue")) {
         let mut words = line.split_whitespace();
         while let Some(w) = words.next() {
-            if w == "irqs" {
+            if w == key {
                 let n = words
                     .next()
                     .and_then(|n| n.parse().ok())
@@ -67,6 +68,246 @@ fn queue_irqs(node: &str) -> Result<Vec<u64>, String> {
         return Err("no queue lines in stats".into());
     }
     Ok(v)
+}
+
+/// Interrupts counted per queue (debugfs `queueN: ... irqs K` lines).
+fn queue_irqs(node: &str) -> Result<Vec<u64>, String> {
+    queue_field(node, "irqs")
+}
+
+/// The interrupt threads of the sim device (`irq/N-tdrv-sim`).
+fn sim_irq_threads() -> Result<Vec<u32>, String> {
+    let mut pids = Vec::new();
+    for e in fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))? {
+        let Ok(e) = e else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.starts_with("irq/") && comm.contains("tdrv-s") {
+            pids.push(pid);
+        }
+    }
+    Ok(pids)
+}
+
+/// Settings of `/sys/kernel/debug/failslab` that fail every slab
+/// allocation (sleeping ones too) of the tasks marked `make-it-fail`,
+/// silently, for as many times as it takes.
+const FAILSLAB: &[(&str, &str)] = &[
+    ("task-filter", "Y"),
+    ("ignore-gfp-wait", "N"),
+    ("verbose", "0"),
+    ("space", "0"),
+    ("interval", "1"),
+    ("times", "1000000"),
+    ("probability", "100"),
+];
+
+/// Jobs that wait behind others are dispatched by the completion path (the
+/// queues' interrupt threads), which must allocate nothing (out-fences wait
+/// for it; dma-fence signalling rules): with every slab allocation of
+/// those threads failing, the jobs still run, and no fault fires.
+fn completion_path_allocates_nothing(dev: &Dev) -> R {
+    let dir = "/sys/kernel/debug/failslab";
+    let threads = sim_irq_threads()?;
+    if threads.is_empty() {
+        return Err("no irq/*-tdrv-sim thread".into());
+    }
+    let mut saved = Vec::new();
+    let mut r = (|| -> R {
+        for (file, value) in FAILSLAB {
+            let path = format!("{dir}/{file}");
+            let old = fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+            saved.push((path.clone(), old.trim().to_string()));
+            fs::write(&path, value).map_err(|e| format!("{path} = {value}: {e}"))?;
+        }
+        let a = ok("alloc", dev.alloc(64 << 10, 0))?;
+        let b = ok("alloc", dev.alloc(64 << 10, 0))?;
+        ok("copy_in", dev.copy_in(a.handle, 0, &[0x3C; 64 << 10]))?;
+        for pid in &threads {
+            fs::write(format!("/proc/{pid}/make-it-fail"), "1")
+                .map_err(|e| format!("make-it-fail of {pid}: {e}"))?;
+        }
+        // Each job reads what the one before wrote: one queue, at most 4
+        // dispatched at SUBMIT, the rest when earlier ones complete.
+        let mut ids = Vec::new();
+        for i in 0..16 {
+            let (s, d) = if i % 2 == 0 {
+                (a.handle, b.handle)
+            } else {
+                (b.handle, a.handle)
+            };
+            ids.push(ok("submit", dev.submit(&[desc(s, 0, d, 0, 64 << 10)]))?);
+        }
+        for id in ids {
+            expect_eq(
+                "job",
+                ok("wait", dev.job_wait(id, 30_000_000))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+        }
+        let left = fs::read_to_string(format!("{dir}/times")).map_err(|e| format!("times: {e}"))?;
+        expect_eq("failslab faults left (none fired)", left.trim(), "1000000")?;
+        expect_eq(
+            "data",
+            read_all(dev, a.handle, 64 << 10)?,
+            vec![0x3C; 64 << 10],
+        )?;
+        ok("free", dev.free(a.handle))?;
+        ok("free", dev.free(b.handle))
+    })();
+    for pid in &threads {
+        let _ = fs::write(format!("/proc/{pid}/make-it-fail"), "0");
+    }
+    // Probability first: nothing fails while the rest is restored.
+    for (path, old) in saved.iter().rev() {
+        if let Err(e) = fs::write(path, old) {
+            r = r.and(Err(format!("restore {path}: {e}")));
+        }
+    }
+    r
+}
+
+/// An anonymous private mapping of `len` bytes, every page touched with
+/// `fill`; unmapped on drop.
+struct Anon {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Anon {
+    fn new(len: usize, fill: u8) -> Result<Anon, String> {
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        }
+        let mut a = Anon { ptr: p.cast(), len };
+        a.slice_mut().fill(fill);
+        Ok(a)
+    }
+
+    fn slice(&self) -> &[u8] {
+        // SAFETY: our mapping of `len` bytes, used by one thread; the
+        // device writes it only during an ioctl on it, or (the bug this
+        // guards against) when it no longer belongs to this mapping.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn slice_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `slice`; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Page frame numbers of the mapping (root: /proc/self/pagemap).
+    fn pfns(&self) -> Result<Vec<u64>, String> {
+        use std::os::fd::AsRawFd;
+        let page = 4096;
+        let f = fs::File::open("/proc/self/pagemap").map_err(|e| format!("pagemap: {e}"))?;
+        let mut v = Vec::new();
+        for i in 0..self.len / page {
+            let mut e = [0u8; 8];
+            let off = ((self.ptr as usize + i * page) / page * 8) as i64;
+            // SAFETY: reads 8 bytes into a live local buffer.
+            if unsafe { libc::pread(f.as_raw_fd(), e.as_mut_ptr().cast(), 8, off) } != 8 {
+                return Err("pagemap read failed".into());
+            }
+            let e = u64::from_le_bytes(e);
+            let pfn = e & ((1 << 55) - 1);
+            if e >> 63 == 0 || pfn == 0 {
+                return Err(format!("page {i} not present or PFN hidden"));
+            }
+            v.push(pfn);
+        }
+        Ok(v)
+    }
+}
+
+impl Drop for Anon {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly our mapping.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Waits (30 s at most) until no queue is dead and none keeps orphans.
+fn wait_queues_alive(node: &str) -> R {
+    let t0 = Instant::now();
+    loop {
+        let text = fs::read_to_string(format!("{}/stats", debugfs(node)))
+            .map_err(|e| format!("stats: {e}"))?;
+        let bad: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                l.starts_with("queue") && (l.contains(" dead") || !l.ends_with("orphans 0"))
+            })
+            .collect();
+        if bad.is_empty() {
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            return Err(format!("after 30 s: {bad:?}"));
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A queue that hangs and ignores its reset: COPY_OUT fails with
+/// ETIMEDOUT, but the caller's pages stay pinned (never handed out again)
+/// until the device lets go; when it wakes up and writes them, no freed
+/// memory changes, and the queue serves work again.
+fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
+    let len = 256 << 10;
+    let a = ok("alloc", dev.alloc(len as u64, 0))?;
+    ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
+    let mut u = Anon::new(len, 0x11)?;
+    let u_pfns = u.pfns()?;
+    inject(path, "hang")?;
+    expect_err(
+        "COPY_OUT on a queue that ignores its reset",
+        dev.copy_out(a.handle, 0, u.slice_mut()),
+        libc::ETIMEDOUT,
+    )?;
+    drop(u);
+    // Fresh memory, likely made of the pages just freed (if they were).
+    let v = Anon::new(64 << 20, 0x22)?;
+    let v_pfns: std::collections::HashSet<u64> = v.pfns()?.into_iter().collect();
+    let reused = u_pfns.iter().filter(|p| v_pfns.contains(p)).count();
+    let stats = fs::read_to_string(format!("{}/stats", debugfs(path))).unwrap_or_default();
+    if !stats
+        .lines()
+        .any(|l| l.starts_with("queue") && l.contains(" dead"))
+    {
+        inject(path, "resume")?;
+        return Err("no queue is dead after a reset the device ignored".into());
+    }
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    if reused > 0 {
+        return Err(format!(
+            "{reused} of the {} pages the device could still write were handed out again",
+            u_pfns.len()
+        ));
+    }
+    if let Some(i) = v.slice().iter().position(|b| *b != 0x22) {
+        return Err(format!("byte {i} of fresh memory changed by the late DMA"));
+    }
+    expect_eq(
+        "data after the queue came back",
+        read_all(dev, a.handle, len)?,
+        vec![0xA5; len],
+    )?;
+    ok("free", dev.free(a.handle))
 }
 
 /// The PCI address bound to the sim driver.
@@ -101,7 +342,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(16);
+    let mut t = Tap::new(19);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -578,6 +819,59 @@ fn main() {
             ok("free", dev.free(a.handle))?;
             ok("free", dev.free(b.handle))
         },
+    );
+
+    t.run(
+        "a job is at most 64 MiB ahead on its queue: closing its file stops it after that chunk",
+        || -> R {
+            // The job's queue stalls: whatever the driver posts stays
+            // posted (debugfs `outstanding`) until the watchdog resets it.
+            let resets = stat(&path, "resets")?;
+            let other = ok("open", Dev::open(&path))?;
+            let mb = 1u64 << 20;
+            let a = ok("alloc", other.alloc(16 * mb, 0))?;
+            let b = ok("alloc", other.alloc(16 * mb, 0))?;
+            inject(&path, "stall")?;
+            // 512 MiB in 32 descriptors of 16 MiB (the device's largest):
+            // with ring room for all of them, only 4 may be handed over.
+            let descs: Vec<tdrv_copy_desc> = (0..32)
+                .map(|_| desc(a.handle, 0, b.handle, 0, 16 * mb))
+                .collect();
+            ok("submit", other.submit(&descs))?;
+            let posted: u64 = queue_field(&path, "outstanding")?.iter().sum();
+            if !(1..=4).contains(&posted) {
+                return Err(format!(
+                    "{posted} descriptors of 16 MiB posted for one job: want 1..=4 (64 MiB)"
+                ));
+            }
+            // Closing the file cancels the rest; the watchdog resets the
+            // stalled queues and the queue drains.
+            drop(other);
+            let t0 = Instant::now();
+            loop {
+                let left: u64 = queue_field(&path, "outstanding")?.iter().sum();
+                if left == 0 && stat(&path, "resets")? > resets {
+                    break;
+                }
+                if t0.elapsed() > Duration::from_secs(30) {
+                    return Err(format!("{left} descriptors still outstanding after 30 s"));
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        },
+    );
+
+    let name = "the completion path allocates nothing: failslab in the interrupt threads fails no job and fires no fault";
+    if std::path::Path::new("/sys/kernel/debug/failslab").exists() {
+        t.run(name, || completion_path_allocates_nothing(&dev));
+    } else {
+        t.skip(name, "kernel without CONFIG_FAILSLAB debugfs");
+    }
+
+    t.run(
+        "a queue that ignores its reset keeps the pages of a timed-out COPY_OUT until it lets go",
+        || hung_queue_writes_no_freed_page(&dev, &path),
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
