@@ -84,7 +84,7 @@ fn c_compiler_agrees_with_rust() {
         tdrv_channel_info { channel, pad, limit_bytes, used_bytes, peak_bytes, buffers, failed_allocs, reserved }
         tdrv_alloc { size, channel, flags, handle, dma_addr, mmap_offset, reserved }
         tdrv_free { handle, reserved }
-        tdrv_buf_info { handle, size, dma_addr, mmap_offset, pending_reads, pending_writes, completion_count, channel, pad, reserved }
+        tdrv_buf_info { handle, size, dma_addr, mmap_offset, pending_reads, pending_writes, completion_count, channel, pad, error, pad2, buf_id }
         tdrv_xfer { handle, offset, size, user_ptr, reserved }
         tdrv_memset { handle, offset, size, value, pad, reserved }
         tdrv_copy_desc { src_handle, src_offset, dst_handle, dst_offset, size }
