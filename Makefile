@@ -8,6 +8,11 @@
 #   make test       host tests + guest tests + KUnit, one verdict
 #   make bench      benchmarks on the bench kernel (scripts/kernel bench;
 #                   BENCH_KERNEL=debug for the test kernel; see README)
+#   make deb        Debian packages (tdrv-dkms, libnrt1, libnrt-dev,
+#                   tdrv-tools, python3-tdrv) and the abi3 wheel in
+#                   build/deb/ (docs/install.md)
+#   make test-install  those packages installed on a Debian sid system
+#                   booted under QEMU (scripts/test-install; needs root)
 #   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
 #                   the kselftest-style runner run_tests in one directory
 #                   (default build/tdrv-tests), for a machine of your own
@@ -25,7 +30,7 @@ TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module distro-module setup kernel userspace install-tests run test bench uapi clean
+.PHONY: all module distro-module setup kernel userspace deb test-install install-tests run test bench uapi clean
 
 all: module
 
@@ -51,6 +56,12 @@ kernel: setup
 
 userspace: setup
 	@scripts/build-userspace
+
+deb: setup
+	@scripts/deb
+
+test-install: deb
+	@scripts/test-install
 
 # No setup: this is for your own machine, which needs cargo and gcc only.
 install-tests:
