@@ -12,6 +12,11 @@
 #                   both clocks, longer fuzz and unbind_stress runs
 #   make bench      benchmarks on the bench kernel (scripts/kernel bench;
 #                   BENCH_KERNEL=debug for the test kernel; see README)
+#   make deb        Debian packages (tdrv-dkms, libnrt1, libnrt-dev,
+#                   tdrv-tools, python3-tdrv) and the abi3 wheel in
+#                   build/deb/ (docs/install.md)
+#   make test-install  those packages installed on a Debian sid system
+#                   booted under QEMU (scripts/test-install; needs root)
 #   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
 #                   the kselftest-style runner run_tests in one directory
 #                   (default build/tdrv-tests), for a machine of your own
@@ -29,7 +34,7 @@ TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module distro-module setup kernel userspace install-tests run test test-full bench uapi clean
+.PHONY: all module distro-module setup kernel userspace deb test-install install-tests run test test-full bench uapi clean
 
 all: module
 
@@ -55,6 +60,12 @@ kernel: setup
 
 userspace: setup
 	@scripts/build-userspace
+
+deb: setup
+	@scripts/deb
+
+test-install: deb
+	@scripts/test-install
 
 # No setup: this is for your own machine, which needs cargo and gcc only.
 install-tests:
