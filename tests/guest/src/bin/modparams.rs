@@ -224,11 +224,18 @@ fn main() {
         refused(&mut kmsg, "channels=two", &["channels".into()])
     });
 
-    // The guest's own parameters, then the caps (later values win).
-    let base = fs::read_to_string("/etc/tdrv-params").unwrap_or_default();
+    // The guest's own parameters, but the caps and mask of this program
+    // (a parameter may be given only once).
+    let mine = ["file_max_buffers", "file_max_mib", "edu_dma_bits"];
+    let base: Vec<String> = fs::read_to_string("/etc/tdrv-params")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter(|p| !mine.contains(&p.split('=').next().unwrap_or("")))
+        .map(str::to_owned)
+        .collect();
     let params = format!(
         "{} file_max_buffers={MAX_BUFFERS} file_max_mib={MAX_MIB} edu_dma_bits={DMA_BITS}",
-        base.trim()
+        base.join(" ")
     );
     let mut nodes = Vec::new();
     t.run("after the refused ones, insmod with valid caps works", || -> R {
