@@ -224,7 +224,7 @@ fn main() {
         no_fence_fd
     };
     let pg = page_size() as u64;
-    let mut t = Tap::new(12);
+    let mut t = Tap::new(11);
 
     t.run(
         "SUBMIT moving more than TDRV_MAX_JOB_BYTES is EINVAL and queues nothing",
@@ -594,6 +594,13 @@ fn main() {
                 "failed job",
                 ok("job_wait", dev.job_wait(id, -1))?,
                 (TDRV_JOB_DONE, -want),
+            )?;
+            // Waiters learn that the bytes are undefined (edu: once the
+            // device let go of the buffer).
+            expect_err(
+                "fence_wait on the failed output",
+                dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1),
+                libc::EIO,
             )?;
             expect_eq(
                 "latch",
