@@ -342,10 +342,18 @@ fn copy_host_round_trip(c: &Ctx) -> R {
     e("device -> host", Tensor::copy(&d, 0, &h, 1000, 100))?;
     let v = read_all(&h)?;
     same("host after device->host", &v[1000..1100], &[0x99; 100])?;
-    // Fake on either side is a no-op.
+    // A fake destination discards the bytes; a fake source reads as
+    // zeros (issue 24 item 15).
     let f = e("fake", Tensor::allocate_fake(4096, None))?;
-    e("fake -> device", Tensor::copy(&f, 0, &d, 0, 4096))?;
-    expect_eq("device byte after fake copy", read_all(&d)?[0], 0x99)
+    e("device -> fake", Tensor::copy(&d, 0, &f, 0, 4096))?;
+    expect_eq("device byte after a copy into fake", read_all(&d)?[0], 0x99)?;
+    e("fake -> device", Tensor::copy(&f, 0, &d, 0, 50))?;
+    let v = read_all(&d)?;
+    same(
+        "device bytes after a copy from fake",
+        &v[..51],
+        &[[0; 50].as_slice(), &[0x99]].concat(),
+    )
 }
 
 /// A job that fails (an injected edu stall: the watchdog fails it with
@@ -998,7 +1006,7 @@ fn main() {
         ("memset", memset),
         ("device copy on one channel", copy_same_channel),
         (
-            "host round trip copies and fake no-ops",
+            "host round trip copies; fake reads zeros, discards writes",
             copy_host_round_trip,
         ),
         (
