@@ -79,7 +79,12 @@ fn gettid() -> libc::pid_t {
 /// The scheduler state letter of thread `tid` of this process.
 fn thread_state(tid: libc::pid_t) -> Option<char> {
     let stat = fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
-    stat.rsplit(')').next()?.split_whitespace().next()?.chars().next()
+    stat.rsplit(')')
+        .next()?
+        .split_whitespace()
+        .next()?
+        .chars()
+        .next()
 }
 
 /// Waits until thread `tid` sleeps interruptibly ('S'). The caller knows
@@ -160,7 +165,9 @@ impl Waiter {
 
     fn join(self) -> Result<Result<(), Errno>, String> {
         let _guard = HangGuard::arm("joining a waiting thread", HANG.as_secs());
-        self.handle.join().map_err(|_| "waiter panicked".to_string())
+        self.handle
+            .join()
+            .map_err(|_| "waiter panicked".to_string())
     }
 }
 
@@ -296,7 +303,9 @@ fn main() {
                 expect_eq("source", state(&dev, a.handle)?, (0, 0, 0))?;
                 expect_eq(
                     "destination untouched",
-                    contents(&dev, b.handle, pg as usize)?.iter().all(|x| *x == 0),
+                    contents(&dev, b.handle, pg as usize)?
+                        .iter()
+                        .all(|x| *x == 0),
                     true,
                 )?;
                 // With a free fd the same call works.
@@ -311,7 +320,11 @@ fn main() {
                     ok("job_wait", dev.job_wait(id, -1))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
-                expect_eq("copied", contents(&dev, b.handle, pg as usize)? == data, true)
+                expect_eq(
+                    "copied",
+                    contents(&dev, b.handle, pg as usize)? == data,
+                    true,
+                )
             },
         );
     } else {
@@ -365,7 +378,11 @@ fn main() {
             .completion_wait(b.handle, 1, -1)
             .map_err(|(e, c)| format!("completion_wait: errno {e}, count {c}"))?;
         expect_eq("destination's completions", count, 1)?;
-        expect_eq("copied", contents(&dev, b.handle, pg as usize)? == data, true)?;
+        expect_eq(
+            "copied",
+            contents(&dev, b.handle, pg as usize)? == data,
+            true,
+        )?;
         ok("fence_wait", dev.fence_wait(a.handle, TDRV_FENCE_ALL, -1))?;
         expect_eq("source after the job", state(&dev, a.handle)?, (0, 0, 0))
     };
@@ -428,7 +445,11 @@ fn main() {
                 ok("job_wait", dev.job_wait(h.job, -1))?,
                 (TDRV_JOB_DONE, 0),
             )?;
-            expect_eq("copied", contents(&dev, b.handle, pg as usize)? == data, true)
+            expect_eq(
+                "copied",
+                contents(&dev, b.handle, pg as usize)? == data,
+                true,
+            )
         },
     );
 
@@ -451,7 +472,11 @@ fn main() {
         expect_eq("job still pending", state(&dev, b.handle)?.1, 1)?;
         h.release()?;
         ok("fence_wait", dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1))?;
-        expect_eq("copied", contents(&dev, b.handle, pg as usize)? == data, true)
+        expect_eq(
+            "copied",
+            contents(&dev, b.handle, pg as usize)? == data,
+            true,
+        )
     };
     held_test(
         &mut t,
@@ -491,7 +516,11 @@ fn main() {
             let r = w.join()?;
             expect_eq("handler ran", HANDLED.load(SeqCst) - before, 1)?;
             expect_eq("fence_wait", r, Ok(()))?;
-            expect_eq("copied", contents(&dev, b.handle, pg as usize)? == data, true)
+            expect_eq(
+                "copied",
+                contents(&dev, b.handle, pg as usize)? == data,
+                true,
+            )
         },
     );
 
@@ -573,7 +602,11 @@ fn main() {
                 dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1),
                 libc::EIO,
             )?;
-            expect_eq("latch", ok("buf_info", dev.buf_info(b.handle))?.error, -want)?;
+            expect_eq(
+                "latch",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                -want,
+            )?;
             expect_err(
                 "copy from the failed buffer",
                 dev.copy(desc(b.handle, 0, c.handle, 0, pg)),
@@ -607,7 +640,13 @@ fn main() {
                 ("fd", tdrv_export { fd: 3, ..base }),
                 ("fd -1", tdrv_export { fd: -1, ..base }),
                 ("pad", tdrv_export { pad: 1, ..base }),
-                ("pad2", tdrv_export { pad2: 1 << 31, ..base }),
+                (
+                    "pad2",
+                    tdrv_export {
+                        pad2: 1 << 31,
+                        ..base
+                    },
+                ),
                 (
                     "reserved[0]",
                     tdrv_export {

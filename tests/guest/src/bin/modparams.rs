@@ -185,7 +185,12 @@ fn main() {
         ("file_max_buffers", Some(0), Some(16_777_217), "1-16777216"),
         ("file_max_mib", Some(0), Some(1_048_577), "1-1048576"),
         ("file_max_jobs", Some(0), Some(4096), "1-4095"),
-        ("file_max_inflight_mib", Some(0), Some(1_048_577), "1-1048576"),
+        (
+            "file_max_inflight_mib",
+            Some(0),
+            Some(1_048_577),
+            "1-1048576",
+        ),
     ];
     let mut t = Tap::new(bad.len() + 9);
 
@@ -207,22 +212,20 @@ fn main() {
             },
         );
     }
-    t.run(
-        "insmod with two bad parameters names both",
-        || -> R {
-            refused(
-                &mut kmsg,
-                "channels=0 file_max_jobs=0",
-                &[
-                    "invalid module parameter channels=0".into(),
-                    "invalid module parameter file_max_jobs=0".into(),
-                ],
-            )
-        },
-    );
-    t.run("insmod refuses a value that is not a number with EINVAL", || -> R {
-        refused(&mut kmsg, "channels=two", &["channels".into()])
+    t.run("insmod with two bad parameters names both", || -> R {
+        refused(
+            &mut kmsg,
+            "channels=0 file_max_jobs=0",
+            &[
+                "invalid module parameter channels=0".into(),
+                "invalid module parameter file_max_jobs=0".into(),
+            ],
+        )
     });
+    t.run(
+        "insmod refuses a value that is not a number with EINVAL",
+        || -> R { refused(&mut kmsg, "channels=two", &["channels".into()]) },
+    );
 
     // The guest's own parameters, but the caps and mask of this program
     // (a parameter may be given only once).
@@ -238,15 +241,18 @@ fn main() {
         base.join(" ")
     );
     let mut nodes = Vec::new();
-    t.run("after the refused ones, insmod with valid caps works", || -> R {
-        ok(&format!("insmod {params}"), insmod(&params))?;
-        nodes = tdrv_nodes();
-        if nodes.is_empty() {
-            return Err("no /dev/tdrv* after insmod".into());
-        }
-        t_note(&format!("devices: {nodes:?}"));
-        Ok(())
-    });
+    t.run(
+        "after the refused ones, insmod with valid caps works",
+        || -> R {
+            ok(&format!("insmod {params}"), insmod(&params))?;
+            nodes = tdrv_nodes();
+            if nodes.is_empty() {
+                return Err("no /dev/tdrv* after insmod".into());
+            }
+            t_note(&format!("devices: {nodes:?}"));
+            Ok(())
+        },
+    );
 
     let pg = page_size() as u64;
     let mib = MAX_MIB << 20;
@@ -376,7 +382,9 @@ fn main() {
                 if kind == TDRV_DEVICE_EDU && phys_of_heap_known()?.is_none() {
                     // Which heap pages edu can reach is unknown: the
                     // check below would depend on where they landed.
-                    t_note(&format!("{n}: not checked: pagemap shows no frame of heap pages"));
+                    t_note(&format!(
+                        "{n}: not checked: pagemap shows no frame of heap pages"
+                    ));
                     return Ok(());
                 }
                 ok("alloc the whole byte cap", f.alloc(mib, 0))?;
@@ -409,7 +417,9 @@ fn main() {
         })
         .cloned()
         .collect();
-    let name = format!("edu: IMPORT of a dma-buf page beyond the {DMA_BITS}-bit DMA mask is EIO and loses nothing");
+    let name = format!(
+        "edu: IMPORT of a dma-buf page beyond the {DMA_BITS}-bit DMA mask is EIO and loses nothing"
+    );
     if edu_nodes.is_empty() {
         t.skip(&name, "no edu device");
     } else {
@@ -447,7 +457,10 @@ fn main() {
     // Leave the module out, as run-all expects; a failure fails the run
     // (it breaks the plan).
     if let Err(e) = rmmod() {
-        t.check("rmmod after the capped run", Err::<(), _>(format!("errno {e}")));
+        t.check(
+            "rmmod after the capped run",
+            Err::<(), _>(format!("errno {e}")),
+        );
     }
     drop(kmsg);
     t.finish()
