@@ -269,10 +269,12 @@ fn sweep(
                     ))
                 }
             },
-            (Err(e), false) => return Err(format!(
+            (Err(e), false) => {
+                return Err(format!(
                 "injection point {n}: failed with {} although the injected fault was never reached",
                 errno_name(e)
-            )),
+            ))
+            }
         }
     }
     Err(format!(
