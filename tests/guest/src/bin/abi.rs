@@ -77,9 +77,10 @@ fn main() {
                 // Handle 0 is never a buffer.
                 (TDRV_IOC_FREE, Err(libc::ENOENT)),
                 (TDRV_IOC_BUF_INFO, Err(libc::ENOENT)),
-                (TDRV_IOC_COPY_IN, Err(libc::EINVAL)),
-                (TDRV_IOC_COPY_OUT, Err(libc::EINVAL)),
-                (TDRV_IOC_MEMSET, Err(libc::EINVAL)),
+                // The handle is looked up before the zero size is judged.
+                (TDRV_IOC_COPY_IN, Err(libc::ENOENT)),
+                (TDRV_IOC_COPY_OUT, Err(libc::ENOENT)),
+                (TDRV_IOC_MEMSET, Err(libc::ENOENT)),
                 (TDRV_IOC_COPY, Err(libc::EINVAL)),
                 // No descriptors.
                 (TDRV_IOC_SUBMIT, Err(libc::EINVAL)),
