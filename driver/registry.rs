@@ -72,8 +72,10 @@ impl Registry {
     /// node now and then) with no lock of ours held.
     pub(crate) fn reserve(&self) -> Result<u64> {
         let mut id = 0u32;
+        // From 1: the index is also the buffer's `tdrv_buf_info.buf_id`,
+        // which is never 0.
         let limit = bindings::xa_limit {
-            min: 0,
+            min: 1,
             max: u32::MAX,
         };
         // SAFETY: `xa` is a valid allocating XArray (type invariants);
@@ -173,7 +175,8 @@ mod tests {
     fn holds_more_buffers_than_an_array_could() -> Result {
         let r = KBox::pin_init(Registry::new(), GFP_KERNEL)?;
         let n = 300_000u64;
-        for i in 0..n {
+        // Indices start at 1 (a buffer's id is never 0).
+        for i in 1..=n {
             assert_eq!(r.reserve()?, i);
             if i % 1024 == 0 {
                 crate::glue::cond_resched();
@@ -184,7 +187,7 @@ mod tests {
         r.for_each(|_| seen.add(1, Relaxed));
         assert_eq!(seen.load(Relaxed), 0);
         let ran = Atomic::new(0u64);
-        for i in 0..n {
+        for i in 1..=n {
             r.remove(i, || ran.add(1, Relaxed));
             if i % 1024 == 0 {
                 crate::glue::cond_resched();
@@ -192,7 +195,7 @@ mod tests {
         }
         assert_eq!(ran.load(Relaxed), n);
         // Indices are reused once free.
-        assert_eq!(r.reserve()?, 0);
+        assert_eq!(r.reserve()?, 1);
         Ok(())
     }
 }

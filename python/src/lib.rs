@@ -85,6 +85,16 @@ fn wait_interruptibly(
     }
 }
 
+/// A wait before a read or write that only makes the wait interruptible:
+/// a failed job's latch ends it like idleness does, and the read (which
+/// reports the latch) or the write (which clears it) decides.
+fn idle_or_latched(r: TResult<()>) -> TResult<()> {
+    match r {
+        Err(tdrv::Error::DeviceWriteFailed { .. }) => Ok(()),
+        r => r,
+    }
+}
+
 /// A shape argument: an int or a sequence of ints.
 fn parse_shape(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     if let Ok(n) = obj.extract::<usize>() {
@@ -510,7 +520,7 @@ impl PyTensor {
         // wait; the read then finds none (or waits for a job submitted
         // since, like any read).
         wait_interruptibly(py, None, |slice| {
-            self.t.wait_device_idle(tdrv::Access::Read, Some(slice))
+            idle_or_latched(self.t.wait_device_idle(tdrv::Access::Read, Some(slice)))
         })?;
         py.detach(|| self.t.read(offset, &mut buf)).map_err(to_py)?;
         Ok(PyBytes::new(py, &buf))
@@ -527,7 +537,7 @@ impl PyTensor {
     fn write(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
         let (bytes, _, _) = buffer_bytes(data)?;
         wait_interruptibly(py, None, |slice| {
-            self.t.wait_device_idle(tdrv::Access::Write, Some(slice))
+            idle_or_latched(self.t.wait_device_idle(tdrv::Access::Write, Some(slice)))
         })?;
         py.detach(|| self.t.write(offset, &bytes)).map_err(to_py)
     }

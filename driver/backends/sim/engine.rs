@@ -515,6 +515,25 @@ impl SimEngine {
         best
     }
 
+    /// The usable queue that `room` accepts with the fewest jobs by
+    /// `jobs(q)`, ties going to the least loaded. The scheduler counts
+    /// jobs from its own list, which a completion changes only under the
+    /// scheduler's lock: jobs dispatched earlier in one pass count even if
+    /// the device has finished them meanwhile, so that jobs released
+    /// together spread over the queues.
+    fn fewest_jobs(&self, room: impl Fn(u32) -> bool, jobs: impl Fn(u32) -> usize) -> Option<u32> {
+        let mut best = None;
+        let mut best_key = (usize::MAX, u32::MAX);
+        for q in self.queues.iter() {
+            let key = (jobs(q.index), q.load.load(Relaxed));
+            if key < best_key && room(q.index) && q.usable() {
+                best = Some(q.index);
+                best_key = key;
+            }
+        }
+        best
+    }
+
     /// The queue for a synchronous transfer: the least loaded, so that it
     /// does not wait behind jobs (or behind a stuck queue's work) when
     /// another queue is free.
@@ -572,7 +591,7 @@ impl SimEngine {
                 let queue = match queue {
                     Some(q) if depth(q) < QUEUE_DEPTH => Some(q),
                     Some(_) => None,
-                    None => self.least_loaded(|q| depth(q) < QUEUE_DEPTH),
+                    None => self.fewest_jobs(|q| depth(q) < QUEUE_DEPTH, depth),
                 };
                 if multi {
                     None

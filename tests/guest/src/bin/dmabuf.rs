@@ -75,7 +75,7 @@ fn main() {
     let pg = page_size();
     // Edu moves ~4 KiB per 0.2 s of virtual time: keep its jobs small.
     let job_len = if edu { 2 * pg } else { 256 << 10 };
-    let mut t = Tap::new(16);
+    let mut t = Tap::new(17);
 
     t.run("export gives an O_RDWR, O_CLOEXEC dma-buf fd", || -> R {
         let a = ok("alloc", dev.alloc(5000, 0))?;
