@@ -25,31 +25,11 @@
 
 #include "../../../../uapi/tdrv.h"
 
+#include "tap.h"
+
 #define PLAN 23
 /* A bound that only turns a hang into a failure. */
 #define HANG_US (60LL * 1000 * 1000)
-
-static int test_no, failures;
-static struct timespec last;
-
-static long long ms_since_last(void)
-{
-	struct timespec now;
-
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	long long ms = (now.tv_sec - last.tv_sec) * 1000LL + (now.tv_nsec - last.tv_nsec) / 1000000;
-	last = now;
-	return ms;
-}
-
-static void check(int ok, const char *name)
-{
-	test_no++;
-	if (!ok)
-		failures++;
-	printf("%sok %d %s # time=%lldms\n", ok ? "" : "not ", test_no, name, ms_since_last());
-	fflush(stdout);
-}
 
 static void check_status(NRT_STATUS got, NRT_STATUS want, const char *name)
 {
@@ -59,12 +39,6 @@ static void check_status(NRT_STATUS got, NRT_STATUS want, const char *name)
 	check(got == want, name);
 }
 
-static void skip(const char *name, const char *why)
-{
-	test_no++;
-	printf("ok %d %s # SKIP %s\n", test_no, name, why);
-	ms_since_last();
-}
 
 static void fill(unsigned char *p, size_t n, unsigned seed)
 {
@@ -125,7 +99,7 @@ int main(int argc, char **argv)
 	setenv("NEURON_RT_DBG_INPUT_DUMP_DIRECTORY", dump_dir, 1);
 	/* Checks of misuse make the library log on purpose. */
 	setenv("NEURON_RT_LOG_LEVEL", "OFF", 0);
-	clock_gettime(CLOCK_MONOTONIC, &last);
+	tap_start();
 
 	printf("TAP version 13\n1..%d\n# device %s\n", PLAN, argv[1]);
 	if (nrt_tensor_allocate(NRT_TENSOR_PLACEMENT_DEVICE, 0, N, "src", &src) != NRT_SUCCESS ||

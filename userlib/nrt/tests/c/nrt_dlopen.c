@@ -22,38 +22,10 @@
 
 #include "nrt/nrt.h"
 
+#include "tap.h"
+
 #define PLAN 28
 
-static int test_no, failures;
-static struct timespec last;
-
-/* Milliseconds since the previous TAP line (each line's duration). */
-static long long ms_since_last(void)
-{
-	struct timespec now;
-	long long ms;
-
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	ms = (now.tv_sec - last.tv_sec) * 1000LL + (now.tv_nsec - last.tv_nsec) / 1000000;
-	last = now;
-	return ms;
-}
-
-static void check(int ok, const char *name)
-{
-	test_no++;
-	if (!ok)
-		failures++;
-	printf("%sok %d %s # time=%lldms\n", ok ? "" : "not ", test_no, name, ms_since_last());
-	fflush(stdout);
-}
-
-static void skip(const char *name, const char *why)
-{
-	test_no++;
-	printf("ok %d %s # SKIP %s\n", test_no, name, why);
-	ms_since_last();
-}
 
 #define API(fn) static __typeof__(fn) *p_##fn
 API(nrt_tensor_allocate);
@@ -154,7 +126,7 @@ int main(int argc, char **argv)
 	 * TAP output readable unless the caller asked for logs. */
 	setenv("NEURON_RT_LOG_LEVEL", "OFF", 0);
 
-	clock_gettime(CLOCK_MONOTONIC, &last);
+	tap_start();
 	printf("TAP version 13\n1..%d\n", PLAN);
 	printf("# placement %s, library %s\n", mode, libname);
 	void *lib = dlopen(libname, RTLD_NOW | RTLD_LOCAL);
