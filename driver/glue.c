@@ -108,6 +108,15 @@ void tdrv_io_free_wc(u64 start, u64 size)
 	arch_io_free_memtype_wc(start, size);
 }
 
+/* Zeroes len bytes of write-combined device memory, and drains the CPU's
+ * write-combining buffers (wmb) so that the zeroes reach the device before
+ * any later doorbell or DMA that the caller orders after this. */
+void tdrv_zero_io_wc(void __iomem *addr, size_t len)
+{
+	memset_io(addr, 0, len);
+	wmb();
+}
+
 /* Whether the current task was killed (a static inline). */
 bool tdrv_fatal_signal_pending(void)
 {

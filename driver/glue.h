@@ -17,6 +17,7 @@ struct device;
 bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr);
 int tdrv_io_reserve_wc(u64 start, u64 size);
 void tdrv_io_free_wc(u64 start, u64 size);
+void tdrv_zero_io_wc(void __iomem *addr, size_t len);
 bool tdrv_fatal_signal_pending(void);
 void tdrv_cond_resched(void);
 bool tdrv_capable_rawio(void);

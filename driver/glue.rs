@@ -23,6 +23,7 @@ mod ffi {
         pub(super) fn tdrv_dma_mapping_error(dev: *mut core::ffi::c_void, addr: u64) -> bool;
         pub(super) fn tdrv_io_reserve_wc(start: u64, size: u64) -> core::ffi::c_int;
         pub(super) fn tdrv_io_free_wc(start: u64, size: u64);
+        pub(super) fn tdrv_zero_io_wc(addr: *mut core::ffi::c_void, len: usize);
         pub(super) fn tdrv_fatal_signal_pending() -> bool;
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
@@ -146,6 +147,19 @@ pub(crate) fn io_reserve_wc(start: u64, size: u64) -> Result {
 pub(crate) unsafe fn io_free_wc(start: u64, size: u64) {
     // SAFETY: By the caller's guarantee.
     unsafe { ffi::tdrv_io_free_wc(start, size) }
+}
+
+/// Zeroes `len` bytes of write-combined device memory at `addr` and drains
+/// the write-combining buffers, so the zeroes are visible to the device
+/// before any later MMIO write.
+///
+/// # Safety
+///
+/// `[addr, addr + len)` lies in a live `ioremap_wc` mapping that nothing
+/// else writes while this runs.
+pub(crate) unsafe fn zero_io_wc(addr: *mut core::ffi::c_void, len: usize) {
+    // SAFETY: By the caller's guarantee.
+    unsafe { ffi::tdrv_zero_io_wc(addr, len) }
 }
 
 /// Whether the current task has a fatal signal pending.

@@ -156,6 +156,11 @@ const USER_CHUNK: usize = 1 << 20;
 const BOUNCE: usize = 64 << 10;
 /// Size of the pattern a fill starts from.
 const FILL_PATTERN: usize = 64 << 10;
+
+/// New buffers up to this size are zeroed by the CPU through the BAR; a
+/// device fill is a round trip of milliseconds, while the CPU zeroes this
+/// much in well under one.
+const CPU_ZERO_MAX: usize = 256 << 10;
 /// Pending jobs the scheduler looks at per pass.
 const SCAN_LIMIT: usize = 64;
 /// Jobs dispatched to one queue at a time. The rest wait in the pending
@@ -823,6 +828,25 @@ impl SimEngine {
         Ok(())
     }
 
+    /// Zeroes every channel's HBM once, at probe, so that allocations of
+    /// memory nobody used since need no zeroing of their own (`hbm.rs`).
+    /// On an error, the channels not yet zeroed stay unmarked: their
+    /// allocations zero their memory one by one. Returns the first channel
+    /// not zeroed and why.
+    pub(crate) fn zero_hbm(
+        self: &Arc<Self>,
+        device: &TdrvDevice,
+    ) -> core::result::Result<(), (u32, Error)> {
+        for ch in 0..self.hbm.channels() {
+            let (addr, len) = self.hbm.channel_span(ch);
+            self.fill(device, addr, len as usize, 0).map_err(|e| (ch, e))?;
+            // Nothing can be allocated yet (the device has no node), so
+            // the span is still all free and the mark holds.
+            self.hbm.mark_zeroed(ch);
+        }
+        Ok(())
+    }
+
     /// Fills `len` bytes at `dst` with `value`: one pattern from host
     /// memory, then the device doubles what it wrote (descriptors of one
     /// queue run in order).
@@ -1311,8 +1335,15 @@ impl Engine for SimBackend {
         let e = &self.0;
         let alloc = || -> Result<KBox<dyn DeviceMemory>> {
             let range = e.hbm.alloc(channel, size as u64)?;
-            // New memory must not show what an earlier buffer left there.
-            e.fill(device, range.dev_addr(), size, 0)?;
+            // New memory must not show what an earlier buffer left there;
+            // memory nobody used since the probe zeroed it reads as zero.
+            let dirty = (range.dirty_len() as usize).min(size);
+            if dirty <= CPU_ZERO_MAX {
+                // Nobody can reach the range yet (see `zero_by_cpu`).
+                e.hw.zero_by_cpu(range.dev_addr(), dirty)?;
+            } else {
+                e.fill(device, range.dev_addr(), dirty, 0)?;
+            }
             let mem: KBox<dyn DeviceMemory> =
                 KBox::new(SimMemory::new(range, e.hw.hbm_phys), GFP_KERNEL)?;
             Ok(mem)

@@ -17,6 +17,13 @@
 //! read as "no address" in the ABI (`dma_addr` is 0 for callers without
 //! CAP_SYS_RAWIO). So every channel offers its size less one page (the
 //! channel limit in `mod.rs`), the same for all channels.
+//!
+//! New buffers must not show what earlier ones left, and zeroing a range
+//! is a device round trip (milliseconds on the simulator). So the probe
+//! zeroes each channel once, and each allocator remembers from where up
+//! nothing has been given out since: `clean_from`. Best fit takes that top
+//! range last, so a range is zeroed when it is handed out again, and a
+//! device that keeps many live buffers zeroes none of them twice.
 
 use kernel::{
     new_mutex,
@@ -49,6 +56,9 @@ pub(crate) struct RangeAlloc {
     granule: u64,
     free: KVec<Free>,
     allocated: usize,
+    /// `[clean_from, size)` reads as zero and none of it was given out
+    /// since it was zeroed (`size`: nothing is known to be zero).
+    clean_from: u64,
 }
 
 impl RangeAlloc {
@@ -66,12 +76,20 @@ impl RangeAlloc {
             granule,
             free,
             allocated: 0,
+            clean_from: size,
         })
     }
 
     /// Allocates `len` bytes (rounded up to the granule): the start of the
     /// range. EINVAL for 0 bytes, ENOMEM if no free range is large enough.
     pub(crate) fn alloc(&mut self, len: u64) -> Result<u64> {
+        self.alloc_dirty(len).map(|(start, _)| start)
+    }
+
+    /// Like [`RangeAlloc::alloc`], and also how many bytes from the start
+    /// of the range may hold an earlier buffer's data (the rest reads as
+    /// zero).
+    pub(crate) fn alloc_dirty(&mut self, len: u64) -> Result<(u64, u64)> {
         if len == 0 || len > self.size {
             return if len == 0 { Err(EINVAL) } else { Err(ENOMEM) };
         }
@@ -96,7 +114,26 @@ impl RangeAlloc {
             let _ = self.free.remove(best);
         }
         self.allocated += 1;
-        Ok(start)
+        // `[clean_from, size)` is inside one free range (nothing there was
+        // given out), so a range starting at or above `clean_from` lies
+        // wholly in it; one starting below is dirty up to `clean_from`.
+        let dirty = self.clean_from.saturating_sub(start).min(len);
+        self.clean_from = self.clean_from.max(start + len);
+        Ok((start, dirty))
+    }
+
+    /// Records that `[from, size)` was zeroed, if all of it is free (then
+    /// nothing was given out while it was being zeroed). Returns whether it
+    /// was recorded.
+    pub(crate) fn mark_zeroed(&mut self, from: u64) -> bool {
+        let top_free = self
+            .free
+            .last()
+            .is_some_and(|f| f.start <= from && f.start + f.len == self.size);
+        if top_free {
+            self.clean_from = self.clean_from.min(from);
+        }
+        top_free
     }
 
     /// The capacity of the free list [`RangeAlloc::alloc`] needs, if it
@@ -195,13 +232,13 @@ impl Hbm {
 
     /// Allocates `len` bytes on `channel`: the range, freed when dropped.
     pub(crate) fn alloc(self: &Arc<Self>, channel: u32, len: u64) -> Result<HbmRange> {
-        let start = loop {
+        let (start, dirty) = loop {
             let want = {
                 let mut channels = self.channels.lock();
                 let a = channels.get_mut(channel as usize).ok_or(EINVAL)?;
                 match a.capacity_for_alloc() {
                     // Room enough: `alloc` allocates nothing.
-                    None => break a.alloc(len)?,
+                    None => break a.alloc_dirty(len)?,
                     Some(want) => want,
                 }
             };
@@ -220,7 +257,29 @@ impl Hbm {
             channel,
             start,
             len,
+            dirty,
         })
+    }
+
+    /// Where channel `channel`'s allocatable memory starts (device address
+    /// 0 is never given out) and its length: what the probe zeroes.
+    pub(crate) fn channel_span(&self, channel: u32) -> (u64, u64) {
+        let skip = if channel == 0 { PAGE_SIZE as u64 } else { 0 };
+        (
+            u64::from(channel) * self.channel_size + skip,
+            self.channel_size - skip,
+        )
+    }
+
+    /// Records that the span [`Hbm::channel_span`] of `channel` was zeroed
+    /// while nothing was allocated there; see [`RangeAlloc::mark_zeroed`].
+    pub(crate) fn mark_zeroed(&self, channel: u32) -> bool {
+        let (addr, _) = self.channel_span(channel);
+        let from = addr - u64::from(channel) * self.channel_size;
+        self.channels
+            .lock()
+            .get_mut(channel as usize)
+            .is_some_and(|a| a.mark_zeroed(from))
     }
 
     /// Number of channels.
@@ -245,12 +304,20 @@ pub(crate) struct HbmRange {
     /// Offset in the channel.
     start: u64,
     len: u64,
+    /// Bytes from `start` that may hold an earlier buffer's data.
+    dirty: u64,
 }
 
 impl HbmRange {
     /// The device address of byte 0 (offset in HBM).
     pub(crate) fn dev_addr(&self) -> u64 {
         u64::from(self.channel) * self.hbm.channel_size + self.start
+    }
+
+    /// How many bytes from the start may hold an earlier buffer's data:
+    /// what a new buffer must zero.
+    pub(crate) fn dirty_len(&self) -> u64 {
+        self.dirty
     }
 }
 
@@ -338,6 +405,28 @@ mod tests {
         // Holes of 4, 2 and 8 pages: 2 pages go to the 2-page hole.
         assert_eq!(a.alloc(2 * P)?, z);
         assert_eq!(a.largest_free(), 8 * P);
+        Ok(())
+    }
+
+    #[test]
+    fn only_memory_given_out_before_is_dirty() -> Result {
+        let mut a = RangeAlloc::new(16 * P, P)?;
+        // Nothing is known to be zero before the probe zeroed it.
+        assert_eq!(a.alloc_dirty(2 * P)?, (0, 2 * P));
+        a.free(0, 2 * P);
+        assert!(a.mark_zeroed(0));
+        assert_eq!(a.alloc_dirty(2 * P)?, (0, 0));
+        assert_eq!(a.alloc_dirty(P)?, (2 * P, 0));
+        // Given out and freed: dirty when it is given out again; a range
+        // reaching past it into never-used memory is dirty only up to
+        // there.
+        a.free(0, 2 * P);
+        assert_eq!(a.alloc_dirty(P)?, (0, P));
+        a.free(2 * P, P);
+        assert_eq!(a.alloc_dirty(4 * P)?, (P, 2 * P));
+        assert_eq!(a.alloc_dirty(11 * P)?, (5 * P, 0));
+        // Zeroing is recorded only where everything is free.
+        assert!(!a.mark_zeroed(0));
         Ok(())
     }
 

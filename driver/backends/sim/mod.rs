@@ -97,6 +97,9 @@ struct CtrlMap {
     pdev: ARef<pci::Device>,
     /// Physical range of HBM reserved write-combined.
     wc: (u64, u64),
+    /// HBM mapped write-combined (`wc.1` bytes), for zeroing small ranges
+    /// with the CPU; null until mapped.
+    hbm: *mut core::ffi::c_void,
 }
 
 // SAFETY: The mapping is plain MMIO, usable from any thread; `pdev` is
@@ -136,6 +139,7 @@ impl CtrlMap {
             })?,
             pdev: pdev.into(),
             wc: (0, 0),
+            hbm: core::ptr::null_mut(),
         };
         Ok(map)
     }
@@ -150,6 +154,11 @@ impl CtrlMap {
 impl Drop for CtrlMap {
     fn drop(&mut self) {
         let raw = raw_pci(&self.pdev);
+        if !self.hbm.is_null() {
+            // SAFETY: Mapped by `ioremap_wc` in probe; revocation waited for
+            // every user of the guard that reached it.
+            unsafe { bindings::iounmap(self.hbm) };
+        }
         if self.wc.1 != 0 {
             // SAFETY: Reserved in probe; user mappings of HBM were zapped
             // by unbind before the revocation that drops us.
@@ -182,6 +191,28 @@ impl Hw for SimHw {
         let _ = self
             .bar0
             .try_access_with(|bar| bar.write32((self.peer << 16) | q, BAR0_DOORBELL));
+    }
+}
+
+impl SimHw {
+    /// Zeroes `len` bytes of HBM at device address `dev_addr` with CPU
+    /// stores through the BAR: for small ranges, much cheaper than a round
+    /// trip to the device. ENODEV once unbind revoked the mapping.
+    ///
+    /// The range must belong to a buffer nobody can reach yet: no device
+    /// op names it and no user mapping shows it.
+    pub(crate) fn zero_by_cpu(&self, dev_addr: u64, len: usize) -> Result {
+        let ctrl = self.ctrl.try_access().ok_or(ENODEV)?;
+        let end = dev_addr.checked_add(len as u64).ok_or(EINVAL)?;
+        if ctrl.hbm.is_null() || end > ctrl.wc.1 {
+            return Err(EINVAL);
+        }
+        // SAFETY: `[dev_addr, end)` lies in the `wc.1`-byte mapping at
+        // `hbm` (checked above), which the guard keeps mapped until it is
+        // dropped (revocation waits for it). Nothing else writes the range:
+        // the buffer it belongs to is still being allocated (see above).
+        unsafe { glue::zero_io_wc(ctrl.hbm.wrapping_byte_add(dev_addr as usize), len) };
+        Ok(())
     }
 }
 
@@ -448,6 +479,12 @@ impl pci::Driver for SimDriver {
             let hbm_len = u64::from(layout.channels) * layout.channel_size;
             glue::io_reserve_wc(hbm_phys, hbm_len)?;
             ctrl.wc = (hbm_phys, hbm_len);
+            // SAFETY: `[hbm_phys, hbm_phys + hbm_len)` is in BAR2, which
+            // `ctrl` holds requested, and reserved write-combined above.
+            ctrl.hbm = unsafe { bindings::ioremap_wc(hbm_phys, hbm_len as usize) };
+            if ctrl.hbm.is_null() {
+                return Err(ENOMEM);
+            }
             pdev.set_master();
             // SAFETY: No DMA mapping exists for this device yet.
             unsafe { pdev.dma_set_mask_and_coherent(DmaMask::new::<64>())? };
@@ -483,6 +520,12 @@ impl pci::Driver for SimDriver {
             let mut irqs = KVec::with_capacity(layout.queues as usize, GFP_KERNEL)?;
             for q in 0..layout.queues {
                 irqs.push(QueueIrq::request(pdev, &engine, q)?, GFP_KERNEL)?;
+            }
+            if let Err((ch, e)) = engine.zero_hbm(&device) {
+                dev_warn!(
+                    pdev.as_ref(),
+                    "HBM channel {ch} not zeroed at probe ({e:?}): its buffers are zeroed one by one\n"
+                );
             }
             dev_info!(
                 pdev.as_ref(),

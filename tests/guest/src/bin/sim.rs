@@ -342,7 +342,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(19);
+    let mut t = Tap::new(20);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -953,6 +953,10 @@ fn main() {
         || unbind_under_load(&path),
     );
     t.run("rebind creates a working sim device again", rebind);
+    t.run(
+        "after a rebind, new buffers read as zero where the previous binding left bytes",
+        rebind_zeroes,
+    );
     t.finish();
 }
 
@@ -1063,4 +1067,36 @@ fn rebind() -> R {
     expect_eq("data", read_all(&dev, b.handle, 100_000)? == data, true)?;
     ok("free", dev.free(a.handle))?;
     ok("free", dev.free(b.handle))
+}
+
+/// The probe zeroes HBM once and new buffers skip zeroing memory nobody
+/// used since (`hbm.rs`): bytes left by the previous binding must not show
+/// through.
+fn rebind_zeroes() -> R {
+    let node = sim_nodes().first().cloned().ok_or("no sim device node")?;
+    let dev = ok("open", Dev::open(&node))?;
+    let channels = ok("version", dev.version())?.num_channels;
+    let size = 4 << 20;
+    for ch in 0..channels {
+        let a = ok("alloc", dev.alloc(size as u64, ch))?;
+        ok("memset", dev.memset(a.handle, 0, size as u64, 0x5A))?;
+        ok("free", dev.free(a.handle))?;
+    }
+    drop(dev);
+    let pci = bound_pci_address()?;
+    fs::write(format!("{DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind {pci}: {e}"))?;
+    fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind {pci}: {e}"))?;
+    let node = sim_nodes()
+        .first()
+        .cloned()
+        .ok_or("no sim device node after rebind")?;
+    let dev = ok("open", Dev::open(&node))?;
+    for ch in 0..channels {
+        let a = ok("alloc", dev.alloc(size as u64, ch))?;
+        let data = read_all(&dev, a.handle, size)?;
+        let left = data.iter().filter(|b| **b != 0).count();
+        expect_eq(&format!("non-zero bytes on channel {ch}"), left, 0)?;
+        ok("free", dev.free(a.handle))?;
+    }
+    Ok(())
 }
