@@ -779,20 +779,26 @@ fn bad_layouts(dev: &Dev, pci: &Path, bar2_len: u64) -> R {
             c.why
         );
         let seen = dmesg()?.matches(&line).count();
-        let old = if c.wide {
-            dev.bar2.r64(c.off)
-        } else {
-            u64::from(dev.bar2.r32(c.off))
-        };
-        let put = |v: u64| {
+        // A fresh mapping of the header for each write: a kernel with
+        // IO_STRICT_DEVMEM (Debian's) revokes user mappings of BAR2 when
+        // the probe requests the region, and a later access is SIGBUS.
+        let header = || Bar::map(&pci.join("resource2"), PAGE);
+        let put = |bar: &Bar, v: u64| {
             if c.wide {
-                dev.bar2.w64(c.off, v)
+                bar.w64(c.off, v)
             } else {
-                dev.bar2.w32(c.off, v as u32)
+                bar.w32(c.off, v as u32)
             }
         };
-        put(c.value);
+        let before = header()?;
+        let old = if c.wide {
+            before.r64(c.off)
+        } else {
+            u64::from(before.r32(c.off))
+        };
+        put(&before, c.value);
         fence(Ordering::SeqCst);
+        drop(before);
         let loaded = command("insmod", &args);
         let bound = pci.join("driver").exists();
         let log = dmesg();
@@ -801,7 +807,7 @@ fn bad_layouts(dev: &Dev, pci: &Path, bar2_len: u64) -> R {
         } else {
             Ok(())
         };
-        put(old);
+        put(&header()?, old);
         fence(Ordering::SeqCst);
         loaded?;
         unloaded?;
