@@ -678,10 +678,9 @@ impl Buffer {
 
     /// Copies `range.len` bytes from user memory at `src` into the buffer.
     /// EFAULT if any byte cannot be read (the buffer may be partly written).
-    pub(crate) fn copy_from_user(&self, range: ByteRange, src: UserPtr) -> Result {
+    pub(crate) fn copy_from_user(self: &Arc<Self>, range: ByteRange, src: UserPtr) -> Result {
         if self.on_device {
-            let dst = self.dma_addr() + range.start as u64;
-            return self.device.engine().dma_from_user(&self.device, dst, range.len, src);
+            return self.device.engine().dma_from_user(&self.device, self, range, src);
         }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
@@ -733,10 +732,9 @@ impl Buffer {
     }
 
     /// Copies `range` of the buffer to user memory at `dst`.
-    pub(crate) fn copy_to_user(&self, range: ByteRange, dst: UserPtr) -> Result {
+    pub(crate) fn copy_to_user(self: &Arc<Self>, range: ByteRange, dst: UserPtr) -> Result {
         if self.on_device {
-            let src = self.dma_addr() + range.start as u64;
-            return self.device.engine().dma_to_user(&self.device, src, range.len, dst);
+            return self.device.engine().dma_to_user(&self.device, self, range, dst);
         }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
@@ -786,10 +784,9 @@ impl Buffer {
     }
 
     /// Fills `range` with `value`. ENODEV if the device went away.
-    pub(crate) fn fill(&self, range: ByteRange, value: u8) -> Result {
+    pub(crate) fn fill(self: &Arc<Self>, range: ByteRange, value: u8) -> Result {
         if self.on_device {
-            let dst = self.dma_addr() + range.start as u64;
-            return self.device.engine().dma_fill(&self.device, dst, range.len, value);
+            return self.device.engine().dma_fill(&self.device, self, range, value);
         }
         self.for_each_span(range, |_guard, cpu, _, n| {
             // SAFETY: `for_each_span` holds a guard (memory live) and gives
@@ -803,9 +800,9 @@ impl Buffer {
     /// under active guards. The ranges do not overlap (checked by SUBMIT
     /// and COPY).
     pub(crate) fn copy_from_ioctl(
-        &self,
+        self: &Arc<Self>,
         dst_offset: usize,
-        src: &Buffer,
+        src: &Arc<Buffer>,
         src_range: ByteRange,
     ) -> Result {
         if self.on_device || src.on_device {

@@ -21,9 +21,12 @@ use kernel::{
         ListArc, //
     },
     prelude::*,
-    sync::atomic::{
-        Atomic,
-        Relaxed, //
+    sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        Arc, //
     },
     uaccess::UserPtr,
     workqueue, //
@@ -175,23 +178,45 @@ pub(crate) trait Engine: Send + Sync {
         None
     }
 
-    /// Copies `len` bytes from user memory at `src` to device address
+    /// Copies `range.len` bytes from user memory at `src` to `range` of
     /// `dst` by DMA from the caller's pages. The `dma_*` methods are called
     /// only for buffers in device memory (see `buffer.rs`); the defaults
-    /// (EINVAL) are never reached. EFAULT if a page cannot be pinned, EIO if the device
-    /// fails a transfer, ENODEV once the device is gone.
-    fn dma_from_user(&self, _device: &TdrvDevice, _dst: u64, _len: usize, _src: UserPtr) -> Result {
+    /// (EINVAL) are never reached. EFAULT if a page cannot be pinned, EIO
+    /// if the device fails a transfer, ENODEV once the device is gone.
+    ///
+    /// The buffers come as `Arc`s: an engine whose device may still run a
+    /// transfer that timed out keeps them (and so their memory) until the
+    /// device lets go, as it keeps a job's.
+    fn dma_from_user(
+        &self,
+        _device: &TdrvDevice,
+        _dst: &Arc<Buffer>,
+        _range: ByteRange,
+        _src: UserPtr,
+    ) -> Result {
         Err(EINVAL)
     }
 
-    /// Copies `len` bytes from device address `src` to user memory at
-    /// `dst` by DMA to the caller's pages; errors as `dma_from_user`.
-    fn dma_to_user(&self, _device: &TdrvDevice, _src: u64, _len: usize, _dst: UserPtr) -> Result {
+    /// Copies `range` of `src` to user memory at `dst` by DMA to the
+    /// caller's pages; errors as `dma_from_user`.
+    fn dma_to_user(
+        &self,
+        _device: &TdrvDevice,
+        _src: &Arc<Buffer>,
+        _range: ByteRange,
+        _dst: UserPtr,
+    ) -> Result {
         Err(EINVAL)
     }
 
-    /// Fills `len` bytes at device address `dst` with `value` by DMA.
-    fn dma_fill(&self, _device: &TdrvDevice, _dst: u64, _len: usize, _value: u8) -> Result {
+    /// Fills `range` of `dst` with `value` by DMA.
+    fn dma_fill(
+        &self,
+        _device: &TdrvDevice,
+        _dst: &Arc<Buffer>,
+        _range: ByteRange,
+        _value: u8,
+    ) -> Result {
         Err(EINVAL)
     }
 
@@ -201,9 +226,9 @@ pub(crate) trait Engine: Send + Sync {
     fn dma_copy(
         &self,
         _device: &TdrvDevice,
-        _dst: &Buffer,
+        _dst: &Arc<Buffer>,
         _dst_offset: usize,
-        _src: &Buffer,
+        _src: &Arc<Buffer>,
         _src_range: ByteRange,
     ) -> Result {
         Err(EINVAL)

@@ -6,7 +6,7 @@
  * compares. Prints "nrt_pkgconfig: ok" and exits 0 on success; on failure
  * prints the failing call and its status and exits 1.
  */
-#include <nrt.h>
+#include <nrt/nrt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

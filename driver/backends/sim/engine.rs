@@ -676,11 +676,13 @@ impl SimEngine {
     fn user_dma(
         self: &Arc<Self>,
         device: &TdrvDevice,
-        dev_addr: u64,
-        len: usize,
+        buf: &Arc<Buffer>,
+        range: ByteRange,
         user: UserPtr,
         to_device: bool,
     ) -> Result {
+        let dev_addr = buf.dma_addr() + range.start as u64;
+        let len = range.len;
         let base = user.as_const_ptr() as usize;
         let mut stage = KVVec::<u8>::new();
         let mut done = 0;
@@ -701,6 +703,7 @@ impl SimEngine {
                     // user copy of the bounce path then reports.
                     self.bounce_dma(
                         device,
+                        buf,
                         dev_addr + done as u64,
                         n,
                         UserPtr::from_addr(uaddr),
@@ -732,6 +735,7 @@ impl SimEngine {
                     UserChunk {
                         _mapped: mapped,
                         _pages: pages,
+                        _buf: buf.clone(),
                     },
                 );
                 drop(back);
@@ -751,6 +755,7 @@ impl SimEngine {
     fn bounce_dma(
         self: &Arc<Self>,
         device: &TdrvDevice,
+        buf: &Arc<Buffer>,
         dev_addr: u64,
         len: usize,
         user: UserPtr,
@@ -797,10 +802,10 @@ impl SimEngine {
                 descs.push(desc, GFP_KERNEL)?;
                 // The bounce buffer is freed (drop) only after the op
                 // ended, and inside the section: the device is bound. An
-                // orphaned op keeps it.
-                let (r, back) = self.run_sync(descs, bounce);
+                // orphaned op keeps it, and the buffer.
+                let (r, back) = self.run_sync(descs, (bounce, buf.clone()));
                 r?;
-                let bounce = back.ok_or(EIO)?;
+                let (bounce, _) = back.ok_or(EIO)?;
                 if !to_device {
                     // SAFETY: The op ended, so the device no longer writes
                     // the `n` bytes of the bounce buffer; `stage` has room.
@@ -839,7 +844,8 @@ impl SimEngine {
     ) -> core::result::Result<(), (u32, Error)> {
         for ch in 0..self.hbm.channels() {
             let (addr, len) = self.hbm.channel_span(ch);
-            self.fill(device, addr, len as usize, 0).map_err(|e| (ch, e))?;
+            self.fill(device, addr, len as usize, 0, None)
+                .map_err(|e| (ch, e))?;
             // Nothing can be allocated yet (the device has no node), so
             // the span is still all free and the mark holds.
             self.hbm.mark_zeroed(ch);
@@ -850,7 +856,17 @@ impl SimEngine {
     /// Fills `len` bytes at `dst` with `value`: one pattern from host
     /// memory, then the device doubles what it wrote (descriptors of one
     /// queue run in order).
-    fn fill(self: &Arc<Self>, device: &TdrvDevice, dst: u64, len: usize, value: u8) -> Result {
+    ///
+    /// `keep` is the buffer the range belongs to, if any: an orphaned op
+    /// keeps it (see [`UserChunk`]).
+    fn fill(
+        self: &Arc<Self>,
+        device: &TdrvDevice,
+        dst: u64,
+        len: usize,
+        value: u8,
+        keep: Option<Arc<Buffer>>,
+    ) -> Result {
         if len == 0 {
             return Ok(());
         }
@@ -889,7 +905,7 @@ impl SimEngine {
             filled += n;
         }
         // `pattern` lives until the op ended (or with the orphaned op).
-        let (r, back) = self.run_sync(descs, pattern);
+        let (r, back) = self.run_sync(descs, (pattern, keep));
         drop(back);
         r
     }
@@ -957,6 +973,9 @@ unsafe impl Sync for PinnedPages {}
 struct UserChunk {
     _mapped: MappedPages,
     _pages: PinnedPages,
+    /// The buffer whose device memory the chunk moves: a late write must
+    /// not land in memory handed to another buffer.
+    _buf: Arc<Buffer>,
 }
 
 impl PinnedPages {
@@ -1342,7 +1361,7 @@ impl Engine for SimBackend {
                 // Nobody can reach the range yet (see `zero_by_cpu`).
                 e.hw.zero_by_cpu(range.dev_addr(), dirty)?;
             } else {
-                e.fill(device, range.dev_addr(), dirty, 0)?;
+                e.fill(device, range.dev_addr(), dirty, 0, None)?;
             }
             let mem: KBox<dyn DeviceMemory> =
                 KBox::new(SimMemory::new(range, e.hw.hbm_phys), GFP_KERNEL)?;
@@ -1351,30 +1370,51 @@ impl Engine for SimBackend {
         Some(alloc())
     }
 
-    fn dma_from_user(&self, device: &TdrvDevice, dst: u64, len: usize, src: UserPtr) -> Result {
-        self.0.user_dma(device, dst, len, src, true)
+    fn dma_from_user(
+        &self,
+        device: &TdrvDevice,
+        dst: &Arc<Buffer>,
+        range: ByteRange,
+        src: UserPtr,
+    ) -> Result {
+        self.0.user_dma(device, dst, range, src, true)
     }
 
-    fn dma_to_user(&self, device: &TdrvDevice, src: u64, len: usize, dst: UserPtr) -> Result {
-        self.0.user_dma(device, src, len, dst, false)
+    fn dma_to_user(
+        &self,
+        device: &TdrvDevice,
+        src: &Arc<Buffer>,
+        range: ByteRange,
+        dst: UserPtr,
+    ) -> Result {
+        self.0.user_dma(device, src, range, dst, false)
     }
 
-    fn dma_fill(&self, device: &TdrvDevice, dst: u64, len: usize, value: u8) -> Result {
-        self.0.fill(device, dst, len, value)
+    fn dma_fill(
+        &self,
+        device: &TdrvDevice,
+        dst: &Arc<Buffer>,
+        range: ByteRange,
+        value: u8,
+    ) -> Result {
+        let at = dst.dma_addr() + range.start as u64;
+        self.0.fill(device, at, range.len, value, Some(dst.clone()))
     }
 
     fn dma_copy(
         &self,
         device: &TdrvDevice,
-        dst: &Buffer,
+        dst: &Arc<Buffer>,
         dst_offset: usize,
-        src: &Buffer,
+        src: &Arc<Buffer>,
         src_range: ByteRange,
     ) -> Result {
         let _active = device.enter()?;
         let mut descs = KVec::new();
         transfer_descs(&mut descs, dst, dst_offset, src, src_range)?;
-        self.0.run_sync(descs, ()).0
+        // An orphaned op keeps both buffers: neither memory may be handed
+        // out again (nor an import released) while the device may use it.
+        self.0.run_sync(descs, (dst.clone(), src.clone())).0
     }
 }
 

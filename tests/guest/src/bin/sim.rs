@@ -310,6 +310,46 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("free", dev.free(a.handle))
 }
 
+/// A synchronous MEMSET whose queue hangs and ignores its reset times out,
+/// and its buffer is freed; the device runs the fill when it resumes. The
+/// freed HBM must not have gone to a new buffer meanwhile: the new one
+/// reads as zero after the late fill.
+fn hung_queue_fills_no_freed_hbm(dev: &Dev, path: &str) -> R {
+    let len = 256 << 10;
+    // An empty channel: best fit gives a freed range back first, at the
+    // channel's start.
+    let ch = 1;
+    let used = ok("channel_info", dev.channel_info(ch))?.used_bytes;
+    expect_eq("bytes used in channel 1 before", used, 0)?;
+    let a = ok("alloc", dev.alloc(len as u64, ch))?;
+    inject(path, "hang")?;
+    expect_err(
+        "MEMSET on a queue that ignores its reset",
+        dev.memset(a.handle, 0, len as u64, 0xC3),
+        libc::ETIMEDOUT,
+    )?;
+    ok("free", dev.free(a.handle))?;
+    let b = ok("alloc", dev.alloc(len as u64, ch));
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    let b = b?;
+    if b.dma_addr == a.dma_addr {
+        let _ = dev.free(b.handle);
+        return Err(format!(
+            "the new buffer got the HBM at {:#x} that the timed-out MEMSET could still write",
+            a.dma_addr
+        ));
+    }
+    let data = read_all(dev, b.handle, len)?;
+    let changed = data.iter().filter(|x| **x != 0).count();
+    expect_eq(
+        "bytes of the new buffer changed by the late fill",
+        changed,
+        0,
+    )?;
+    ok("free", dev.free(b.handle))
+}
+
 /// The PCI address bound to the sim driver.
 fn bound_pci_address() -> Result<String, String> {
     tdrv_guest_tests::bound_pci_address(DRIVER_DIR)
@@ -342,7 +382,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(20);
+    let mut t = Tap::new(21);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -877,6 +917,11 @@ fn main() {
     t.run(
         "a queue that ignores its reset keeps the pages of a timed-out COPY_OUT until it lets go",
         || hung_queue_writes_no_freed_page(&dev, &path),
+    );
+
+    t.run(
+        "a queue that ignores its reset keeps the HBM of a timed-out MEMSET until it lets go",
+        || hung_queue_fills_no_freed_hbm(&dev, &path),
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
