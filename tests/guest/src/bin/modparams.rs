@@ -30,6 +30,7 @@ const MODULE: &str = "/lib/modules/tdrv.ko";
 const MAX_BUFFERS: usize = 4;
 const MAX_MIB: u64 = 1;
 const DMA_BITS: u32 = 30;
+const DEVICE_IMPORTS: usize = 3;
 
 fn loaded() -> bool {
     std::path::Path::new("/sys/module/tdrv").exists()
@@ -175,7 +176,7 @@ fn main() {
         Err(e) => skip_all(&e),
     };
     // (parameter, a value below its range, one above, the range)
-    let bad: [(&str, Option<u64>, Option<u64>, &str); 10] = [
+    let bad: [(&str, Option<u64>, Option<u64>, &str); 12] = [
         ("soft_devices", None, Some(5), "0-4"),
         ("channels", Some(0), Some(17), "1-16"),
         ("channel_mib", Some(0), Some(4097), "1-4096"),
@@ -185,6 +186,13 @@ fn main() {
         ("file_max_buffers", Some(0), Some(16_777_217), "1-16777216"),
         ("file_max_mib", Some(0), Some(1_048_577), "1-1048576"),
         ("file_max_jobs", Some(0), Some(4096), "1-4095"),
+        ("file_max_imports", Some(0), Some(16_777_217), "1-16777216"),
+        (
+            "device_max_imports",
+            Some(0),
+            Some(16_777_217),
+            "1-16777216",
+        ),
         (
             "file_max_inflight_mib",
             Some(0),
@@ -192,7 +200,7 @@ fn main() {
             "1-1048576",
         ),
     ];
-    let mut t = Tap::new(bad.len() + 9);
+    let mut t = Tap::new(bad.len() + 10);
 
     for (name, low, high, range) in bad {
         t.run(
@@ -229,7 +237,12 @@ fn main() {
 
     // The guest's own parameters, but the caps and mask of this program
     // (a parameter may be given only once).
-    let mine = ["file_max_buffers", "file_max_mib", "edu_dma_bits"];
+    let mine = [
+        "file_max_buffers",
+        "file_max_mib",
+        "edu_dma_bits",
+        "device_max_imports",
+    ];
     let base: Vec<String> = fs::read_to_string("/etc/tdrv-params")
         .unwrap_or_default()
         .split_whitespace()
@@ -237,7 +250,7 @@ fn main() {
         .map(str::to_owned)
         .collect();
     let params = format!(
-        "{} file_max_buffers={MAX_BUFFERS} file_max_mib={MAX_MIB} edu_dma_bits={DMA_BITS}",
+        "{} file_max_buffers={MAX_BUFFERS} file_max_mib={MAX_MIB} edu_dma_bits={DMA_BITS} device_max_imports={DEVICE_IMPORTS}",
         base.join(" ")
     );
     let mut nodes = Vec::new();
@@ -405,6 +418,59 @@ fn main() {
                     libc::ENOSPC,
                 )
             })
+        }),
+    }
+
+    // The device-wide cap on foreign imports, across files. (Not on edu:
+    // which heap pages it can reach depends on where they land.)
+    let name = format!(
+        "foreign imports past device_max_imports ({DEVICE_IMPORTS}) are ENOSPC in every file of the device; a FREE makes room"
+    );
+    let not_edu: Vec<String> = nodes
+        .iter()
+        .filter(|n| {
+            Dev::open(n)
+                .and_then(|d| d.version())
+                .is_ok_and(|v| v.device_kind != TDRV_DEVICE_EDU)
+        })
+        .cloned()
+        .collect();
+    match heap_alloc(pg as usize) {
+        Ok(None) => t.skip(&name, "no /dev/dma_heap/system to import from"),
+        Err(e) => t.check(&name, Err::<(), _>(e)),
+        Ok(Some(_)) if not_edu.is_empty() => t.skip(&name, "no software or sim device"),
+        Ok(Some(_)) => t.run(&name, || -> R {
+            for n in &not_edu {
+                let mut pages = Vec::new();
+                for _ in 0..=DEVICE_IMPORTS {
+                    pages.push(heap_alloc(pg as usize)?.ok_or("no heap page")?);
+                }
+                let (f, g) = (open(n)?, open(n)?);
+                // Two files, each under its own caps, fill the device's.
+                let first = ok(
+                    "import in the first file",
+                    f.import(pages[0].as_raw_fd(), 0),
+                )?;
+                for p in &pages[1..DEVICE_IMPORTS] {
+                    ok("import in the second file", g.import(p.as_raw_fd(), 0))?;
+                }
+                let last = pages[DEVICE_IMPORTS].as_raw_fd();
+                expect_err(
+                    &format!("{n}: one import more"),
+                    g.import(last, 0).map(drop),
+                    libc::ENOSPC,
+                )?;
+                expect_err(
+                    &format!("{n}: one import more, in a third file"),
+                    open(n)?.import(last, 0).map(drop),
+                    libc::ENOSPC,
+                )?;
+                // Its own buffers are not imports.
+                ok("alloc in the second file", g.alloc(pg, 0))?;
+                ok("free an import", f.free(first.handle))?;
+                ok("import after the free", g.import(last, 0))?;
+            }
+            Ok(())
         }),
     }
 
