@@ -704,8 +704,10 @@ impl SimEngine {
                     self.bounce_dma(
                         device,
                         buf,
-                        dev_addr + done as u64,
-                        n,
+                        ByteRange {
+                            start: range.start + done,
+                            len: n,
+                        },
                         UserPtr::from_addr(uaddr),
                         to_device,
                         &mut stage,
@@ -746,7 +748,7 @@ impl SimEngine {
         Ok(())
     }
 
-    /// [`Self::user_dma`] of `len` bytes for user memory that cannot be
+    /// [`Self::user_dma`] of `range` of `buf` for user memory that cannot be
     /// pinned, `BOUNCE` bytes at a time: the user copy fills or drains a
     /// staging buffer (`stage`, allocated on first use) with no device
     /// section held, since it may fault (a fault on a tdrv mapping takes
@@ -756,12 +758,13 @@ impl SimEngine {
         self: &Arc<Self>,
         device: &TdrvDevice,
         buf: &Arc<Buffer>,
-        dev_addr: u64,
-        len: usize,
+        range: ByteRange,
         user: UserPtr,
         to_device: bool,
         stage: &mut KVVec<u8>,
     ) -> Result {
+        let dev_addr = buf.dma_addr() + range.start as u64;
+        let len = range.len;
         if stage.is_empty() {
             stage.resize(BOUNCE, 0, GFP_KERNEL)?;
         }
