@@ -18,7 +18,7 @@ use tdrv::handles::HandleTable;
 use tdrv::{Job, JobHandle};
 
 use crate::{
-    as_handle, borrow, fail, guard, log_error, status, status_of, token, NRT_INVALID,
+    as_handle, borrow, fail, guard, handle_in, log_error, status, status_of, token, NRT_INVALID,
     NRT_INVALID_HANDLE, NRT_STATUS, NRT_SUCCESS, NRT_TIMEOUT,
 };
 use crate::{nrt_tensor_t, tdrv_job_t};
@@ -214,14 +214,10 @@ pub unsafe extern "C" fn tdrv_job_get_fd(job: *mut tdrv_job_t, fd: *mut c_int) -
 pub unsafe extern "C" fn tdrv_job_free(job: *mut *mut tdrv_job_t) {
     const F: &str = "tdrv_job_free";
     guard(F, || {
-        if job.is_null() {
+        // SAFETY: per this function's contract.
+        let Some(j) = (unsafe { handle_in(job) }) else {
             return NRT_SUCCESS;
-        }
-        // SAFETY: non-null and readable per the contract.
-        let j = unsafe { *job };
-        if j.is_null() {
-            return NRT_SUCCESS;
-        }
+        };
         match jobs().remove(token(j)) {
             Some(slot) => {
                 // Dropped outside the table's lock; a wait in progress on

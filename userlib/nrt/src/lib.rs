@@ -339,6 +339,20 @@ fn token<T>(p: *const T) -> usize {
     p.addr()
 }
 
+/// The handle a `*_free(T **slot)`-style call is asked to free: `None`
+/// (nothing to do, as C's `free(NULL)`) when `slot` or `*slot` is NULL.
+///
+/// # Safety
+/// `slot` is NULL or a readable `*mut T` variable.
+pub(crate) unsafe fn handle_in<T>(slot: *mut *mut T) -> Option<*mut T> {
+    if slot.is_null() {
+        return None;
+    }
+    // SAFETY: non-null and readable per the contract.
+    let h = unsafe { *slot };
+    (!h.is_null()).then_some(h)
+}
+
 fn as_handle<T>(token: usize) -> *mut T {
     std::ptr::without_provenance_mut(token)
 }
@@ -476,14 +490,10 @@ pub unsafe extern "C" fn nrt_tensor_allocate(
 pub unsafe extern "C" fn nrt_tensor_free(tensor: *mut *mut nrt_tensor_t) {
     const F: &str = "nrt_tensor_free";
     guard(F, || {
-        if tensor.is_null() {
+        // SAFETY: per this function's contract.
+        let Some(t) = (unsafe { handle_in(tensor) }) else {
             return NRT_SUCCESS;
-        }
-        // SAFETY: non-null and readable per the contract.
-        let t = unsafe { *tensor };
-        if t.is_null() {
-            return NRT_SUCCESS;
-        }
+        };
         let tok = token(t);
         let freed = {
             let mut h = handles().lock();
@@ -1063,14 +1073,10 @@ pub unsafe extern "C" fn nrt_allocate_tensor_set(result: *mut *mut nrt_tensor_se
 pub unsafe extern "C" fn nrt_destroy_tensor_set(tensor_set: *mut *mut nrt_tensor_set_t) {
     const F: &str = "nrt_destroy_tensor_set";
     guard(F, || {
-        if tensor_set.is_null() {
+        // SAFETY: per this function's contract.
+        let Some(set) = (unsafe { handle_in(tensor_set) }) else {
             return NRT_SUCCESS;
-        }
-        // SAFETY: non-null and readable per the contract.
-        let set = unsafe { *tensor_set };
-        if set.is_null() {
-            return NRT_SUCCESS;
-        }
+        };
         let mut dropped = Vec::new();
         {
             let mut h = handles().lock();
@@ -1200,3 +1206,21 @@ pub unsafe extern "C" fn nrt_get_tensor_from_tensor_set(
 
 // After `tri!`, which it uses.
 pub mod job;
+
+#[cfg(test)]
+mod tests {
+    use super::handle_in;
+
+    #[test]
+    fn handle_in_skips_null_slots_and_null_handles() {
+        // SAFETY: NULL is allowed.
+        assert_eq!(unsafe { handle_in(std::ptr::null_mut::<*mut u8>()) }, None);
+        let mut none: *mut u8 = std::ptr::null_mut();
+        // SAFETY: a readable variable.
+        assert_eq!(unsafe { handle_in(&mut none) }, None);
+        let mut x = 5u8;
+        let mut some: *mut u8 = &mut x;
+        // SAFETY: as above.
+        assert_eq!(unsafe { handle_in(&mut some) }, Some(some));
+    }
+}
