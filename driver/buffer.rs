@@ -130,6 +130,20 @@ enum Backing {
     Device(KBox<dyn DeviceMemory>),
 }
 
+impl Backing {
+    /// Gives the memory back like dropping does, except that a foreign
+    /// dma-buf is released later, by the module's release queue: releasing
+    /// takes its reservation lock, which a job's completion (a dma-fence
+    /// signalling path, where a buffer's last reference may go) must not
+    /// take. Unbind waits for those releases ([`Import::flush_releases`]).
+    fn release(self) {
+        match self {
+            Self::Imported { _import } => _import.release_later(),
+            other => drop(other),
+        }
+    }
+}
+
 /// tdrv's own allocations for one buffer: a buffer of one piece keeps it
 /// inline, so a small buffer costs no extra allocation.
 enum OwnedPieces<T> {
@@ -595,41 +609,38 @@ impl Buffer {
         (p.cpu, left.min(max))
     }
 
-    /// Calls `f` with the page frames of up to `count` pages of the buffer
-    /// from page `first` (fewer at its end), in order, while `f` returns
-    /// true; false if the memory is not live. Runs under the memory lock so
-    /// that unbind can order itself with it (see [`Buffer::detach`]).
-    pub(crate) fn with_page_pfns(
-        &self,
-        first: usize,
-        count: usize,
-        mut f: impl FnMut(usize) -> bool,
-    ) -> bool {
+    /// Fills `out` with the page frames of the buffer's pages from page
+    /// `first` (fewer at its end or before a piece without page frames)
+    /// and returns how many it wrote, at least one; `None` if the memory is
+    /// not live or page `first` has no frame. Read under the memory lock,
+    /// which is released before returning: the caller inserts the frames
+    /// into page tables (which allocates) with no tdrv lock held, while an
+    /// active guard of the device keeps the memory from being freed (see
+    /// `mmap.rs`).
+    pub(crate) fn page_pfns(&self, first: usize, out: &mut [usize]) -> Option<usize> {
         let mem = self.mem.lock();
         let pages = self.span / PAGE_SIZE;
         let MemState::Live(backing) = &*mem else {
-            return false;
+            return None;
         };
-        if first >= pages {
-            return false;
-        }
-        for index in first..pages.min(first.saturating_add(count)) {
+        let mut n = 0;
+        for (index, slot) in (first..pages).zip(out.iter_mut()) {
             let (p, _) = self.locate(index * PAGE_SIZE);
             // SAFETY: The memory is live (checked under the lock that
-            // `detach` takes, held until we return) and `p.cpu` lies inside
-            // it, page-aligned.
+            // `detach` and `release_memory` take, held until we return)
+            // and `p.cpu` lies inside it, page-aligned.
             let Some(pfn) = (unsafe { backing.pfn(p) }) else {
-                return index > first;
-            };
-            if !f(pfn) {
                 break;
-            }
+            };
+            *slot = pfn;
+            n += 1;
         }
-        true
+        (n > 0).then_some(n)
     }
 
-    /// First step of unbind: the fault handler maps no more pages of the
-    /// buffer. Pages it mapped before are zapped by the caller next.
+    /// First step of unbind's memory release: [`Buffer::page_pfns`] finds
+    /// no more page frames of the buffer. Pages mapped before are zapped by
+    /// the caller next.
     pub(crate) fn detach(&self) {
         let mut mem = self.mem.lock();
         if let MemState::Live(m) = core::mem::replace(&mut *mem, MemState::Gone) {
@@ -905,7 +916,9 @@ impl PinnedDrop for Buffer {
         // freed after an unbind that no longer sees this buffer returned.
         self.device.unregister_buffer_with(self.registry_key, || {
             let old = core::mem::replace(&mut *self.mem.lock(), MemState::Gone);
-            drop(old);
+            if let MemState::Live(backing) | MemState::Detached(backing) = old {
+                backing.release();
+            }
         });
         self.device.channels.release(self.channel, self.charged);
         if self.foreign {

@@ -33,7 +33,10 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     channel::Channels,
-    dmabuf::Exports,
+    dmabuf::{
+        Exports,
+        Import, //
+    },
     engine::{
         Engine,
         EngineCounters, //
@@ -394,6 +397,10 @@ impl TdrvDevice {
             // them.
             unsafe { buf.release_memory() };
         });
+        // Foreign dma-bufs whose buffers went before the sweep above may
+        // still be mapped for this device: their releases were queued
+        // under the sweep lock, so before this flush.
+        Import::flush_releases();
     }
 
     /// Records an open file under its client id `key`.

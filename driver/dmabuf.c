@@ -21,6 +21,7 @@
 #include <linux/slab.h>
 #include <linux/swiotlb.h>
 #include <linux/vmalloc.h>
+#include <linux/workqueue.h>
 
 #include "dmabuf.h"
 
@@ -144,7 +145,12 @@ struct tdrv_import {
 	struct iosys_map map;
 	struct dma_buf_attachment *attach; /* NULL: CPU access only */
 	struct sg_table *sgt;
+	/* Queued by tdrv_import_release_later(). */
+	struct work_struct release_work;
 };
+
+/* Runs deferred import releases; unbind flushes it, module exit drains it. */
+static struct workqueue_struct *tdrv_release_wq;
 
 /* True if every DMA segment of @sgt is whole pages and they add up to
  * @size bytes. */
@@ -202,6 +208,11 @@ static bool tdrv_beyond_dma_mask(struct device *dev, const void *vaddr,
 	return false;
 }
 
+static void tdrv_import_release_work(struct work_struct *work)
+{
+	tdrv_import_release(container_of(work, struct tdrv_import, release_work));
+}
+
 struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 {
 	struct tdrv_import *imp;
@@ -222,6 +233,7 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 		goto err_put;
 	}
 	imp->dmabuf = dmabuf;
+	INIT_WORK(&imp->release_work, tdrv_import_release_work);
 	ret = dma_buf_vmap_unlocked(dmabuf, &imp->map);
 	if (ret)
 		goto err_free;
@@ -305,4 +317,35 @@ void tdrv_import_release(struct tdrv_import *imp)
 	dma_buf_vunmap_unlocked(imp->dmabuf, &imp->map);
 	dma_buf_put(imp->dmabuf);
 	kfree(imp);
+}
+
+/*
+ * The release takes the dma-buf's reservation lock (vunmap, unmap and
+ * detach), which a dma-fence signalling path must not take: reclaim may
+ * wait for fences under it. A buffer's last reference can go on such a
+ * path (a job's completion), so the buffer hands its import here; its
+ * work item was allocated with the import, so queueing needs no
+ * memory.
+ */
+void tdrv_import_release_later(struct tdrv_import *imp)
+{
+	queue_work(tdrv_release_wq, &imp->release_work);
+}
+
+void tdrv_import_flush_releases(void)
+{
+	flush_workqueue(tdrv_release_wq);
+}
+
+int tdrv_dmabuf_module_init(void)
+{
+	tdrv_release_wq = alloc_workqueue("tdrv-release", WQ_UNBOUND, 0);
+	return tdrv_release_wq ? 0 : -ENOMEM;
+}
+
+void tdrv_dmabuf_module_exit(void)
+{
+	if (tdrv_release_wq)
+		destroy_workqueue(tdrv_release_wq);
+	tdrv_release_wq = NULL;
 }

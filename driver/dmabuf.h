@@ -66,6 +66,14 @@ void *tdrv_import_vaddr(const struct tdrv_import *imp);
 void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages);
 /* Unmaps, detaches, vunmaps and puts the import. Sleeps. */
 void tdrv_import_release(struct tdrv_import *imp);
+/* The same, later, from the module's release queue; needs no memory and
+ * takes no lock, so a dma-fence signalling path may call it. */
+void tdrv_import_release_later(struct tdrv_import *imp);
+/* Returns once every release queued before the call has run. Sleeps. */
+void tdrv_import_flush_releases(void);
+/* Module init and exit: the release queue. */
+int tdrv_dmabuf_module_init(void);
+void tdrv_dmabuf_module_exit(void);
 
 /* Implemented in Rust (dmabuf.rs). */
 void tdrv_dmabuf_release_buffer(const void *buf, struct dma_buf *dmabuf);

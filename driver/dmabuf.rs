@@ -116,6 +116,10 @@ mod ffi {
         pub(super) fn tdrv_import_vaddr(imp: *const core::ffi::c_void) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_import_dma_pages(imp: *const core::ffi::c_void, dma: *mut u64, pages: usize);
         pub(super) fn tdrv_import_release(imp: *mut core::ffi::c_void);
+        pub(super) fn tdrv_import_release_later(imp: *mut core::ffi::c_void);
+        pub(super) fn tdrv_import_flush_releases();
+        pub(super) fn tdrv_dmabuf_module_init() -> core::ffi::c_int;
+        pub(super) fn tdrv_dmabuf_module_exit();
     }
 }
 
@@ -340,7 +344,8 @@ impl Import {
     /// # Safety
     ///
     /// `dev`, if not null, is a bound device that stays bound until the
-    /// import is dropped.
+    /// import is dropped or, after [`Import::release_later`], until
+    /// [`Import::flush_releases`] returned.
     pub(crate) unsafe fn new(dmabuf: DmaBufRef, dev: *mut Opaque) -> Result<Self> {
         let raw = core::mem::ManuallyDrop::new(dmabuf).0;
         // SAFETY: `raw` is our reference, consumed by the call also on
@@ -365,6 +370,44 @@ impl Import {
     pub(crate) fn dma_pages(&self, out: &mut [u64]) {
         // SAFETY: `self.0` is a live import; `out` has room for `len` pages.
         unsafe { ffi::tdrv_import_dma_pages(self.0, out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Releases the import from the module's release queue instead of
+    /// here: allocates nothing and takes no lock. The device it was
+    /// mapped for must stay bound until [`Import::flush_releases`].
+    pub(crate) fn release_later(self) {
+        let imp = core::mem::ManuallyDrop::new(self).0;
+        // SAFETY: The import is ours (not released: `drop` will not run)
+        // and is released once, by the queued work.
+        unsafe { ffi::tdrv_import_release_later(imp) }
+    }
+
+    /// Returns once every release queued with [`Import::release_later`]
+    /// before the call has run. Sleeps.
+    pub(crate) fn flush_releases() {
+        // SAFETY: Process context; the queue exists between module init
+        // and exit (`DmabufModule`), around every device.
+        unsafe { ffi::tdrv_import_flush_releases() }
+    }
+}
+
+/// Module init: creates the import release queue. Call before any device
+/// exists; dropping it (after every device is gone) drains and frees it.
+pub(crate) struct DmabufModule(());
+
+impl DmabufModule {
+    pub(crate) fn init() -> Result<Self> {
+        // SAFETY: Module init, before anything uses the queue.
+        kernel::error::to_result(unsafe { ffi::tdrv_dmabuf_module_init() })?;
+        Ok(Self(()))
+    }
+}
+
+impl Drop for DmabufModule {
+    fn drop(&mut self) {
+        // SAFETY: Module exit or failed init: no device exists, so nothing
+        // queues releases now; the queued ones run before it returns.
+        unsafe { ffi::tdrv_dmabuf_module_exit() }
     }
 }
 

@@ -111,13 +111,7 @@ struct dma_fence *tdrv_fence_new(void)
 	return fence;
 }
 
-/*
- * Signals the fence, with error (a negative errno) or 0. Call once. A
- * dma-fence signalling section (lockdep checks it on kernels with
- * CONFIG_LOCKDEP). The engines' completion paths are not annotated yet:
- * they release buffers before signalling, and that takes locks held
- * around allocations elsewhere (see issue 24 item 5).
- */
+/* Signals the fence, with error (a negative errno) or 0. Call once. */
 void tdrv_fence_signal(struct dma_fence *fence, int error)
 {
 	bool cookie = dma_fence_begin_signalling();
@@ -338,6 +332,23 @@ void tdrv_deps_free(struct tdrv_deps *deps)
 }
 
 #endif /* CONFIG_SYNC_FILE */
+
+/*
+ * Lockdep annotation of a dma-fence signalling critical section (see
+ * Documentation/driver-api/dma-buf.rst, "Indefinite DMA Fences"): code
+ * that fences wait for must not allocate with reclaim, nor take locks
+ * held elsewhere around such allocations. Without CONFIG_LOCKDEP both are
+ * no-ops.
+ */
+bool tdrv_fence_begin_signalling(void)
+{
+	return dma_fence_begin_signalling();
+}
+
+void tdrv_fence_end_signalling(bool cookie)
+{
+	dma_fence_end_signalling(cookie);
+}
 
 /* The queue of the files' dispatch work items (queued by in-fence
  * callbacks), owned by the module so that exit can drain it. */

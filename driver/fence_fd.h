@@ -26,6 +26,10 @@ int tdrv_fence_module_init(void);
 struct workqueue_struct *tdrv_dispatch_queue(void);
 void tdrv_fence_module_exit(void);
 
+/* dma-fence signalling critical sections (lockdep annotation). */
+bool tdrv_fence_begin_signalling(void);
+void tdrv_fence_end_signalling(bool cookie);
+
 /* In-fences: the sync_files a job waits for before it may start. */
 int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp);
 bool tdrv_deps_arm(struct tdrv_deps *deps, void *ctx);

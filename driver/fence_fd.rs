@@ -102,6 +102,35 @@ mod ffi {
         pub(super) fn tdrv_deps_arm(deps: *mut c_void, ctx: *mut c_void) -> bool;
         pub(super) fn tdrv_deps_error(deps: *mut c_void) -> c_int;
         pub(super) fn tdrv_deps_free(deps: *mut c_void);
+        pub(super) fn tdrv_fence_begin_signalling() -> bool;
+        pub(super) fn tdrv_fence_end_signalling(cookie: bool);
+    }
+}
+
+/// A dma-fence signalling critical section: code that out-fences wait for
+/// (the engine's completion and dispatch paths). On kernels with lockdep
+/// it checks that nothing inside allocates memory with reclaim (which may
+/// wait for those very fences) or takes a lock held elsewhere around such
+/// an allocation. Ends when dropped, in the same context (not `Send`).
+pub(crate) struct Signalling {
+    cookie: bool,
+    _not_send: core::marker::PhantomData<*mut ()>,
+}
+
+impl Signalling {
+    pub(crate) fn begin() -> Self {
+        Self {
+            // SAFETY: Takes a lockdep map (or nothing); callable anywhere.
+            cookie: unsafe { ffi::tdrv_fence_begin_signalling() },
+            _not_send: core::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for Signalling {
+    fn drop(&mut self) {
+        // SAFETY: Ends the section `begin` opened, in the same context.
+        unsafe { ffi::tdrv_fence_end_signalling(self.cookie) }
     }
 }
 

@@ -81,7 +81,8 @@ use crate::{
     fence_fd::{
         dispatch_queue,
         InFences,
-        OutFence, //
+        OutFence,
+        Signalling, //
     },
     range::ByteRange,
     uapi::{
@@ -736,6 +737,8 @@ impl JobTracker {
     /// A job with a failed in-fence ends with its error; one the engine
     /// refuses (unbound: ENODEV, recovering: EIO) with the engine's.
     fn dispatch_ready(&self) {
+        // Held jobs' out-fences wait for this: no allocation here.
+        let _signalling = Signalling::begin();
         loop {
             // Jobs that ended here, and the last one handed to the engine
             // (which may already have finished it): dropped (which reports

@@ -4,16 +4,17 @@
 //!
 //! `->mmap` maps nothing: it checks the request, marks the VMA as a raw
 //! PFN mapping and stores a buffer reference in `vm_private_data`. The
-//! `fault` handler inserts one page at a time, under the buffer's memory
-//! lock, and answers SIGBUS once unbind has detached the memory.
+//! `fault` handler inserts a few pages at a time, inside an active section
+//! of the device (see `device.rs`), and answers SIGBUS once unbind began.
 //!
 //! Why not fill the page tables in `->mmap` (`dma_mmap_attrs`): the VMA is
 //! linked into the file's `i_mmap` tree only after `->mmap` returns, so an
 //! unbind in between could not zap those page table entries and would
 //! free pages that stay mapped. With fault-time insertion a page table
 //! entry can only appear after the VMA is linked, and unbind orders itself
-//! with the fault handler: it detaches the memory (under the lock the
-//! handler holds while inserting), then zaps every mapping, then frees.
+//! with the fault handler: it refuses new active sections, waits for the
+//! ones in progress (faults among them), then zaps every mapping, then
+//! frees.
 //!
 //! Each mapping holds a reference to its buffer: the `open` callback (VMA
 //! split or copy) takes another one, `close` drops one. So a buffer
@@ -111,22 +112,40 @@ unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fau
     // held, which is what `VmaRef` requires for the call.
     let vm_end = unsafe { VmaRef::from_raw(vma) }.end();
     // The faulting page, then (like TTM's prefault) the next few pages of
-    // the VMA, in one pass under the buffer's memory lock.
-    let around = ((vm_end - address) / PAGE_SIZE).min(FAULT_AROUND);
-    let mut result = bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t;
-    let mut addr = address;
-    buf.with_page_pfns(index, around, |pfn| {
+    // the VMA. Their frames are read under the buffer's memory lock and
+    // inserted after it is released: inserting allocates page tables, and
+    // the completion paths that signal dma-fences take the memory lock
+    // (a job's last buffer reference frees the memory there), so holding
+    // it across an allocation could deadlock in reclaim waiting for a
+    // fence. What keeps the frames valid meanwhile is the active guard:
+    // unbind frees the memory only after the guards in progress are gone
+    // and every mapping was zapped, and no guard can be taken once unbind
+    // has begun. A fault never waits for userspace under the guard.
+    let sigbus = bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t;
+    let Ok(_active) = buf.device().enter() else {
+        return sigbus;
+    };
+    let around = ((vm_end - address) / PAGE_SIZE).clamp(1, FAULT_AROUND);
+    let mut pfns = [0usize; FAULT_AROUND];
+    let Some(n) = buf.page_pfns(index, &mut pfns[..around]) else {
+        return sigbus;
+    };
+    let mut result = sigbus;
+    for (i, &pfn) in pfns[..n].iter().enumerate() {
+        let addr = address + i * PAGE_SIZE;
         // SAFETY: `vma` is the faulting VMA (a VM_PFNMAP mapping set up by
         // `map_buffer`), `addr` lies inside it (bounded by `around`), and
-        // `pfn` is a page of the buffer's live memory: unbind detaches the
-        // memory under the lock held now, and zaps these entries after.
+        // `pfn` is a page of the buffer's memory, which stays allocated
+        // while `_active` lives; unbind zaps these entries before it
+        // frees the memory.
         let r = unsafe { bindings::vmf_insert_pfn(vma, addr, pfn) };
-        if addr == address {
+        if i == 0 {
             result = r;
         }
-        addr += PAGE_SIZE;
-        r == bindings::vm_fault_reason_VM_FAULT_NOPAGE as bindings::vm_fault_t
-    });
+        if r != bindings::vm_fault_reason_VM_FAULT_NOPAGE as bindings::vm_fault_t {
+            break;
+        }
+    }
     result
 }
 

@@ -229,6 +229,8 @@ struct TdrvModule {
     _debugfs: stats::RootGuard,
     // Dropped last, once every device is gone: see `fence_fd.rs`.
     _fences: fence_fd::FenceModule,
+    // Drained after every device is gone (unbind flushed each device's).
+    _imports: dmabuf::DmabufModule,
 }
 
 impl InPlaceModule for TdrvModule {
@@ -238,6 +240,7 @@ impl InPlaceModule for TdrvModule {
             let p = params()?;
             // First: devices' files queue work on it.
             let fences = fence_fd::FenceModule::init()?;
+            let imports = dmabuf::DmabufModule::init()?;
             stats::init_root();
             let root = stats::RootGuard;
             let mut soft = KVec::with_capacity(p.soft_devices as usize, GFP_KERNEL)?;
@@ -256,6 +259,7 @@ impl InPlaceModule for TdrvModule {
                 soft,
                 _debugfs: root,
                 _fences: fences,
+                _imports: imports,
             }))
         })
     }

@@ -109,6 +109,7 @@ use crate::{
         EngineCounters,
         Hold, //
     },
+    fence_fd::Signalling,
     job::{
         Job,
         JobTracker, //
@@ -431,6 +432,7 @@ impl EduEngine {
 
     /// Threaded interrupt work: advance the engine after a DMA completion.
     fn advance(self: &Arc<Self>) {
+        let _signalling = Signalling::begin();
         let fin = {
             let mut st = self.state.lock();
             let busy = st.current.is_some() || st.orphan.is_some();
@@ -449,6 +451,7 @@ impl EduEngine {
 
     /// Watchdog: runs while a chunk is in flight.
     fn check_deadline(self: &Arc<Self>) {
+        let _signalling = Signalling::begin();
         let fin = {
             let mut st = self.state.lock();
             if st.stopped {

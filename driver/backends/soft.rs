@@ -43,7 +43,6 @@
 //! returns. debugfs `stats` counts these jobs (`inline_jobs`).
 
 use kernel::{
-    alloc::kvec::PushError,
     bindings,
     device,
     error::to_result,
@@ -87,6 +86,7 @@ use crate::{
         Engine,
         Hold, //
     },
+    fence_fd::Signalling,
     glue,
     job::{
         Job,
@@ -224,6 +224,10 @@ fn conflict(a: &Job, b: &Job) -> bool {
     a.transfers.iter().any(|t| writes(&t.dst, b)) || b.transfers.iter().any(|t| writes(&t.dst, a))
 }
 
+/// Most jobs submitting threads run at once (see [`SoftQueue::running`]);
+/// more submitters queue their jobs.
+const CLAIMED_MAX: usize = 16;
+
 /// CPU copy engine: a work item drains the queue in FIFO order; with
 /// nothing queued, SUBMIT runs a small job that conflicts with no running
 /// one itself.
@@ -280,6 +284,7 @@ impl WorkItem for SoftEngine {
     type Pointer = Arc<SoftEngine>;
 
     fn run(this: Arc<SoftEngine>) {
+        let _signalling = Signalling::begin();
         // One job at a time, so that a closing file can take its queued
         // jobs back while this one runs.
         let mut next = this.next_job(None);
@@ -296,6 +301,7 @@ impl WorkItem for SoftEngine {
 
 impl SoftEngine {
     fn new() -> Result<Arc<Self>> {
+        let running = KVec::with_capacity(CLAIMED_MAX, GFP_KERNEL)?;
         Arc::pin_init(
             pin_init!(Self {
                 queue <- new_mutex!(
@@ -304,7 +310,7 @@ impl SoftEngine {
                         stopped: false,
                         busy: false,
                         worker: None,
-                        running: KVec::new(),
+                        running,
                         sleepers: 0,
                         hold: Hold::default(),
                     },
@@ -400,11 +406,10 @@ impl Engine for SoftBackend {
             return false;
         }
         // INVARIANT: The submitter holds the job until `run_claimed`
-        // removed the entry.
-        match q.running.push_within_capacity(RunningJob(job)) {
-            Ok(()) => true,
-            Err(PushError(entry)) => q.running.push(entry, GFP_KERNEL).is_ok(),
-        }
+        // removed the entry. Never grown here: the work item takes this
+        // lock in a dma-fence signalling section, so nothing may allocate
+        // under it. A submitter that finds every entry taken queues.
+        q.running.push_within_capacity(RunningJob(job)).is_ok()
     }
 
     fn run_claimed(&self, job: &Job) {

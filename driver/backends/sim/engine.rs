@@ -137,6 +137,7 @@ use crate::{
         Hold,
         Prepared, //
     },
+    fence_fd::Signalling,
     glue,
     job::{
         Job,
@@ -381,6 +382,7 @@ impl SimEngine {
     }
 
     fn end_deferred(self: &Arc<Self>) {
+        let _signalling = Signalling::begin();
         loop {
             let op = self.deferred.lock().pop_front();
             let Some(op) = op else {
@@ -422,6 +424,7 @@ impl SimEngine {
 
     /// Interrupt thread of queue `q`.
     pub(crate) fn on_irq(self: &Arc<Self>, q: u32) {
+        let _signalling = Signalling::begin();
         let queue = &self.queues[q as usize];
         let _ending = queue.ending.lock();
         let mut done = List::new();
@@ -437,6 +440,7 @@ impl SimEngine {
     }
 
     fn watch(self: &Arc<Self>) {
+        let _signalling = Signalling::begin();
         let mut busy = {
             let mut s = self.sched.lock();
             if s.stopped {
