@@ -9,8 +9,12 @@
 
 use kernel::{
     bindings,
-    fs::File,
+    fs::{
+        File,
+        Kiocb, //
+    },
     ioctl::_IOC_NR,
+    iov::IovIterDest,
     miscdevice::{
         MiscDevice,
         MiscDeviceRegistration, //
@@ -177,7 +181,7 @@ type Handler = fn(&TdrvFile, &ArgBuf) -> Result;
 /// Every ioctl at its request number: one lookup per call instead of a
 /// compare per ioctl. (VERSION is answered before the table is consulted,
 /// even after unbind.)
-const IOCTLS: [(u32, Handler); 16] = [
+const IOCTLS: [(u32, Handler); 17] = [
     (IOC_VERSION, TdrvFile::version),
     (IOC_CHANNEL_INFO, TdrvFile::channel_info),
     (IOC_ALLOC, TdrvFile::alloc),
@@ -194,6 +198,7 @@ const IOCTLS: [(u32, Handler); 16] = [
     (IOC_COMPLETION_RESET, TdrvFile::completion_reset),
     (IOC_EXPORT, TdrvFile::export),
     (IOC_IMPORT, TdrvFile::import),
+    (IOC_JOB_NOTIFY, TdrvFile::job_notify),
 ];
 
 // Each entry sits at its own request number.
@@ -238,7 +243,9 @@ impl MiscDevice for TdrvFile {
             GFP_KERNEL_ACCOUNT,
         )?;
         device.add_file(key, state.clone())?;
-        let file = KBox::pin(
+        // SAFETY: `file` is being opened.
+        unsafe { glue::file_allow_nowait(file.as_ptr()) };
+        let tdrv_file = KBox::pin(
             TdrvFile {
                 device: device.clone(),
                 state,
@@ -247,10 +254,17 @@ impl MiscDevice for TdrvFile {
             },
             GFP_KERNEL_ACCOUNT,
         );
-        if file.is_err() {
+        if tdrv_file.is_err() {
             device.remove_file(key);
         }
-        Ok(file?)
+        Ok(tdrv_file?)
+    }
+
+    /// Completion events (`TDRV_IOC_JOB_NOTIFY`): see `event.rs`.
+    fn read_iter(kiocb: Kiocb<'_, Self::Ptr>, iov: &mut IovIterDest<'_>) -> Result<usize> {
+        // SAFETY: `kiocb` is the valid kiocb of this read.
+        let nowait = unsafe { glue::kiocb_nowait(kiocb.as_raw()) };
+        kiocb.file().state.jobs.read_events(iov, nowait)
     }
 
     fn release(me: Pin<KBox<TdrvFile>>, _file: &File) {
@@ -371,6 +385,7 @@ impl TdrvFile {
                 | FEAT_ERROR_LATCH
                 | FEAT_DMABUF
                 | FEAT_BUF_ID
+                | FEAT_EVENTS
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -872,6 +887,29 @@ impl TdrvFile {
             fd.install();
         }
         Ok(())
+    }
+
+    fn job_notify(&self, arg: &ArgBuf) -> Result {
+        let a: JobNotify = arg.read()?;
+        if any_nonzero(&a.reserved) {
+            return Err(EINVAL);
+        }
+        self.state.jobs.notify(a.job_id, a.user_data)
+    }
+
+    /// The `poll` file operation (see `node.rs`).
+    ///
+    /// # Safety
+    ///
+    /// `file` is this file, and `pt` the poll table of the call.
+    pub(crate) unsafe fn poll(
+        &self,
+        file: *mut bindings::file,
+        pt: *mut bindings::poll_table_struct,
+    ) -> bindings::__poll_t {
+        // SAFETY: The caller's guarantee; the tracker lives in `state`,
+        // which outlives the file's release.
+        unsafe { self.state.jobs.poll(file, pt) }
     }
 
     fn job_wait(&self, arg: &ArgBuf) -> Result {

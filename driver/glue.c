@@ -13,6 +13,8 @@
 #include <linux/miscdevice.h>
 #include <linux/sysfs.h>
 #include <linux/mm.h>
+#include <linux/poll.h>
+#include <linux/fs.h>
 #include <linux/sched.h>
 #include <linux/vmalloc.h>
 #include <linux/dma-mapping.h>
@@ -248,4 +250,46 @@ int tdrv_put_user_words(u64 __user *dst, const u64 *src, unsigned int words)
 fault:
 	user_write_access_end();
 	return -EFAULT;
+}
+
+/*
+ * Completion events (event.rs): a wait queue per file for poll(2) and
+ * epoll, woken with the readable mask so that epoll's callback can filter.
+ * The queue lives as long as the file's job tracker, which outlives the
+ * file's release; epoll removes its entries before release (__fput calls
+ * eventpoll_release first), and poll(2) before returning.
+ */
+void tdrv_poll_queue_init(struct wait_queue_head *wq)
+{
+	init_waitqueue_head(wq);
+}
+
+void tdrv_poll_wait(struct file *file, struct wait_queue_head *wq,
+		    struct poll_table_struct *pt)
+{
+	poll_wait(file, wq, pt);
+}
+
+void tdrv_poll_wake(struct wait_queue_head *wq)
+{
+	wake_up_interruptible_poll(wq, EPOLLIN | EPOLLRDNORM);
+}
+
+__poll_t tdrv_poll_readable(void)
+{
+	return EPOLLIN | EPOLLRDNORM;
+}
+
+/* A read that must not sleep: O_NONBLOCK on the file, or RWF_NOWAIT. */
+bool tdrv_kiocb_nowait(const struct kiocb *iocb)
+{
+	return (iocb->ki_flags & IOCB_NOWAIT) ||
+	       (iocb->ki_filp->f_flags & O_NONBLOCK);
+}
+
+/* read(2) of the file honours RWF_NOWAIT (preadv2), which the VFS refuses
+ * with EOPNOTSUPP unless the file says so. Called from open. */
+void tdrv_file_allow_nowait(struct file *file)
+{
+	file->f_mode |= FMODE_NOWAIT;
 }

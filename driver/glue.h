@@ -8,6 +8,10 @@
 struct attribute_group;
 struct miscdevice;
 struct vm_area_struct;
+struct wait_queue_head;
+struct file;
+struct kiocb;
+struct poll_table_struct;
 
 unsigned long tdrv_kaddr_to_pfn(const void *addr);
 void *tdrv_pages_alloc(size_t size, u64 *phys);
@@ -21,6 +25,13 @@ void tdrv_zero_io_wc(void __iomem *addr, size_t len);
 bool tdrv_fatal_signal_pending(void);
 void tdrv_cond_resched(void);
 bool tdrv_capable_rawio(void);
+void tdrv_poll_queue_init(struct wait_queue_head *wq);
+void tdrv_poll_wait(struct file *file, struct wait_queue_head *wq,
+		    struct poll_table_struct *pt);
+void tdrv_poll_wake(struct wait_queue_head *wq);
+__poll_t tdrv_poll_readable(void);
+bool tdrv_kiocb_nowait(const struct kiocb *iocb);
+void tdrv_file_allow_nowait(struct file *file);
 const struct attribute_group **tdrv_node_groups_get(void);
 int tdrv_get_user_words(u64 *dst, const u64 __user *src, unsigned int words);
 int tdrv_put_user_words(u64 __user *dst, const u64 *src, unsigned int words);

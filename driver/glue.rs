@@ -27,6 +27,18 @@ mod ffi {
         pub(super) fn tdrv_fatal_signal_pending() -> bool;
         pub(super) fn tdrv_cond_resched();
         pub(super) fn tdrv_capable_rawio() -> bool;
+        pub(super) fn tdrv_poll_queue_init(wq: *mut kernel::bindings::wait_queue_head);
+        // `struct file` and `struct kiocb` as `void *`: their bindings
+        // hold a zero-sized member rustc calls not FFI-safe.
+        pub(super) fn tdrv_poll_wait(
+            file: *mut core::ffi::c_void,
+            wq: *mut kernel::bindings::wait_queue_head,
+            pt: *mut kernel::bindings::poll_table_struct,
+        );
+        pub(super) fn tdrv_poll_wake(wq: *mut kernel::bindings::wait_queue_head);
+        pub(super) fn tdrv_poll_readable() -> kernel::bindings::__poll_t;
+        pub(super) fn tdrv_kiocb_nowait(iocb: *const core::ffi::c_void) -> bool;
+        pub(super) fn tdrv_file_allow_nowait(file: *mut core::ffi::c_void);
         pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
         pub(super) fn tdrv_get_user_words(
             dst: *mut u64,
@@ -179,6 +191,80 @@ pub(crate) fn cond_resched() {
 pub(crate) fn capable_rawio() -> bool {
     // SAFETY: `capable` only reads the current task's credentials.
     unsafe { ffi::tdrv_capable_rawio() }
+}
+
+/// A wait queue for `poll(2)` and epoll (see `glue.c`).
+///
+/// # Invariants
+///
+/// `wq` is an initialised wait queue head.
+#[pin_data]
+pub(crate) struct PollQueue {
+    #[pin]
+    wq: kernel::types::Opaque<bindings::wait_queue_head>,
+}
+
+// SAFETY: A wait queue head is used from any thread under its own lock.
+unsafe impl Send for PollQueue {}
+// SAFETY: As above.
+unsafe impl Sync for PollQueue {}
+
+impl PollQueue {
+    pub(crate) fn new() -> impl PinInit<Self> {
+        pin_init!(Self {
+            // SAFETY: `init_waitqueue_head` initialises the head in place.
+            // INVARIANT: initialised here.
+            wq <- kernel::types::Opaque::ffi_init(|wq| unsafe { ffi::tdrv_poll_queue_init(wq) }),
+        })
+    }
+
+    /// Adds the caller's poll table entry for `file` to the queue.
+    ///
+    /// # Safety
+    ///
+    /// `file` and `pt` are those the `poll` file operation was called
+    /// with, and `self` lives until the file's `release` has run (epoll
+    /// removes its entries before `release`, `poll(2)` before returning).
+    pub(crate) unsafe fn register(
+        &self,
+        file: *mut bindings::file,
+        pt: *mut bindings::poll_table_struct,
+    ) {
+        // SAFETY: The caller's guarantee; `wq` is initialised.
+        unsafe { ffi::tdrv_poll_wait(file.cast(), self.wq.get(), pt) }
+    }
+
+    /// Wakes pollers waiting for input. Takes only the queue's spinlock.
+    pub(crate) fn wake(&self) {
+        // SAFETY: `wq` is initialised (type invariants).
+        unsafe { ffi::tdrv_poll_wake(self.wq.get()) }
+    }
+}
+
+/// `EPOLLIN | EPOLLRDNORM`.
+pub(crate) fn poll_readable() -> bindings::__poll_t {
+    // SAFETY: Returns a constant.
+    unsafe { ffi::tdrv_poll_readable() }
+}
+
+/// Whether a read must not sleep (O_NONBLOCK or RWF_NOWAIT).
+///
+/// # Safety
+///
+/// `iocb` is the valid kiocb of a read in progress.
+pub(crate) unsafe fn kiocb_nowait(iocb: *const bindings::kiocb) -> bool {
+    // SAFETY: The caller's guarantee.
+    unsafe { ffi::tdrv_kiocb_nowait(iocb.cast()) }
+}
+
+/// Lets `read(2)` of `file` take RWF_NOWAIT.
+///
+/// # Safety
+///
+/// `file` is being opened (its `f_mode` is not yet shared).
+pub(crate) unsafe fn file_allow_nowait(file: *mut bindings::file) {
+    // SAFETY: The caller's guarantee.
+    unsafe { ffi::tdrv_file_allow_nowait(file.cast()) }
 }
 
 /// The sysfs attribute groups of a tdrv misc device (`glue.c`).

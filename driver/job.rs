@@ -36,6 +36,7 @@
 
 use kernel::{
     bindings,
+    iov::IovIterDest,
     list::{
         impl_list_arc_safe,
         impl_list_item,
@@ -59,6 +60,7 @@ use kernel::{
         Mutex,
         SpinLock, //
     },
+    transmute::AsBytes,
     workqueue::{
         impl_has_work,
         new_work,
@@ -69,6 +71,10 @@ use kernel::{
 
 use crate::{
     buffer::Buffer,
+    event::{
+        EventQueue,
+        JobEvent, //
+    },
     device::{
         Limits,
         TdrvDevice, //
@@ -84,8 +90,13 @@ use crate::{
         OutFence,
         Signalling, //
     },
+    glue::{
+        self,
+        PollQueue, //
+    },
     range::ByteRange,
     uapi::{
+        self,
         ecanceled,
         estale, //
     },
@@ -95,9 +106,7 @@ use crate::{
     }, //
 };
 
-/// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
-/// `TDRV_JOB_WINDOW` in the uapi. Older ids get ESTALE.
-pub(crate) const JOB_WINDOW: u64 = 4096;
+pub(crate) use crate::uapi::JOB_WINDOW;
 
 /// The monotonic clock in nanoseconds.
 fn now_ns() -> i64 {
@@ -512,8 +521,11 @@ struct TrackerState {
     /// waiting for in-fences, and every later job of the file (a file's
     /// jobs reach the engine in id order).
     held: List<Job>,
-    /// Threads in `TDRV_IOC_JOB_WAIT`, asleep or about to be.
+    /// Threads in `TDRV_IOC_JOB_WAIT` or in `read(2)` of events, asleep
+    /// or about to be.
     sleepers: u32,
+    /// Completion events asked for and not yet read.
+    events: EventQueue,
 }
 
 impl Sleepers for TrackerState {
@@ -539,6 +551,12 @@ pub(crate) struct JobTracker {
     /// Hands held jobs to the engine once their in-fences signalled.
     #[pin]
     dispatch: Work<JobTracker>,
+    /// `poll(2)` and epoll of the file's completion events.
+    #[pin]
+    poll: PollQueue,
+    /// Whether an event is ready, copied under the lock: `poll` reads it
+    /// without taking the lock.
+    events_ready: Atomic<bool>,
 }
 
 impl_has_work! {
@@ -573,6 +591,7 @@ impl JobTracker {
                         inflight_bytes: 0,
                         held: List::new(),
                         sleepers: 0,
+                        events: EventQueue::new(),
                     },
                     "JobTracker::state"
                 ),
@@ -581,6 +600,8 @@ impl JobTracker {
                 queued_hint: Atomic::new(0),
                 busy_ns: Atomic::new(0),
                 dispatch <- new_work!("JobTracker::dispatch"),
+                poll <- PollQueue::new(),
+                events_ready: Atomic::new(false),
             }),
             GFP_KERNEL_ACCOUNT,
         )
@@ -811,18 +832,125 @@ impl JobTracker {
     }
 
     fn finish(&self, id: u64, bytes: u64, result: Result) {
+        let errno = match result {
+            Ok(()) => 0,
+            Err(e) => e.to_errno(),
+        };
         let mut state = self.state.lock();
-        state.ring.finish(
-            id,
-            match result {
-                Ok(()) => 0,
-                Err(e) => e.to_errno(),
-            },
-        );
+        state.ring.finish(id, errno);
         state.queued = state.queued.saturating_sub(1);
         self.queued_hint.store(state.queued, Relaxed);
         state.inflight_bytes = state.inflight_bytes.saturating_sub(bytes);
+        // After the status: a reader of the event finds JOB_WAIT agreeing.
+        let delivered = state.events.deliver(id, errno);
+        if delivered {
+            self.events_ready.store(true, Release);
+        }
         self.wq.wake_all(state);
+        if delivered {
+            self.poll.wake();
+        }
+    }
+
+    /// `TDRV_IOC_JOB_NOTIFY`: queues an event for job `id` when it ends
+    /// (now if it has). EINVAL for an id this file never issued, ESTALE
+    /// for one older than the last `JOB_WINDOW`, ENOSPC past `MAX_EVENTS`.
+    pub(crate) fn notify(&self, id: u64, user_data: u64) -> Result {
+        // Allocated before the lock, which the completion path takes.
+        let ev = JobEvent::new(id, user_data)?;
+        let table = if self.state.lock().events.needs_table() {
+            Some(EventQueue::new_table()?)
+        } else {
+            None
+        };
+        let mut state = self.state.lock();
+        let spare = state.events.install_table(table);
+        let r = Self::queue_event(&mut state, id, ev);
+        let ready = state.events.has_ready();
+        self.events_ready.store(ready, Release);
+        self.wq.wake_all(state);
+        if ready {
+            self.poll.wake();
+        }
+        drop(spare);
+        r
+    }
+
+    fn queue_event(state: &mut TrackerState, id: u64, ev: ListArc<JobEvent>) -> Result {
+        if id == 0 || id >= state.next_id {
+            return Err(EINVAL);
+        }
+        if state.next_id - id > JOB_WINDOW {
+            return Err(estale());
+        }
+        match Self::status_locked(state, id)? {
+            JobStatus::Pending => state.events.queue(ev, None),
+            JobStatus::Done(errno) => state.events.queue(ev, Some(errno)),
+        }
+    }
+
+    /// `read(2)` of the file: copies whole ready events to `out`, oldest
+    /// first, sleeping until one is ready unless `nowait` (EAGAIN).
+    /// EINVAL if `out` cannot hold one; EFAULT (losing nothing) if none
+    /// could be copied; a signal ends the sleep (ERESTARTSYS).
+    pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, nowait: bool) -> Result<usize> {
+        const SIZE: usize = core::mem::size_of::<uapi::Event>();
+        let max = out.len() / SIZE;
+        if max == 0 {
+            return Err(EINVAL);
+        }
+        let mut state = self.state.lock();
+        while !state.events.has_ready() {
+            if nowait {
+                return Err(EAGAIN);
+            }
+            if self.wq.wait_interruptible(&mut state) {
+                return Err(ERESTARTSYS);
+            }
+        }
+        let mut taken = state.events.take(max);
+        drop(state);
+        // Copied without the lock: user memory may fault, and the
+        // completion path takes the lock.
+        let mut copied = 0u32;
+        let mut left = List::<JobEvent>::new();
+        while let Some(ev) = taken.pop_front() {
+            if left.is_empty() && out.copy_to_iter(ev.to_uapi().as_bytes()) == SIZE {
+                copied += 1;
+            } else {
+                left.push_back(ev);
+            }
+        }
+        let mut state = self.state.lock();
+        state.events.consumed(copied);
+        state.events.put_back(left);
+        self.events_ready.store(state.events.has_ready(), Release);
+        drop(state);
+        if copied == 0 {
+            return Err(EFAULT);
+        }
+        Ok(copied as usize * SIZE)
+    }
+
+    /// The `poll` file operation: readable while an event is ready.
+    ///
+    /// # Safety
+    ///
+    /// As for [`PollQueue::register`]: `file` and `pt` are those `poll`
+    /// was called with, for the file this tracker belongs to.
+    pub(crate) unsafe fn poll(
+        &self,
+        file: *mut bindings::file,
+        pt: *mut bindings::poll_table_struct,
+    ) -> bindings::__poll_t {
+        // SAFETY: The caller's guarantee; the tracker outlives its file.
+        unsafe { self.poll.register(file, pt) };
+        // The queue's lock orders this with a wake-up after the store.
+        if self.events_ready.load(Acquire) {
+            glue::poll_readable()
+        } else {
+            0
+        }
     }
 
     /// ESTALE once job `id`'s slot went to a later job.

@@ -33,7 +33,10 @@ use kernel::{
     },
     prelude::*,
     sync::Arc,
-    types::Opaque, //
+    types::{
+        ForeignOwnable,
+        Opaque, //
+    },
 };
 
 use crate::{
@@ -52,11 +55,32 @@ unsafe impl Sync for NodeFops {}
 
 static FOPS: NodeFops = NodeFops(bindings::file_operations {
     owner: crate::THIS_MODULE.as_ptr(),
+    // 7.2's `MiscDevice` has no `poll`: completion events need one.
+    poll: Some(poll),
     // SAFETY: `into_raw` stores in `fops` the address of the constant
     // table Rust builds for `TdrvFile`, valid for the whole program; it is
     // read here at compile time.
     ..unsafe { *MiscDeviceOptions { name: c"tdrv" }.into_raw::<TdrvFile>().fops }
 });
+
+/// `file_operations.poll`: readable while the file has completion events
+/// (see `event.rs`).
+///
+/// # Safety
+///
+/// Called by the VFS only, for a file opened through [`FOPS`], between its
+/// `open` and `release`.
+unsafe extern "C" fn poll(
+    file: *mut bindings::file,
+    pt: *mut bindings::poll_table_struct,
+) -> bindings::__poll_t {
+    // SAFETY: `open` stored a `Pin<KBox<TdrvFile>>` in `private_data`
+    // (`into_foreign`), which `release` takes back only after every poll
+    // of the file returned.
+    let me = unsafe { <Pin<KBox<TdrvFile>> as ForeignOwnable>::borrow((*file).private_data) };
+    // SAFETY: `file` is this file and `pt` the table of this call.
+    unsafe { me.poll(file, pt) }
+}
 
 /// A registered `struct miscdevice` using [`FOPS`].
 ///

@@ -27,7 +27,9 @@
 //!   `stats.rs`: statistics in debugfs; `glue.c`/`glue.rs`: the few C
 //!   helpers 7.2's Rust bindings lack;
 //! - `fence_fd.rs` (with `fence_fd.c`): jobs' out-fences and in-fences as
-//!   `sync_file` fds, and why they are safe after `rmmod`.
+//!   `sync_file` fds, and why they are safe after `rmmod`;
+//! - `event.rs`: completion events read from the file itself (JOB_NOTIFY,
+//!   `read(2)`, `poll(2)`), on every kernel.
 
 use kernel::{
     driver,
@@ -43,6 +45,7 @@ mod charge;
 mod device;
 mod dmabuf;
 mod engine;
+mod event;
 mod fence;
 mod fence_fd;
 mod file;

@@ -35,7 +35,7 @@ use kernel::{
 use crate::glue;
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 3;
+pub(crate) const ABI_MINOR: u32 = 4;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
@@ -45,6 +45,14 @@ pub(crate) const FEAT_ERROR_LATCH: u64 = 1 << 4;
 pub(crate) const FEAT_DMABUF: u64 = 1 << 5;
 pub(crate) const FEAT_FENCE_FD: u64 = 1 << 6;
 pub(crate) const FEAT_BUF_ID: u64 = 1 << 7;
+pub(crate) const FEAT_EVENTS: u64 = 1 << 8;
+
+/// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
+/// `TDRV_JOB_WINDOW`. Older ids get ESTALE.
+pub(crate) const JOB_WINDOW: u64 = 4096;
+
+pub(crate) const MAX_EVENTS: u32 = 65536;
+pub(crate) const EVENT_JOB_DONE: u32 = 1;
 
 pub(crate) const SUBMIT_OUT_FENCE: u32 = 1 << 0;
 pub(crate) const MAX_IN_FENCES: u32 = 64;
@@ -251,6 +259,23 @@ uapi_struct!(
         reserved: [u64; 2],
     }
 );
+uapi_struct!(
+    /// `struct tdrv_job_notify`
+    JobNotify {
+        job_id: u64,
+        user_data: u64,
+        reserved: [u64; 2],
+    }
+);
+uapi_struct!(
+    /// `struct tdrv_event`
+    Event {
+        kind: u32,
+        status: i32,
+        job_id: u64,
+        user_data: u64,
+    }
+);
 
 macro_rules! const_assert_layout {
     ($ty:ident, $size:expr, { $($field:ident @ $off:expr),* $(,)? }) => {
@@ -310,6 +335,8 @@ const_assert_layout!(Import, 56, {
     fd @ 0, channel @ 4, flags @ 8, pad @ 12, handle @ 16, size @ 24,
     mmap_offset @ 32, reserved @ 40,
 });
+const_assert_layout!(JobNotify, 32, { job_id @ 0, user_data @ 8, reserved @ 16 });
+const_assert_layout!(Event, 24, { kind @ 0, status @ 4, job_id @ 8, user_data @ 16 });
 
 pub(crate) const MAGIC: u32 = 0xD7;
 
@@ -329,6 +356,7 @@ pub(crate) const IOC_COMPLETION_WAIT: u32 = _IOWR::<CompletionWait>(MAGIC, 0x0C)
 pub(crate) const IOC_COMPLETION_RESET: u32 = _IOW::<CompletionReset>(MAGIC, 0x0D);
 pub(crate) const IOC_EXPORT: u32 = _IOWR::<Export>(MAGIC, 0x0E);
 pub(crate) const IOC_IMPORT: u32 = _IOWR::<Import>(MAGIC, 0x0F);
+pub(crate) const IOC_JOB_NOTIFY: u32 = _IOW::<JobNotify>(MAGIC, 0x10);
 
 // The numbers userspace pins (uapi/src/tests.rs), checked here as well.
 const _: () = {
@@ -336,6 +364,7 @@ const _: () = {
     assert!(IOC_ALLOC == 0xC038_D702);
     assert!(IOC_FREE == 0x4010_D703);
     assert!(IOC_COMPLETION_RESET == 0x4010_D70D);
+    assert!(IOC_JOB_NOTIFY == 0x4020_D710);
 };
 
 /// ECANCELED: a job of a closed file that did not run (to its end).
@@ -400,6 +429,7 @@ first_size!(
     CompletionReset,
     Export,
     Import,
+    JobNotify,
 );
 
 // `struct tdrv_submit` grew in ABI 1.2 (fence fds); 1.0 callers send 48

@@ -41,7 +41,8 @@
  *  ENOSPC   the channel's byte limit, or this file's buffer or byte limit
  *           (module parameters file_max_buffers, file_max_mib), or the
  *           limit of foreign dma-buf imports (file_max_imports,
- *           device_max_imports), would be exceeded
+ *           device_max_imports), or of completion events
+ *           (TDRV_MAX_EVENTS), would be exceeded
  *  EAGAIN   this file has too many unfinished jobs, or they would move too
  *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
  *           some to finish and submit again
@@ -50,8 +51,9 @@
  *  EINTR    a signal interrupted a timed wait. Waits without a timeout are
  *           restarted after a handler installed with SA_RESTART, and
  *           return EINTR otherwise.
- *  ESTALE   TDRV_IOC_JOB_WAIT on a job older than this file's last
- *           TDRV_JOB_WINDOW jobs: its status is no longer kept
+ *  ESTALE   TDRV_IOC_JOB_WAIT or TDRV_IOC_JOB_NOTIFY on a job older than
+ *           this file's last TDRV_JOB_WINDOW jobs: its status is no longer
+ *           kept
  *  EIO      (job status, or SUBMIT) the device failed and is recovering;
  *           (COPY_IN, COPY_OUT, MEMSET, COPY on TDRV_DEVICE_SIM) the
  *           device's DMA failed the transfer;
@@ -89,7 +91,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 3
+#define TDRV_ABI_MINOR 4
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -101,6 +103,9 @@
 #define TDRV_FEAT_FENCE_FD	(1ULL << 6) /* SUBMIT takes and returns sync_file fds (1.2);
 					     * absent on kernels without CONFIG_SYNC_FILE */
 #define TDRV_FEAT_BUF_ID	(1ULL << 7) /* tdrv_buf_info.buf_id (1.3) */
+#define TDRV_FEAT_EVENTS	(1ULL << 8) /* TDRV_IOC_JOB_NOTIFY, and read(2) and
+					     * poll(2) of completion events (1.4);
+					     * on every kernel */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -331,6 +336,72 @@ struct tdrv_job_wait {
 #define TDRV_FENCE_WRITES	(1U << 1) /* no pending device writes */
 #define TDRV_FENCE_ALL		(TDRV_FENCE_READS | TDRV_FENCE_WRITES)
 
+/* Most completion events one file may have requested and not yet read. */
+#define TDRV_MAX_EVENTS		65536
+
+/**
+ * struct tdrv_job_notify - TDRV_IOC_JOB_NOTIFY: ask for a completion event
+ * (ABI 1.4, TDRV_FEAT_EVENTS).
+ * @job_id: in: a job of this file (the id SUBMIT returned).
+ * @user_data: in: any value; the event carries it back.
+ * @reserved: in: zero.
+ *
+ * Queues one struct tdrv_event on this file when the job has ended, at
+ * once if it already has. "Ended" is what TDRV_IOC_JOB_WAIT reports as
+ * TDRV_JOB_DONE: the job let go of its buffers, and JOB_WAIT gives the
+ * same status. Each call queues one event, so two calls for one job give
+ * two events.
+ *
+ * Events are read with read(2) from the tdrv file itself: each read
+ * returns as many whole events as fit in the buffer (at least one), oldest
+ * first. It blocks until one is queued, unless the file is O_NONBLOCK or
+ * the read RWF_NOWAIT (then EAGAIN); a signal ends the wait (EINTR, or a
+ * restart after an SA_RESTART handler); a buffer smaller than one event
+ * is EINVAL, and EFAULT loses no event. poll(2), select(2) and epoll
+ * report EPOLLIN | EPOLLRDNORM while an event is queued. This needs no
+ * sync_file (works on every kernel) and no fd per job: one file can wait
+ * for thousands of jobs with one epoll registration.
+ *
+ * The events belong to the open file (shared by its dup()s and by
+ * children that inherit it). Closing it, also by exit or SIGKILL,
+ * discards the requested and unread ones. When the device is removed,
+ * every job ends with ENODEV and its events are queued; read and poll
+ * keep working, while JOB_NOTIFY (like every ioctl) fails with ENODEV.
+ *
+ * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
+ * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),
+ * ENOSPC (TDRV_MAX_EVENTS events requested and not yet read), ENOMEM,
+ * ENODEV (device removed).
+ */
+struct tdrv_job_notify {
+	__u64 job_id;
+	__u64 user_data;
+	__u64 reserved[2];
+};
+
+/* tdrv_event.type */
+#define TDRV_EVENT_JOB_DONE	1 /* a job asked for with TDRV_IOC_JOB_NOTIFY ended */
+
+/**
+ * struct tdrv_event - a completion event, read(2) from the tdrv file
+ * (ABI 1.4, TDRV_FEAT_EVENTS).
+ * @type: TDRV_EVENT_JOB_DONE.
+ * @status: the job's status: 0, or its negative errno (as
+ *	tdrv_job_wait.status: -ECANCELED, -EIO, -ETIMEDOUT, -ENODEV, or an
+ *	in-fence's error).
+ * @job_id: the job.
+ * @user_data: what TDRV_IOC_JOB_NOTIFY was given.
+ *
+ * Later ABI versions may define other types; skip events of a type you
+ * do not know. The size stays 24 bytes.
+ */
+struct tdrv_event {
+	__u32 type;
+	__s32 status;
+	__u64 job_id;
+	__u64 user_data;
+};
+
 /* TDRV_IOC_FENCE_WAIT: wait until the buffer's chosen counters are zero. */
 struct tdrv_fence_wait {
 	__u64 handle;		/* in */
@@ -469,5 +540,6 @@ struct tdrv_import {
 #define TDRV_IOC_COMPLETION_RESET _IOW(TDRV_IOC_MAGIC, 0x0D, struct tdrv_completion_reset)
 #define TDRV_IOC_EXPORT		_IOWR(TDRV_IOC_MAGIC, 0x0E, struct tdrv_export)
 #define TDRV_IOC_IMPORT		_IOWR(TDRV_IOC_MAGIC, 0x0F, struct tdrv_import)
+#define TDRV_IOC_JOB_NOTIFY	_IOW(TDRV_IOC_MAGIC, 0x10, struct tdrv_job_notify)
 
 #endif /* _UAPI_TDRV_H */

@@ -3,7 +3,7 @@
 // Generated from uapi/tdrv.h by scripts/gen-uapi; do not edit.
 
 pub const TDRV_ABI_MAJOR: u32 = 1;
-pub const TDRV_ABI_MINOR: u32 = 3;
+pub const TDRV_ABI_MINOR: u32 = 4;
 pub const TDRV_FEAT_MMAP: u32 = 1;
 pub const TDRV_FEAT_SUBMIT: u32 = 2;
 pub const TDRV_FEAT_COMPLETION: u32 = 4;
@@ -12,6 +12,7 @@ pub const TDRV_FEAT_ERROR_LATCH: u32 = 16;
 pub const TDRV_FEAT_DMABUF: u32 = 32;
 pub const TDRV_FEAT_FENCE_FD: u32 = 64;
 pub const TDRV_FEAT_BUF_ID: u32 = 128;
+pub const TDRV_FEAT_EVENTS: u32 = 256;
 pub const TDRV_DEVICE_SOFT: u32 = 1;
 pub const TDRV_DEVICE_EDU: u32 = 2;
 pub const TDRV_DEVICE_SIM: u32 = 3;
@@ -27,6 +28,8 @@ pub const TDRV_JOB_DONE: u32 = 2;
 pub const TDRV_FENCE_READS: u32 = 1;
 pub const TDRV_FENCE_WRITES: u32 = 2;
 pub const TDRV_FENCE_ALL: u32 = 3;
+pub const TDRV_MAX_EVENTS: u32 = 65536;
+pub const TDRV_EVENT_JOB_DONE: u32 = 1;
 pub const TDRV_IOC_MAGIC: u32 = 215;
 pub type __s32 = ::core::ffi::c_int;
 pub type __u32 = ::core::ffi::c_uint;
@@ -145,6 +148,23 @@ pub struct tdrv_job_wait {
     pub state: __u32,
     pub status: __s32,
     pub reserved: [__u64; 2usize],
+}
+#[doc = " struct tdrv_job_notify - TDRV_IOC_JOB_NOTIFY: ask for a completion event\n (ABI 1.4, TDRV_FEAT_EVENTS).\n @job_id: in: a job of this file (the id SUBMIT returned).\n @user_data: in: any value; the event carries it back.\n @reserved: in: zero.\n\n Queues one struct tdrv_event on this file when the job has ended, at\n once if it already has. \"Ended\" is what TDRV_IOC_JOB_WAIT reports as\n TDRV_JOB_DONE: the job let go of its buffers, and JOB_WAIT gives the\n same status. Each call queues one event, so two calls for one job give\n two events.\n\n Events are read with read(2) from the tdrv file itself: each read\n returns as many whole events as fit in the buffer (at least one), oldest\n first. It blocks until one is queued, unless the file is O_NONBLOCK or\n the read RWF_NOWAIT (then EAGAIN); a signal ends the wait (EINTR, or a\n restart after an SA_RESTART handler); a buffer smaller than one event\n is EINVAL, and EFAULT loses no event. poll(2), select(2) and epoll\n report EPOLLIN | EPOLLRDNORM while an event is queued. This needs no\n sync_file (works on every kernel) and no fd per job: one file can wait\n for thousands of jobs with one epoll registration.\n\n The events belong to the open file (shared by its dup()s and by\n children that inherit it). Closing it, also by exit or SIGKILL,\n discards the requested and unread ones. When the device is removed,\n every job ends with ENODEV and its events are queued; read and poll\n keep working, while JOB_NOTIFY (like every ioctl) fails with ENODEV.\n\n Errors: EINVAL (job id 0 or not yet issued by this file, reserved not\n zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),\n ENOSPC (TDRV_MAX_EVENTS events requested and not yet read), ENOMEM,\n ENODEV (device removed)."]
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct tdrv_job_notify {
+    pub job_id: __u64,
+    pub user_data: __u64,
+    pub reserved: [__u64; 2usize],
+}
+#[doc = " struct tdrv_event - a completion event, read(2) from the tdrv file\n (ABI 1.4, TDRV_FEAT_EVENTS).\n @type: TDRV_EVENT_JOB_DONE.\n @status: the job's status: 0, or its negative errno (as\n\ttdrv_job_wait.status: -ECANCELED, -EIO, -ETIMEDOUT, -ENODEV, or an\n\tin-fence's error).\n @job_id: the job.\n @user_data: what TDRV_IOC_JOB_NOTIFY was given.\n\n Later ABI versions may define other types; skip events of a type you\n do not know. The size stays 24 bytes."]
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct tdrv_event {
+    pub type_: __u32,
+    pub status: __s32,
+    pub job_id: __u64,
+    pub user_data: __u64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

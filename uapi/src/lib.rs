@@ -63,6 +63,8 @@ requests! {
     TDRV_IOC_EXPORT = iorw(0x0E, tdrv_export);
     /// `_IOWR(0xD7, 0x0F, struct tdrv_import)` (ABI 1.2)
     TDRV_IOC_IMPORT = iorw(0x0F, tdrv_import);
+    /// `_IOW(0xD7, 0x10, struct tdrv_job_notify)` (ABI 1.4)
+    TDRV_IOC_JOB_NOTIFY = iow(0x10, tdrv_job_notify);
 }
 
 /// Builds an ioctl number for `nr` with an explicit direction and size, for

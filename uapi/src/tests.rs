@@ -40,6 +40,7 @@ fn request_numbers_are_pinned() {
         ("TDRV_IOC_COMPLETION_RESET", 0x4010_D70D),
         ("TDRV_IOC_EXPORT", 0xC028_D70E),
         ("TDRV_IOC_IMPORT", 0xC038_D70F),
+        ("TDRV_IOC_JOB_NOTIFY", 0x4020_D710),
     ];
     assert_eq!(ALL_REQUESTS, pinned);
 }
@@ -96,6 +97,8 @@ fn c_compiler_agrees_with_rust() {
         tdrv_completion_reset { handle, reserved }
         tdrv_export { handle, flags, fd, pad, pad2, reserved }
         tdrv_import { fd, channel, flags, pad, handle, size, mmap_offset, reserved }
+        tdrv_job_notify { job_id, user_data, reserved }
+        tdrv_event { status, job_id, user_data }
     };
     for (name, value) in ALL_REQUESTS {
         body += &format!("P(\"{name}\", {name});\n");

@@ -95,8 +95,11 @@ pub struct JobHandle {
     _tensors: (Few<Tensor>, Few<Tensor>),
     /// The job's out-fence, if it asked for one.
     fence: Option<Arc<OwnedFd>>,
-    /// Its key in the reactor while awaited through the fence.
+    /// Its key in the reactor while awaited (through the fence or a
+    /// completion event; also the event's `user_data`).
     reactor_key: u64,
+    /// Whether a completion event was asked for (JOB_NOTIFY), once.
+    notified: bool,
     /// The task to wake when awaited without a fence (see `poll`).
     fallback: Option<Arc<Mutex<Option<Waker>>>>,
 }
@@ -280,6 +283,7 @@ impl Job {
             _tensors: tensors,
             fence: fence.map(Arc::new),
             reactor_key: reactor::new_key(),
+            notified: false,
             fallback: None,
         })
     }
@@ -289,6 +293,13 @@ impl JobHandle {
     /// The driver's id of the job (per open file, increasing from 1).
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The device file the job was submitted on: the one to poll for its
+    /// completion event after [`Device::job_notify`] with [`JobHandle::id`]
+    /// (what awaiting the handle does for you).
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
     }
 
     /// The job's out-fence (submitted [`Job::with_out_fence`]): a
@@ -378,12 +389,13 @@ impl JobHandle {
 
 /// Awaiting a handle waits for the job without blocking the executor:
 /// `Ok(())` when it succeeded, [`Error::JobFailed`] when it failed. It
-/// needs no async runtime. A handle with an out-fence
-/// ([`Job::with_out_fence`]) is watched by the process's reactor thread
-/// (one for all awaited jobs, started on first use: it polls their fence
-/// fds); one without (or on a kernel without fence fds) gets a thread of
-/// its own that blocks in JOB_WAIT until the job ends. See
-/// `userlib/DESIGN.md`.
+/// needs no async runtime, and no thread per wait: the process's reactor
+/// thread (one for all awaited jobs, started on first use) polls the
+/// handle's out-fence ([`Job::with_out_fence`]) if it has one, else its
+/// device file for a completion event (`TDRV_IOC_JOB_NOTIFY`, on every
+/// kernel, also without `sync_file`). Only a driver older than ABI 1.4
+/// makes a handle fall back to a thread of its own that blocks in
+/// JOB_WAIT. See `userlib/DESIGN.md`.
 impl Future for JobHandle {
     type Output = Result<()>;
 
@@ -403,6 +415,17 @@ impl JobHandle {
         }
         if let (Some(fence), Some(r)) = (&this.fence, reactor::get()) {
             r.register(this.reactor_key, fence.clone(), cx.waker());
+        } else if let (true, Some(r)) = (this.device.supports_events(), reactor::get()) {
+            // Registered first: an event read before the registration
+            // would be dropped as unknown.
+            r.register_event(this.reactor_key, &this.device, cx.waker());
+            if !this.notified {
+                if let Err(e) = this.device.job_notify(this.id, this.reactor_key) {
+                    r.deregister(this.reactor_key);
+                    return Poll::Ready(Err(this.wait_error(e)));
+                }
+                this.notified = true;
+            }
         } else {
             this.wake_from_thread(cx.waker());
         }
@@ -493,7 +516,7 @@ impl JobHandle {
 
 impl Drop for JobHandle {
     fn drop(&mut self) {
-        if self.fence.is_some() {
+        if self.fence.is_some() || self.notified {
             if let Some(r) = reactor::running() {
                 r.deregister(self.reactor_key);
             }

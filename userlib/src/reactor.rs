@@ -1,14 +1,23 @@
 //! The wake-up source behind `impl Future for JobHandle`, with no async
-//! runtime: one background thread per process that poll(2)s the fence fds
-//! of awaited jobs and wakes their tasks when they become readable (the
-//! fence signalled). See `userlib/DESIGN.md` ("Fence fds and futures").
+//! runtime: one background thread per process that poll(2)s what awaited
+//! jobs wait on and wakes their tasks:
+//!
+//! - a job's fence fd, readable when the fence signalled;
+//! - or its device file, readable when completion events are ready
+//!   (`TDRV_IOC_JOB_NOTIFY`, on every kernel): the thread reads them and
+//!   wakes the tasks whose keys they carry (`user_data`). One fd serves
+//!   every job of a device.
+//!
+//! See `userlib/DESIGN.md` ("Fence fds and futures", "Completion events").
 //!
 //! Cost: the thread (started at the first registration, then kept), a
 //! pipe to interrupt its poll when a registration arrives, and one
-//! poll(2) over all pending registrations per wake-up.
+//! poll(2) over the fence fds and device files per wake-up.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::sys::{Device, JobEvent};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::Waker;
@@ -20,9 +29,43 @@ struct Entry {
     waker: Waker,
 }
 
+/// A task waiting for a completion event with its key as `user_data`.
+struct EventWait {
+    device: RawFd,
+    waker: Waker,
+}
+
+/// A device file polled for events, and how many registrations wait on it.
+struct Watched {
+    device: Arc<Device>,
+    waiting: usize,
+}
+
+/// Everything registered.
+#[derive(Default)]
+struct Registry {
+    fds: HashMap<u64, Entry>,
+    events: HashMap<u64, EventWait>,
+    devices: HashMap<RawFd, Watched>,
+}
+
+impl Registry {
+    /// Removes the event registration under `key`, if any.
+    fn remove_event(&mut self, key: u64) -> Option<EventWait> {
+        let w = self.events.remove(&key)?;
+        if let Some(d) = self.devices.get_mut(&w.device) {
+            d.waiting -= 1;
+            if d.waiting == 0 {
+                self.devices.remove(&w.device);
+            }
+        }
+        Some(w)
+    }
+}
+
 /// The process's reactor.
 pub(crate) struct Reactor {
-    entries: Mutex<HashMap<u64, Entry>>,
+    entries: Mutex<Registry>,
     /// Write end of the pipe that interrupts the thread's poll.
     notify: OwnedFd,
 }
@@ -61,7 +104,7 @@ impl Reactor {
     fn start() -> Option<Arc<Reactor>> {
         let (rx, tx) = pipe()?;
         let reactor = Arc::new(Reactor {
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(Registry::default()),
             notify: tx,
         });
         let r = reactor.clone();
@@ -72,7 +115,7 @@ impl Reactor {
         Some(reactor)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry>> {
+    fn lock(&self) -> MutexGuard<'_, Registry> {
         // Nothing panics while holding it; a poisoned map is still whole.
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -81,7 +124,8 @@ impl Reactor {
     /// registration under the same key replaces the first.
     pub(crate) fn register(&self, key: u64, fd: Arc<OwnedFd>, waker: &Waker) {
         {
-            let mut entries = self.lock();
+            let mut registry = self.lock();
+            let entries = &mut registry.fds;
             match entries.get_mut(&key) {
                 Some(e) if e.waker.will_wake(waker) => return,
                 Some(e) => e.waker.clone_from(waker),
@@ -99,11 +143,46 @@ impl Reactor {
         self.interrupt();
     }
 
-    /// Forgets the registration under `key`, if any (its fd is closed
-    /// unless its owner still holds it).
+    /// Wakes `waker` once a completion event carrying `key` is read from
+    /// `device` (which the caller asks for with `job_notify` after this).
+    /// A second registration under the same key replaces the waker.
+    pub(crate) fn register_event(&self, key: u64, device: &Arc<Device>, waker: &Waker) {
+        {
+            let mut r = self.lock();
+            if let Some(w) = r.events.get_mut(&key) {
+                if !w.waker.will_wake(waker) {
+                    w.waker.clone_from(waker);
+                }
+                return;
+            }
+            let fd = device.as_fd().as_raw_fd();
+            r.events.insert(
+                key,
+                EventWait {
+                    device: fd,
+                    waker: waker.clone(),
+                },
+            );
+            r.devices
+                .entry(fd)
+                .or_insert_with(|| Watched {
+                    device: device.clone(),
+                    waiting: 0,
+                })
+                .waiting += 1;
+        }
+        self.interrupt();
+    }
+
+    /// Forgets the registrations under `key`, if any (a fence fd is closed
+    /// unless its owner still holds it; an event that comes later is
+    /// dropped).
     pub(crate) fn deregister(&self, key: u64) {
-        let removed = self.lock().remove(&key);
-        drop(removed);
+        let (fd, ev) = {
+            let mut r = self.lock();
+            (r.fds.remove(&key), r.remove_event(key))
+        };
+        drop((fd, ev));
     }
 
     fn interrupt(&self) {
@@ -115,15 +194,23 @@ impl Reactor {
     fn run(&self, rx: OwnedFd) {
         let mut pfds: Vec<libc::pollfd> = Vec::new();
         let mut keys: Vec<u64> = Vec::new();
+        let mut devices: Vec<Arc<Device>> = Vec::new();
+        let mut events: Vec<JobEvent> = Vec::new();
         loop {
             pfds.clear();
             keys.clear();
+            devices.clear();
             pfds.push(pollfd(rx.as_raw_fd()));
             {
-                let entries = self.lock();
-                for (key, e) in entries.iter() {
+                let r = self.lock();
+                for (key, e) in r.fds.iter() {
                     pfds.push(pollfd(e.fd.as_raw_fd()));
                     keys.push(*key);
+                }
+                // The `Arc`s keep these files open until the next round.
+                for w in r.devices.values() {
+                    pfds.push(pollfd(w.device.as_fd().as_raw_fd()));
+                    devices.push(w.device.clone());
                 }
             }
             // SAFETY: `pfds` is a live array of its length, which poll only
@@ -142,20 +229,53 @@ impl Reactor {
                 {
                 }
             }
+            // Events are read without the lock (a system call each).
+            events.clear();
+            let mut failed = Vec::new();
+            for (pfd, device) in pfds[1 + keys.len()..].iter().zip(&devices) {
+                if pfd.revents == 0 {
+                    continue;
+                }
+                if pfd.revents & libc::POLLIN == 0 || device.read_events(&mut events).is_err() {
+                    // Gone (POLLNVAL, ENODEV after unbind with nothing to
+                    // read): wake its tasks, which then learn why from
+                    // JOB_WAIT, rather than polling it for ever.
+                    failed.push(device.as_fd().as_raw_fd());
+                }
+            }
             let mut ready = Vec::new();
             {
-                let mut entries = self.lock();
+                let mut r = self.lock();
                 for (pfd, key) in pfds[1..].iter().zip(&keys) {
                     if pfd.revents != 0 {
-                        if let Some(e) = entries.remove(key) {
-                            ready.push(e);
+                        if let Some(e) = r.fds.remove(key) {
+                            ready.push(e.waker);
+                        }
+                    }
+                }
+                for ev in &events {
+                    // Unknown keys: handles dropped since they asked.
+                    if let Some(w) = r.remove_event(ev.user_data) {
+                        ready.push(w.waker);
+                    }
+                }
+                for fd in failed {
+                    let keys: Vec<u64> = r
+                        .events
+                        .iter()
+                        .filter(|(_, w)| w.device == fd)
+                        .map(|(k, _)| *k)
+                        .collect();
+                    for k in keys {
+                        if let Some(w) = r.remove_event(k) {
+                            ready.push(w.waker);
                         }
                     }
                 }
             }
             // Woken outside the lock: a waker may register again at once.
-            for e in ready {
-                e.waker.wake();
+            for w in ready {
+                w.wake();
             }
         }
     }
@@ -210,7 +330,7 @@ mod tests {
         // SAFETY: one byte from a local into our pipe.
         unsafe { libc::write(tx.as_raw_fd(), [7u8].as_ptr().cast(), 1) };
         wait_for("not woken", || count.0.load(Ordering::SeqCst) == 1);
-        wait_for("entry kept", || reactor.lock().get(&key).is_none());
+        wait_for("entry kept", || !reactor.lock().fds.contains_key(&key));
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken twice");
     }
@@ -228,6 +348,6 @@ mod tests {
         unsafe { libc::write(tx.as_raw_fd(), [7u8].as_ptr().cast(), 1) };
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
-        assert!(reactor.lock().get(&key).is_none());
+        assert!(!reactor.lock().fds.contains_key(&key));
     }
 }

@@ -295,6 +295,19 @@ pub enum JobStatus {
     Failed(i32),
 }
 
+/// A completion event read from a device file ([`Device::read_events`]):
+/// job `job_id` of this file ended with `status`, and a
+/// [`Device::job_notify`] with `user_data` asked for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobEvent {
+    /// The job.
+    pub job_id: u64,
+    /// What [`Device::job_notify`] was given.
+    pub user_data: u64,
+    /// [`JobStatus::Done`] or [`JobStatus::Failed`], as JOB_WAIT reports.
+    pub status: JobStatus,
+}
+
 /// An open tdrv device node. Share it with `Arc`: buffers and mappings keep
 /// their device alive.
 ///
@@ -514,6 +527,80 @@ impl Device {
     /// ABI 1.2 on a kernel with `CONFIG_SYNC_FILE`).
     pub fn supports_fence_fds(&self) -> bool {
         self.has_features(uapi::TDRV_FEAT_FENCE_FD as u64)
+    }
+
+    /// Whether the file delivers completion events (`TDRV_FEAT_EVENTS`,
+    /// ABI 1.4): [`Device::job_notify`] and [`Device::read_events`]. Every
+    /// kernel has them, also one without `sync_file`.
+    pub fn supports_events(&self) -> bool {
+        self.has_features(uapi::TDRV_FEAT_EVENTS as u64)
+    }
+
+    /// `TDRV_IOC_JOB_NOTIFY` (ABI 1.4): queues one completion event on this
+    /// file when job `job_id` (of this file) has ended, at once if it has,
+    /// carrying `user_data`. The file then polls readable (`poll(2)` or
+    /// epoll on [`AsFd::as_fd`]) and [`Device::read_events`] returns the
+    /// event. One fd serves any number of jobs. Errors: `InvalidArgument`
+    /// (an id this file never issued), `StaleJob` (older than the last
+    /// 4096 jobs), `NoSpace` (65,536 events asked for and not yet read).
+    pub fn job_notify(&self, job_id: u64, user_data: u64) -> Result<(), SysError> {
+        let mut n = uapi::tdrv_job_notify {
+            job_id,
+            user_data,
+            ..Default::default()
+        };
+        self.ioctl("JOB_NOTIFY", uapi::TDRV_IOC_JOB_NOTIFY, &mut n, true)
+    }
+
+    /// Appends the completion events ready now to `out`, oldest first,
+    /// without waiting (`read(2)` with `RWF_NOWAIT`), and returns how many.
+    /// Events belong to the open file: whoever reads one consumes it, so
+    /// one reader per `Device` (the library's own futures use the process
+    /// reactor; see `userlib/DESIGN.md`).
+    pub fn read_events(&self, out: &mut Vec<JobEvent>) -> Result<usize, SysError> {
+        #[cfg(test)]
+        if self.fake.is_some() {
+            return Err(SysError::from_errno("read events", libc::EOPNOTSUPP));
+        }
+        const BATCH: usize = 64;
+        let mut buf = [uapi::tdrv_event::default(); BATCH];
+        let mut total = 0;
+        loop {
+            let iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: std::mem::size_of_val(&buf),
+            };
+            // SAFETY: one iovec over a local array the kernel may fill
+            // (`tdrv_event` is plain integers); offset -1 reads at the
+            // file position, which a tdrv file ignores.
+            let n = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+            if n < 0 {
+                return match last_errno() {
+                    libc::EAGAIN => Ok(total),
+                    libc::EINTR => continue,
+                    e => Err(SysError::from_errno("read events", e)),
+                };
+            }
+            let got = n as usize / std::mem::size_of::<uapi::tdrv_event>();
+            for e in &buf[..got] {
+                if e.type_ != uapi::TDRV_EVENT_JOB_DONE {
+                    // A type of a later ABI: not ours to interpret.
+                    continue;
+                }
+                out.push(JobEvent {
+                    job_id: e.job_id,
+                    user_data: e.user_data,
+                    status: match e.status {
+                        0 => JobStatus::Done,
+                        s => JobStatus::Failed(s.saturating_neg()),
+                    },
+                });
+                total += 1;
+            }
+            if got < BATCH {
+                return Ok(total);
+            }
+        }
     }
 
     /// Issues one ioctl. Restarts on EINTR when `restart` is set (for calls

@@ -195,6 +195,53 @@ impl Dev {
             .map(|_| (s.job_id, s.out_fence))
     }
 
+    /// TDRV_IOC_JOB_NOTIFY: one completion event for `job_id`.
+    pub fn job_notify(&self, job_id: u64, user_data: u64) -> Result<(), Errno> {
+        let mut n = tdrv_job_notify {
+            job_id,
+            user_data,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_JOB_NOTIFY, &mut n).map(drop)
+    }
+
+    /// read(2) of completion events into `out` (as many as fit); returns
+    /// how many were read. Blocks unless the file is O_NONBLOCK.
+    pub fn read_events(&self, out: &mut [tdrv_event]) -> Result<usize, Errno> {
+        // SAFETY: `out` is a live array of plain integers the kernel fills.
+        let n = unsafe {
+            libc::read(
+                self.fd(),
+                out.as_mut_ptr().cast(),
+                std::mem::size_of_val(out),
+            )
+        };
+        if n < 0 {
+            Err(errno())
+        } else {
+            Ok(n as usize / std::mem::size_of::<tdrv_event>())
+        }
+    }
+
+    /// Sets or clears O_NONBLOCK on the file.
+    pub fn set_nonblock(&self, on: bool) -> Result<(), Errno> {
+        // SAFETY: fcntl on our own fd.
+        let flags = unsafe { libc::fcntl(self.fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(errno());
+        }
+        let flags = if on {
+            flags | libc::O_NONBLOCK
+        } else {
+            flags & !libc::O_NONBLOCK
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(self.fd(), libc::F_SETFL, flags) } < 0 {
+            return Err(errno());
+        }
+        Ok(())
+    }
+
     /// Waits for a job; returns (state, status).
     pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> Result<(u32, i32), Errno> {
         let mut w = tdrv_job_wait {

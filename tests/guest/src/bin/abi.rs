@@ -92,6 +92,8 @@ fn main() {
                 (TDRV_IOC_EXPORT, Err(libc::ENOENT)),
                 // fd 0 (the console) is not a dma-buf.
                 (TDRV_IOC_IMPORT, Err(libc::EINVAL)),
+                // Job 0 was never issued.
+                (TDRV_IOC_JOB_NOTIFY, Err(libc::EINVAL)),
             ];
             expect_eq("requests covered", want.len(), ALL_REQUESTS.len())?;
             let mut wrong = Vec::new();
