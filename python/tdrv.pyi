@@ -9,7 +9,7 @@ and also the builtin a caller catches for its kind."""
 
 import builtins
 import io
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Optional, Union, final
 
@@ -186,6 +186,7 @@ class JobHandle:
     def id(self) -> int: ...
     def wait(self, timeout: Optional[float] = None) -> None: ...
     def try_wait(self) -> bool: ...
+    def __await__(self) -> Generator[Any, None, None]: ...
 
 def empty(
     shape: Shape,

@@ -17,6 +17,7 @@ mod errors;
 mod guard;
 
 use std::ffi::c_int;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -242,7 +243,6 @@ impl PyDevice {
 
     /// The open file descriptor (borrowed: the device keeps owning it).
     fn fileno(&self) -> i32 {
-        use std::os::fd::{AsFd, AsRawFd};
         self.dev.as_fd().as_raw_fd()
     }
 
@@ -941,9 +941,78 @@ impl PyJobHandle {
         self.h.try_wait().map_err(to_py)
     }
 
+    /// `await handle` in asyncio waits for the job without blocking the
+    /// event loop and without a thread: the loop watches the device file
+    /// for the job's completion event (`TDRV_IOC_JOB_NOTIFY`, every
+    /// kernel). `JobFailedError` if it failed; cancelling the awaiting task
+    /// leaves the job running.
+    fn __await__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        aio(py)?
+            .call_method1("wait_job", (slf,))?
+            .call_method0("__await__")
+    }
+
+    /// For the asyncio glue (`aio.py`): the device file's descriptor.
+    fn _fileno(&self) -> i32 {
+        self.h.device().as_fd().as_raw_fd()
+    }
+
+    /// For the asyncio glue: whether the driver delivers completion events.
+    fn _events_supported(&self) -> bool {
+        self.h.device().supports_events()
+    }
+
+    /// For the asyncio glue: asks for the job's completion event, tagged
+    /// with `key`.
+    fn _notify(&self, key: u64) -> PyResult<()> {
+        self.h
+            .device()
+            .job_notify(self.h.id(), key)
+            .map_err(sys_to_py)
+    }
+
+    /// For the asyncio glue: the device file's ready events, as
+    /// `(job_id, key, errno)` tuples (errno 0 for success); never blocks.
+    fn _read_events(&self) -> PyResult<Vec<(u64, u64, i32)>> {
+        let mut evs = Vec::new();
+        self.h
+            .device()
+            .read_events(&mut evs)
+            .map_err(sys_to_py)?;
+        Ok(evs
+            .into_iter()
+            .map(|e| {
+                let errno = match e.status {
+                    tdrv::sys::JobStatus::Failed(errno) => errno,
+                    _ => 0,
+                };
+                (e.job_id, e.user_data, errno)
+            })
+            .collect())
+    }
+
     fn __repr__(&self) -> String {
         format!("tdrv.JobHandle(id={})", self.h.id())
     }
+}
+
+/// The asyncio glue (`aio.py`), compiled once per process.
+static AIO: std::sync::OnceLock<Py<PyModule>> = std::sync::OnceLock::new();
+
+fn aio(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    if AIO.get().is_none() {
+        let m = PyModule::from_code(
+            py,
+            ffi::c_str!(include_str!("aio.py")),
+            ffi::c_str!("tdrv/aio.py"),
+            ffi::c_str!("tdrv._aio"),
+        )?;
+        let _ = AIO.set(m.unbind());
+    }
+    AIO.get()
+        .map(|m| m.bind(py))
+        .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("tdrv: asyncio glue missing"))
 }
 
 /// A zeroed tensor of `shape` and `dtype` (default `uint8`): in host
@@ -1087,6 +1156,7 @@ fn devices() -> Vec<String> {
 #[pymodule(name = "tdrv")]
 fn tdrv_py(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    aio(m.py())?;
     m.add(
         "DTYPES",
         dtype::DTYPES.iter().map(|d| d.name).collect::<Vec<_>>(),

@@ -21,6 +21,8 @@ def use(path: str) -> float:
     u = tdrv.from_buffer(np.zeros(6, np.float32), device=dev)
     h: tdrv.JobHandle = tdrv.Job().copy(u, t).submit()
     h.wait(timeout=1.5)
+    async def later() -> None:
+        await tdrv.Job().copy(u, t).submit()
     t.check_output_completion(1, timeout=None)
     with t.map_read() as m:
         assert m.nbytes == t.nbytes
