@@ -976,10 +976,7 @@ impl PyJobHandle {
     /// `(job_id, key, errno)` tuples (errno 0 for success); never blocks.
     fn _read_events(&self) -> PyResult<Vec<(u64, u64, i32)>> {
         let mut evs = Vec::new();
-        self.h
-            .device()
-            .read_events(&mut evs)
-            .map_err(sys_to_py)?;
+        self.h.device().read_events(&mut evs).map_err(sys_to_py)?;
         Ok(evs
             .into_iter()
             .map(|e| {

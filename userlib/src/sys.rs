@@ -558,6 +558,12 @@ impl Device {
     /// one reader per `Device` (the library's own futures use the process
     /// reactor; see `userlib/DESIGN.md`).
     pub fn read_events(&self, out: &mut Vec<JobEvent>) -> Result<usize, SysError> {
+        self.read_events_max(out, usize::MAX)
+    }
+
+    /// [`Device::read_events`], reading at most `max` events; the others
+    /// stay queued for the next call.
+    pub fn read_events_max(&self, out: &mut Vec<JobEvent>, max: usize) -> Result<usize, SysError> {
         #[cfg(test)]
         if self.fake.is_some() {
             return Err(SysError::from_errno("read events", libc::EOPNOTSUPP));
@@ -565,10 +571,12 @@ impl Device {
         const BATCH: usize = 64;
         let mut buf = [uapi::tdrv_event::default(); BATCH];
         let mut total = 0;
-        loop {
+        let mut left = max;
+        while left > 0 {
+            let batch = left.min(BATCH);
             let iov = libc::iovec {
                 iov_base: buf.as_mut_ptr().cast(),
-                iov_len: std::mem::size_of_val(&buf),
+                iov_len: batch * std::mem::size_of::<uapi::tdrv_event>(),
             };
             // SAFETY: one iovec over a local array the kernel may fill
             // (`tdrv_event` is plain integers); offset -1 reads at the
@@ -582,6 +590,7 @@ impl Device {
                 };
             }
             let got = n as usize / std::mem::size_of::<uapi::tdrv_event>();
+            left -= got;
             for e in &buf[..got] {
                 if e.type_ != uapi::TDRV_EVENT_JOB_DONE {
                     // A type of a later ABI: not ours to interpret.
@@ -597,10 +606,11 @@ impl Device {
                 });
                 total += 1;
             }
-            if got < BATCH {
-                return Ok(total);
+            if got < batch {
+                break;
             }
         }
+        Ok(total)
     }
 
     /// Issues one ioctl. Restarts on EINTR when `restart` is set (for calls

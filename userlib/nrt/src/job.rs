@@ -10,18 +10,21 @@
 //! the submitted handle, outside every lock, so that `tdrv_job_free` or a
 //! poll on another thread never waits behind it.
 
+use std::collections::HashMap;
 use std::ffi::c_int;
-use std::os::fd::AsRawFd;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use tdrv::handles::HandleTable;
+use tdrv::sys::Device;
 use tdrv::{Job, JobHandle};
 
 use crate::{
-    as_handle, borrow, fail, guard, handle_in, log_error, status, status_of, token, NRT_INVALID,
-    NRT_INVALID_HANDLE, NRT_STATUS, NRT_SUCCESS, NRT_TIMEOUT,
+    as_handle, borrow, fail, guard, handle_in, log_error, status, status_of, token, NRT_CLOSED,
+    NRT_FAILURE, NRT_HW_ERROR, NRT_INVALID, NRT_INVALID_HANDLE, NRT_STATUS, NRT_SUCCESS,
+    NRT_TIMEOUT,
 };
-use crate::{nrt_tensor_t, tdrv_job_t};
+use crate::{nrt_tensor_t, tdrv_job_event_t, tdrv_job_t};
 
 /// Where a job is in its life.
 enum State {
@@ -202,6 +205,111 @@ pub unsafe extern "C" fn tdrv_job_get_fd(job: *mut tdrv_job_t, fd: *mut c_int) -
         // open while the job's handle lives: the table holds the handle
         // until tdrv_job_free.
         unsafe { *fd = f.as_raw_fd() };
+        NRT_SUCCESS
+    })
+}
+
+/// The device files `tdrv_job_notify` handed out, by descriptor: what
+/// `tdrv_read_events` accepts (any other fd is `NRT_INVALID`, never read).
+fn event_files() -> MutexGuard<'static, HashMap<c_int, Weak<Device>>> {
+    static FILES: OnceLock<Mutex<HashMap<c_int, Weak<Device>>>> = OnceLock::new();
+    FILES
+        .get_or_init(|| Mutex::new(HashMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Asks for the job's completion event on its device file and returns
+/// that file's descriptor.
+///
+/// # Safety
+/// `fd` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_job_notify(
+    job: *mut tdrv_job_t,
+    user_data: u64,
+    fd: *mut c_int,
+) -> NRT_STATUS {
+    const F: &str = "tdrv_job_notify";
+    guard(F, || {
+        if fd.is_null() {
+            return fail(F, NRT_INVALID, "fd is NULL");
+        }
+        let h = tri!(submitted(F, job));
+        let dev = h.device();
+        if !dev.supports_events() {
+            return fail(
+                F,
+                NRT_FAILURE,
+                "the driver has no completion events (ABI < 1.4)",
+            );
+        }
+        if let Err(e) = dev.job_notify(h.id(), user_data) {
+            return status(F, Err(e.into()));
+        }
+        let raw = dev.as_fd().as_raw_fd();
+        let mut files = event_files();
+        files.retain(|_, d| d.strong_count() > 0);
+        files.insert(raw, Arc::downgrade(dev));
+        // SAFETY: non-null and writable per the contract.
+        unsafe { *fd = raw };
+        NRT_SUCCESS
+    })
+}
+
+/// Reads the ready completion events of a device file from
+/// `tdrv_job_notify`, without waiting.
+///
+/// # Safety
+/// `events` is NULL or has room for `max` events; `count` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_read_events(
+    fd: c_int,
+    events: *mut tdrv_job_event_t,
+    max: usize,
+    count: *mut usize,
+) -> NRT_STATUS {
+    const F: &str = "tdrv_read_events";
+    guard(F, || {
+        if count.is_null() || (events.is_null() && max > 0) {
+            return fail(F, NRT_INVALID, "events or count is NULL");
+        }
+        let dev = event_files().get(&fd).and_then(Weak::upgrade);
+        let Some(dev) = dev else {
+            return fail(F, NRT_INVALID, "not a device file from tdrv_job_notify");
+        };
+        let mut read = Vec::new();
+        let mut n = 0;
+        // At most `max`: the rest stays queued in the kernel for the next
+        // call (events are read in batches of up to 64).
+        while n < max {
+            read.clear();
+            let want = (max - n).min(64);
+            if let Err(e) = dev.read_events_max(&mut read, want) {
+                return status(F, Err(e.into()));
+            }
+            if read.is_empty() {
+                break;
+            }
+            for ev in &read {
+                let st = match ev.status {
+                    tdrv::sys::JobStatus::Failed(libc::ENODEV) => NRT_CLOSED,
+                    tdrv::sys::JobStatus::Failed(_) => NRT_HW_ERROR,
+                    _ => NRT_SUCCESS,
+                };
+                // SAFETY: `n < max`, and `events` has room for `max`.
+                unsafe {
+                    events.add(n).write(tdrv_job_event_t {
+                        user_data: ev.user_data,
+                        status: st,
+                    })
+                };
+                n += 1;
+            }
+        }
+        // SAFETY: non-null and writable per the contract.
+        unsafe { *count = n };
         NRT_SUCCESS
     })
 }

@@ -141,6 +141,14 @@ pub struct tdrv_job_t {
     _private: [u8; 0],
 }
 
+/// A completion event (`tdrv/job.h`, `tdrv_read_events`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct tdrv_job_event_t {
+    pub user_data: u64,
+    pub status: NRT_STATUS,
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct nrt_tensor_batch_op_t {

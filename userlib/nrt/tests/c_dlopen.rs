@@ -98,6 +98,8 @@ fn library_has_the_soname_and_only_the_nrt_exports() {
         "tdrv_job_submit",
         "tdrv_job_wait",
         "tdrv_job_get_fd",
+        "tdrv_job_notify",
+        "tdrv_read_events",
         "tdrv_job_free",
     ];
     want.sort();

@@ -84,6 +84,36 @@ NRT_STATUS tdrv_job_wait(tdrv_job_t *job, int64_t timeout_us);
 NRT_STATUS tdrv_job_get_fd(tdrv_job_t *job, int *fd);
 
 /*
+ * Completion events, on every kernel (also one without sync_file, where
+ * tdrv_job_request_fd cannot work): asks for one event when the submitted
+ * job ends (at once if it has), carrying user_data, and returns in *fd
+ * the descriptor of the job's device file. That fd polls readable
+ * (POLLIN) while events are ready: read them with tdrv_read_events. One fd
+ * per device serves all its jobs, so a program can wait for thousands of
+ * jobs with one poll entry. The fd belongs to the library: do not close
+ * or read it. Each call queues one event. NRT_INVALID before
+ * tdrv_job_submit; NRT_RESOURCE when 65,536 events wait to be read;
+ * NRT_FAILURE with a driver older than ABI 1.4; NRT_CLOSED if the device
+ * was removed.
+ */
+NRT_STATUS tdrv_job_notify(tdrv_job_t *job, uint64_t user_data, int *fd);
+
+/* An event read by tdrv_read_events. */
+typedef struct tdrv_job_event {
+	uint64_t user_data; /* what tdrv_job_notify was given */
+	NRT_STATUS status;  /* NRT_SUCCESS, NRT_HW_ERROR (the job failed), or
+			     * NRT_CLOSED (the device was removed) */
+} tdrv_job_event_t;
+
+/*
+ * Reads up to max ready events of fd (from tdrv_job_notify) into events,
+ * oldest first, without waiting; *count gets how many (0 when none is
+ * ready). Events not read stay for the next call. NRT_INVALID for an fd
+ * that is not one tdrv_job_notify returned, or NULL pointers.
+ */
+NRT_STATUS tdrv_read_events(int fd, tdrv_job_event_t *events, size_t max, size_t *count);
+
+/*
  * Frees the caller's handle and sets *job = NULL. A pointer that is not a
  * live job handle is logged and left alone.
  */

@@ -27,7 +27,7 @@
 
 #include "tap.h"
 
-#define PLAN 23
+#define PLAN 27
 /* A bound that only turns a hang into a failure. */
 #define HANG_US (60LL * 1000 * 1000)
 
@@ -171,6 +171,33 @@ int main(int argc, char **argv)
 		      "the fd job's copy ran");
 		check_status(nrt_tensor_check_output_completion(dst, 0, 2), NRT_SUCCESS,
 			     "the destination's output completion count is 2");
+	}
+	/* Completion events: every kernel. */
+	{
+		tdrv_job_t *job3 = NULL;
+		tdrv_job_event_t ev[4];
+		size_t n = 99;
+		struct pollfd p = { .events = POLLIN };
+
+		check_status(tdrv_job_notify(job, 1, NULL), NRT_INVALID,
+			     "tdrv_job_notify with a NULL fd pointer is NRT_INVALID");
+		check_status(tdrv_read_events(0, ev, 4, &n), NRT_INVALID,
+			     "tdrv_read_events of an fd tdrv_job_notify did not return is NRT_INVALID");
+		int ok = tdrv_job_create(&job3) == NRT_SUCCESS &&
+			 tdrv_job_add_copy(job3, src, 0, dst, 0, N) == NRT_SUCCESS &&
+			 tdrv_job_submit(job3) == NRT_SUCCESS &&
+			 tdrv_job_notify(job3, 0xabcdef, &p.fd) == NRT_SUCCESS && p.fd >= 0 &&
+			 poll(&p, 1, (int)(HANG_US / 1000)) == 1 && (p.revents & POLLIN);
+		check(ok, "a job's completion event makes its device fd poll readable");
+		n = 0;
+		ok = tdrv_read_events(p.fd, ev, 4, &n) == NRT_SUCCESS && n == 1 &&
+		     ev[0].user_data == 0xabcdef && ev[0].status == NRT_SUCCESS &&
+		     tdrv_read_events(p.fd, ev, 4, &n) == NRT_SUCCESS && n == 0;
+		if (!ok)
+			printf("# events: n=%zu user_data=%#llx status=%d\n", n,
+			       (unsigned long long)ev[0].user_data, ev[0].status);
+		check(ok, "tdrv_read_events returns the one event with its user_data and status, then none");
+		tdrv_job_free(&job3);
 	}
 	tdrv_job_t *freed = job;
 	tdrv_job_free(&job);
