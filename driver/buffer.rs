@@ -135,7 +135,9 @@ impl Backing {
     /// dma-buf is released later, by the module's release queue: releasing
     /// takes its reservation lock, which a job's completion (a dma-fence
     /// signalling path, where a buffer's last reference may go) must not
-    /// take. Unbind waits for those releases ([`Import::flush_releases`]).
+    /// take, nor any lock the completion takes (the registry's sweep lock,
+    /// which both callers hold). Unbind waits for those releases
+    /// ([`Import::flush_releases`]).
     fn release(self) {
         match self {
             Self::Imported { _import } => _import.release_later(),
@@ -659,8 +661,10 @@ impl Buffer {
     pub(crate) unsafe fn release_memory(&self) {
         let old = core::mem::replace(&mut *self.mem.lock(), MemState::Gone);
         if let MemState::Live(pieces) | MemState::Detached(pieces) = old {
-            // Freed outside the lock.
-            drop(pieces);
+            // Freed outside the memory lock; an import by the release queue
+            // (unbind holds the registry's sweep lock here, which a job's
+            // completion takes), which unbind flushes before it returns.
+            pieces.release();
         }
     }
 

@@ -12,7 +12,8 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, ok, open_device_or_skip, raw::Dev, wait::until_asleep_in, Tap,
+    channel_usage, desc, expect_eq, expect_err, ok, open_device_or_skip, raw::Dev,
+    wait::until_asleep_in, wait_usage, Tap,
 };
 use tdrv_uapi::*;
 
@@ -102,7 +103,7 @@ fn interrupt_next_wait() -> std::thread::JoinHandle<Result<(), String>> {
 
 fn main() {
     let (dev, path, version) = open_device_or_skip("/dev/tdrv0", None);
-    let mut t = Tap::new(20);
+    let mut t = Tap::new(21);
     t.note(format!("device {path}: kind {}", version.device_kind));
     // The edu engine moves ~4 KiB per 0.2 s of virtual time: "large" jobs
     // are smaller there, so the suite stays quick without losing coverage
@@ -923,6 +924,30 @@ fn main() {
                 ok("free", dev.free(h))?;
             }
             Ok(())
+        },
+    );
+
+    t.run(
+        "a job holding the last references to its buffers frees them when it ends",
+        || -> R {
+            // The engine's completion path (an interrupt thread on edu and
+            // sim) then releases the memory: the debug kernel's lockdep
+            // checks that path against the dma-fence rules.
+            let channels = version.num_channels;
+            let before = channel_usage(&dev, channels)?;
+            let node = path.trim_start_matches("/dev/");
+            let inject = format!("/sys/kernel/debug/tdrv/{node}/inject");
+            let a = ok("alloc", dev.alloc(4096, 0))?;
+            let b = ok("alloc", dev.alloc(4096, 0))?;
+            std::fs::write(&inject, "hold_job").map_err(|e| format!("hold_job: {e}"))?;
+            let id = dev.submit(&[desc(a.handle, 0, b.handle, 0, 4096)]);
+            let freed = dev.free(a.handle).and_then(|()| dev.free(b.handle));
+            std::fs::write(&inject, "release").map_err(|e| format!("release: {e}"))?;
+            let id = ok("submit", id)?;
+            ok("free while the job is held", freed)?;
+            wait_done(&dev, id)?;
+            // JOB_WAIT reports a job after it let go of its buffers.
+            wait_usage(&dev, &before, std::time::Duration::ZERO).map(drop)
         },
     );
 
