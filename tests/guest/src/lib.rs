@@ -353,6 +353,28 @@ pub fn stat(node: &str, key: &str) -> Result<u64, String> {
     device_stat(node, key).ok_or_else(|| format!("no {key} in the stats of {node}"))
 }
 
+/// Waits (at most `limit`) until every job submitted to the device at
+/// `node` has ended, as its debugfs statistics count them.
+pub fn all_jobs_ended(node: &str, limit: std::time::Duration) -> Result<(), String> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let submitted = stat(node, "jobs_submitted")?;
+        let ended = stat(node, "jobs_completed")?
+            + stat(node, "jobs_failed")?
+            + stat(node, "jobs_cancelled")?;
+        if ended == submitted {
+            return Ok(());
+        }
+        if t0.elapsed() > limit {
+            return Err(format!(
+                "{} of {submitted} jobs still running",
+                submitted - ended
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// A child process holding its own mapping of a buffer (mappings are not
 /// inherited: DONTCOPY), for tests of what unbind does to mappings. On request it reads the mapping and exits 0; if
 /// the pages are gone it dies of SIGBUS instead.

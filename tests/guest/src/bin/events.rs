@@ -20,7 +20,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, ok, open_device_or_skip,
+    all_jobs_ended, desc, expect_eq, expect_err, ok, open_device_or_skip,
     raw::{errno, Dev},
     sync::poll_in,
     Tap,
@@ -61,21 +61,23 @@ impl Drop for Hold<'_> {
     }
 }
 
-/// Waits until every job submitted to the device has ended (so that an
-/// injected failure hits the next job submitted, not an older one).
-fn all_jobs_ended(path: &str) -> R {
-    let t0 = Instant::now();
-    loop {
-        let stat = |k| tdrv_guest_tests::stat(path, k);
-        let submitted = stat("jobs_submitted")?;
-        let ended = stat("jobs_completed")? + stat("jobs_failed")? + stat("jobs_cancelled")?;
-        if ended == submitted {
-            return Ok(());
-        }
-        if t0.elapsed() > HANG {
-            return Err(format!("{} jobs still running", submitted - ended));
-        }
-        thread::sleep(Duration::from_millis(20));
+/// Waits (at most `HANG`) until the file has an event ready.
+fn wait_readable(dev: &Dev) -> R {
+    if ok("poll", poll_in(dev.fd(), HANG.as_millis() as i32))? {
+        Ok(())
+    } else {
+        Err(format!("no event within {HANG:?}"))
+    }
+}
+
+/// Each engine's injectable job failure and the errno it ends the job
+/// with: EIO from soft and sim, the edu watchdog's ETIMEDOUT for a
+/// stalled chunk.
+fn failure_injection(kind: u32) -> (&'static str, i32) {
+    if kind == TDRV_DEVICE_EDU {
+        ("stall", libc::ETIMEDOUT)
+    } else {
+        ("fail_job", libc::EIO)
     }
 }
 
@@ -442,9 +444,7 @@ fn main() {
                 drop(other);
                 (gated, fence)
             };
-            if !ok("poll", poll_in(dev.fd(), HANG.as_millis() as i32))? {
-                return Err("no event".into());
-            }
+            wait_readable(&dev)?;
             drop(fence);
             expect_event(&read_one(&dev)?, gated, 4, -libc::ECANCELED)
         });
@@ -484,9 +484,7 @@ fn main() {
                 0,
             )?;
             drop(hold);
-            if !ok("poll", poll_in(dev.fd(), HANG.as_millis() as i32))? {
-                return Err("no event".into());
-            }
+            wait_readable(&dev)?;
             expect_event(&read_one(&dev)?, id, 5, 0)
         },
     );
@@ -521,7 +519,7 @@ fn main() {
             )?;
             // Cancelling the held job ended the hold: hold again.
             drop(hold);
-            all_jobs_ended(&path)?;
+            all_jobs_ended(&path, HANG)?;
             let hold = Hold::new(&path)?;
             // And a plain close with events asked for, while held.
             let own = ok("open", Dev::open(&path))?;
@@ -670,7 +668,7 @@ fn main() {
                 })])?
                 .remove(0),
             )?;
-            all_jobs_ended(&path)?;
+            all_jobs_ended(&path, HANG)?;
             let before = threads()?;
             let mut handles = Vec::new();
             {
@@ -709,21 +707,13 @@ fn main() {
     }
 
     t.run("a failed job's event carries its errno", || -> R {
-        // Each engine's injected failure: EIO from soft and sim, the edu
-        // watchdog's ETIMEDOUT for a stalled chunk.
-        let (cmd, want) = if kind == TDRV_DEVICE_EDU {
-            ("stall", libc::ETIMEDOUT)
-        } else {
-            ("fail_job", libc::EIO)
-        };
+        let (cmd, want) = failure_injection(kind);
         let d = pair(&dev)?;
-        all_jobs_ended(&path)?;
+        all_jobs_ended(&path, HANG)?;
         inject(&path, cmd)?;
         let id = ok("submit", dev.submit(&d))?;
         ok("notify", dev.job_notify(id, 3))?;
-        if !ok("poll", poll_in(dev.fd(), HANG.as_millis() as i32))? {
-            return Err("no event".into());
-        }
+        wait_readable(&dev)?;
         expect_event(&read_one(&dev)?, id, 3, -want)?;
         expect_eq(
             "job",
@@ -735,18 +725,14 @@ fn main() {
     t.run(
         "a failed job's awaited handle is JobFailed with its errno",
         || -> R {
-            let (cmd, want) = if kind == TDRV_DEVICE_EDU {
-                ("stall", libc::ETIMEDOUT)
-            } else {
-                ("fail_job", libc::EIO)
-            };
+            let (cmd, want) = failure_injection(kind);
             let d = tdrv::Device::open(&path).map_err(|err| format!("open: {err}"))?;
             let a = tdrv::Tensor::allocate_on(&d, 0, 4096, None)
                 .map_err(|err| format!("alloc: {err}"))?;
             let b = tdrv::Tensor::allocate_on(&d, 0, 4096, None)
                 .map_err(|err| format!("alloc: {err}"))?;
             engine_ready(&dev)?;
-            all_jobs_ended(&path)?;
+            all_jobs_ended(&path, HANG)?;
             let mut j = tdrv::Job::new();
             j.copy_all(&a, &b).map_err(|err| format!("copy: {err}"))?;
             inject(&path, cmd)?;

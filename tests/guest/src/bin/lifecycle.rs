@@ -16,7 +16,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, ok, open_device_or_skip,
+    all_jobs_ended, desc, expect_eq, expect_err, ok, open_device_or_skip,
     raw::{page_size, Dev},
     stat,
     sync::Timeline,
@@ -427,7 +427,7 @@ fn main() {
         t.run(name, || -> R {
             // A job of an earlier test may still be ending (a running edu
             // job stops at its next chunk).
-            all_jobs_ended(&path)?;
+            all_jobs_ended(&path, HANG)?;
             let base = ok("channel_info", dev.channel_info(0))?;
             let cancelled = stat(&path, "jobs_cancelled")?;
             let f1 = ok("open", Dev::open(&path))?;
@@ -1082,27 +1082,6 @@ impl Drop for Hold<'_> {
         if let Err(e) = inject(self.path, "release") {
             println!("# inject release: errno {e}");
         }
-    }
-}
-
-/// Waits until every job submitted to the device at `path` has ended.
-fn all_jobs_ended(path: &str) -> R {
-    let t0 = Instant::now();
-    loop {
-        let submitted = stat(path, "jobs_submitted")?;
-        let ended = stat(path, "jobs_completed")?
-            + stat(path, "jobs_failed")?
-            + stat(path, "jobs_cancelled")?;
-        if ended == submitted {
-            return Ok(());
-        }
-        if t0.elapsed() > HANG {
-            return Err(format!(
-                "{} of {submitted} jobs still running",
-                submitted - ended
-            ));
-        }
-        thread::sleep(Duration::from_millis(20));
     }
 }
 
