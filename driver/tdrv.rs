@@ -170,7 +170,12 @@ pub(crate) fn params() -> Result<Params> {
         edu::MIN_TIMEOUT_MS,
         600_000,
     );
-    let sim_timeout_ms = check_param("sim_timeout_ms", *m::sim_timeout_ms.value(), 100, 600_000);
+    let sim_timeout_ms = check_param(
+        "sim_timeout_ms",
+        *m::sim_timeout_ms.value(),
+        sim::MIN_TIMEOUT_MS,
+        sim::MAX_TIMEOUT_MS,
+    );
     let file_max_buffers = check_param(
         "file_max_buffers",
         *m::file_max_buffers.value(),

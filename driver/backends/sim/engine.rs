@@ -119,7 +119,9 @@ use super::{
         INJECT_STALL, //
     },
     SimHw,
-    SimMemory, //
+    SimMemory,
+    MAX_TIMEOUT_MS,
+    MIN_TIMEOUT_MS, //
 };
 use crate::{
     buffer::{
@@ -257,7 +259,9 @@ pub(crate) struct SimEngine {
     defer_work: Work<SimEngine>,
     #[pin]
     watchdog: DelayedWork<SimEngine, 1>,
-    timeout: Delta,
+    /// The watchdog's timeout in milliseconds: `sim_timeout_ms` at probe,
+    /// debugfs `inject` `watchdog_ms N` after.
+    timeout_ms: Atomic<u32>,
     /// A fault for the queue of the next op (`INJECT_*`), or 0.
     inject_next: Atomic<u32>,
     /// `INJECT_FAIL_NEXT` for the queue of the next job, or 0.
@@ -319,7 +323,7 @@ impl SimEngine {
                 deferred <- new_mutex!(List::new(), "SimEngine::deferred"),
                 defer_work <- new_work!("SimEngine::defer_work"),
                 watchdog <- new_delayed_work!("SimEngine::watchdog"),
-                timeout: Delta::from_millis(timeout_ms.into()),
+                timeout_ms: Atomic::new(timeout_ms),
                 inject_next: Atomic::new(0),
                 inject_next_job: Atomic::new(0),
                 polled: Atomic::new(0),
@@ -452,10 +456,12 @@ impl SimEngine {
             // (A held job waits for `release`, which schedules.)
             !s.pending.is_empty() && s.running.is_empty() && !s.hold.holding()
         };
+        let timeout_ms = self.timeout_ms.load(Relaxed);
+        let timeout = Delta::from_millis(timeout_ms.into());
         for q in self.queues.iter() {
             let _ending = q.ending.lock();
             let mut done = List::new();
-            match q.check(&self.hw, self.timeout, &mut done, &self.polled) {
+            match q.check(&self.hw, timeout, &mut done, &self.polled) {
                 Health::Idle => {}
                 Health::Busy => busy = true,
                 Health::Reset => {
@@ -464,7 +470,7 @@ impl SimEngine {
                     pr_warn!(
                         "tdrv-sim: queue {} made no progress for {} ms: reset, its jobs failed\n",
                         q.index,
-                        self.timeout.as_millis()
+                        timeout_ms
                     );
                 }
                 Health::Dead => {
@@ -472,7 +478,7 @@ impl SimEngine {
                     pr_err!(
                         "tdrv-sim: queue {} made no progress for {} ms and did not acknowledge its reset: dead, its jobs failed; the memory its descriptors name stays allocated until the device acknowledges\n",
                         q.index,
-                        self.timeout.as_millis()
+                        timeout_ms
                     );
                     if !self.queues.iter().any(|q| q.usable()) {
                         pr_err!("tdrv-sim: every queue is dead: the device takes no work until one acknowledges its reset\n");
@@ -1285,7 +1291,7 @@ impl Engine for SimBackend {
                 "hbm{ch}: free {free} largest_free {largest} free_ranges {ranges}"
             )?;
         }
-        Ok(())
+        writeln!(f, "watchdog_ms: {}", e.timeout_ms.load(Relaxed))
     }
 
     fn inject(&self, cmd: &[u8]) -> Result {
@@ -1303,6 +1309,24 @@ impl Engine for SimBackend {
             if s.hold.release() {
                 e.schedule(&mut s);
             }
+            return Ok(());
+        }
+        if word == Some(b"watchdog_ms".as_slice()) {
+            // The watchdog's timeout from now on, in the range of
+            // `sim_timeout_ms`: the test guests load tdrv with a long one,
+            // and the checks that make it fire shorten it.
+            let ms = words.next().ok_or(EINVAL)?;
+            if words.next().is_some() {
+                return Err(EINVAL);
+            }
+            let ms: u32 = core::str::from_utf8(ms)
+                .map_err(|_| EINVAL)?
+                .parse()
+                .map_err(|_| EINVAL)?;
+            if !(MIN_TIMEOUT_MS..=MAX_TIMEOUT_MS).contains(&ms) {
+                return Err(EINVAL);
+            }
+            e.timeout_ms.store(ms, Relaxed);
             return Ok(());
         }
         if word == Some(b"fail_job".as_slice()) {

@@ -34,6 +34,13 @@ mod hbm;
 mod queue;
 mod regs;
 
+/// Range of the watchdog's timeout (`sim_timeout_ms`, and debugfs
+/// `inject` `watchdog_ms`): below 100 ms a healthy queue behind a few
+/// 16 MiB descriptors would be reset.
+pub(crate) const MIN_TIMEOUT_MS: u32 = 100;
+/// Ten minutes: longer is no watchdog.
+pub(crate) const MAX_TIMEOUT_MS: u32 = 600_000;
+
 use kernel::{
     bindings,
     device::Core,

@@ -152,7 +152,7 @@ fn main() {
             // Held by the engine, so that all are still queued at close.
             // Without debugfs, sim: the jobs' queue is stalled (all 32 go to
             // one queue: they write the same buffer); the running ones end
-            // at the watchdog's reset (sim_timeout_ms, 2 s).
+            // at the watchdog's reset (sim_timeout_ms).
             let hold = match hold_reason {
                 None => Some(Hold::new(&path)?),
                 Some(_) => None,

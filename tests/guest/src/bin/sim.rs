@@ -23,7 +23,7 @@ use tdrv_guest_tests::{
     raw::Dev,
     stat,
     wait::{until_asleep_in, HANG},
-    MappedChild, Rng, Tap,
+    MappedChild, Rng, SimWatchdog, Tap,
 };
 use tdrv_uapi::*;
 
@@ -272,6 +272,7 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
     let mut u = Anon::new(len, 0x11)?;
     let u_pfns = u.pfns()?;
+    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "COPY_OUT on a queue that ignores its reset",
@@ -322,6 +323,7 @@ fn hung_queue_fills_no_freed_hbm(dev: &Dev, path: &str) -> R {
     let used = ok("channel_info", dev.channel_info(ch))?.used_bytes;
     expect_eq("bytes used in channel 1 before", used, 0)?;
     let a = ok("alloc", dev.alloc(len as u64, ch))?;
+    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "MEMSET on a queue that ignores its reset",
@@ -382,7 +384,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(21);
+    let mut t = Tap::new(22);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -573,6 +575,7 @@ fn main() {
             // the order, whatever the clocks: a job queued behind the
             // stalled one would have been failed with it (EIO) by the
             // reset, and the first never completed its copy (ETIMEDOUT).
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall")?;
             let slow = ok(
                 "submit",
@@ -619,6 +622,7 @@ fn main() {
             // another queue. Third: b -> d reads what the first writes and
             // writes what the second writes: it is held back while both
             // run, on different queues.
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall")?;
             let first = ok("submit", dev.submit(&[desc(a, 0, b, 0, 64 << 10)]))?;
             let second = ok("submit", dev.submit(&[desc(c, 0, d, 0, 64 << 10)]))?;
@@ -810,6 +814,7 @@ fn main() {
             let b = ok("alloc", dev.alloc(4096, 0))?;
             let c = ok("alloc", dev.alloc(4096, 0))?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[3; 4096]))?;
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall 0")?;
             // Queue 0 is the least loaded (all idle): the first job goes
             // there; the second reads its output, so it queues behind it.
@@ -876,6 +881,7 @@ fn main() {
             let mb = 1u64 << 20;
             let a = ok("alloc", other.alloc(16 * mb, 0))?;
             let b = ok("alloc", other.alloc(16 * mb, 0))?;
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall")?;
             // 512 MiB in 32 descriptors of 16 MiB (the device's largest):
             // with ring room for all of them, only 4 may be handed over.
@@ -940,6 +946,39 @@ fn main() {
         }
         Ok(())
     });
+
+    t.run(
+        "watchdog_ms: the stats show the loaded sim_timeout_ms; inject sets 100..=600000 and refuses the rest",
+        || -> R {
+            // (The test guests load tdrv with sim_timeout_ms in
+            // /etc/tdrv-params; elsewhere it is the default.)
+            let loaded = fs::read_to_string("/etc/tdrv-params")
+                .unwrap_or_default()
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("sim_timeout_ms=")?.parse::<u64>().ok())
+                .unwrap_or(SimWatchdog::DEFAULT_MS.into());
+            expect_eq("watchdog_ms as loaded", stat(&path, "watchdog_ms")?, loaded)?;
+            {
+                let _short = SimWatchdog::set(&path, 100)?;
+                let _long = SimWatchdog::set(&path, 600_000)?;
+                for bad in [
+                    "watchdog_ms 99",
+                    "watchdog_ms 600001",
+                    "watchdog_ms 4294967296",
+                    "watchdog_ms -1",
+                    "watchdog_ms",
+                    "watchdog_ms x",
+                    "watchdog_ms 2000 1",
+                ] {
+                    if inject(&path, bad).is_ok() {
+                        return Err(format!("inject {bad:?} accepted"));
+                    }
+                }
+                expect_eq("watchdog_ms after refused values", stat(&path, "watchdog_ms")?, 600_000)?;
+            }
+            expect_eq("watchdog_ms restored", stat(&path, "watchdog_ms")?, loaded)
+        },
+    );
 
     t.run(
         "HBM: exhaustion, then fragmentation (ENOMEM) and coalescing",
