@@ -6,13 +6,16 @@
 //! stray bits in reserved, pad and flags fields; argument structs re-encoded
 //! with smaller and larger sizes; random request numbers of the 0xD7 type;
 //! SUBMIT with random descriptor counts and strides; waits with timeouts of
-//! at most a few milliseconds. They also mmap and munmap at random offsets,
+//! at most a few milliseconds; JOB_NOTIFY on live, old and made-up job ids,
+//! and the completion events read back (RWF_NOWAIT, lengths around the
+//! event size, bad buffers) and polled. They also mmap and munmap at random offsets,
 //! lengths and protections and touch what was mapped, close files while
 //! other threads are in calls on them, and the main thread forks children
 //! that fuzz the same way and are SIGKILLed mid-flight.
 //!
 //! What must hold: no crash (a SIGBUS on a live mapping kills the program),
-//! every ioctl errno is one that `uapi/tdrv.h` documents, outputs agree with
+//! every ioctl errno is one that `uapi/tdrv.h` documents (read and poll:
+//! the ones it gives them), reads return whole, well-formed events, outputs agree with
 //! each other (BUF_INFO with ALLOC, no handle reused in a file, truncated or
 //! junk-tailed structs refused), every child ends by our SIGKILL, and once
 //! all files are closed and the children reaped every channel's used_bytes
@@ -80,6 +83,9 @@ enum Op {
     FenceWait,
     CompletionWait,
     CompletionReset,
+    JobNotify,
+    ReadEvents,
+    PollEvents,
     RandomNr,
     Mmap,
     Munmap,
@@ -89,7 +95,7 @@ enum Op {
     Dup,
 }
 
-const OPS: [Op; 21] = [
+const OPS: [Op; 24] = [
     Op::Version,
     Op::ChannelInfo,
     Op::Alloc,
@@ -104,6 +110,9 @@ const OPS: [Op; 21] = [
     Op::FenceWait,
     Op::CompletionWait,
     Op::CompletionReset,
+    Op::JobNotify,
+    Op::ReadEvents,
+    Op::PollEvents,
     Op::RandomNr,
     Op::Mmap,
     Op::Munmap,
@@ -112,6 +121,16 @@ const OPS: [Op; 21] = [
     Op::Close,
     Op::Dup,
 ];
+
+/// Whether `fd` is /dev/null: what a worker's descriptor refers to once
+/// another worker closed its file (see `close_file`).
+fn is_dev_null(fd: i32) -> bool {
+    // SAFETY: fstat writes one stat struct, a live local.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let rc = unsafe { libc::fstat(fd, &mut st) };
+    rc == 0 && st.st_rdev == libc::makedev(1, 3)
+}
 
 /// Errno slots of the histogram (index 0 counts successes).
 const ERRNOS: usize = 160;
@@ -629,7 +648,7 @@ impl<'a> Worker<'a> {
     fn one(&mut self) {
         let edu = self.ctx.prof.edu;
         // Weights per operation (edu: fewer jobs; see Profile::desc_budget).
-        let weights: [(Op, u64); 21] = [
+        let weights: [(Op, u64); 24] = [
             (Op::Version, 1),
             (Op::ChannelInfo, 2),
             (Op::Alloc, 12),
@@ -644,6 +663,9 @@ impl<'a> Worker<'a> {
             (Op::FenceWait, 5),
             (Op::CompletionWait, 5),
             (Op::CompletionReset, 2),
+            (Op::JobNotify, 4),
+            (Op::ReadEvents, 3),
+            (Op::PollEvents, 2),
             (Op::RandomNr, 4),
             (Op::Mmap, 5),
             (Op::Munmap, 3),
@@ -890,6 +912,70 @@ impl<'a> Worker<'a> {
         self.ctx.shared.record(Op::Touch, Ok(()));
     }
 
+    /// read(2) of completion events, RWF_NOWAIT (a fuzzer never blocks
+    /// without a bound): whole events or EAGAIN; lengths around the event
+    /// size and bad buffers.
+    fn read_events(&mut self, fd: i32) {
+        let ev = size_of::<tdrv_event>();
+        let len = match self.rng.below(8) {
+            0 => self.rng.below(ev as u64) as usize,
+            1 => ev + 1 + self.rng.below(ev as u64 - 1) as usize,
+            2 => self.scratch.len(),
+            _ => ev * (1 + self.rng.below(8) as usize),
+        }
+        .min(self.scratch.len());
+        let base = match self.rng.below(20) {
+            0 => 0,
+            1 => 0xffff_ffff_8100_0000,
+            _ => self.scratch.as_mut_ptr() as u64,
+        };
+        let iov = libc::iovec {
+            iov_base: base as *mut libc::c_void,
+            iov_len: len,
+        };
+        // SAFETY: the kernel writes at most `len` bytes at `base`, which is
+        // the scratch buffer (of at least `len` bytes) or an address it
+        // must refuse with EFAULT.
+        let rc = unsafe { libc::preadv2(fd, &iov, 1, -1, libc::RWF_NOWAIT) };
+        let r = if rc < 0 { Err(errno()) } else { Ok(()) };
+        self.ctx.shared.record(Op::ReadEvents, r);
+        match r {
+            // (/dev/null, standing in for a closed file, has no RWF_NOWAIT.)
+            Err(libc::EOPNOTSUPP) if is_dev_null(fd) => {}
+            Err(e) => self.check_errno(
+                Op::ReadEvents,
+                0,
+                e,
+                &[libc::EAGAIN, libc::EINVAL, libc::EFAULT, libc::EINTR],
+            ),
+            // (0: a descriptor whose file was closed meanwhile, /dev/null.)
+            Ok(()) if rc == 0 => {}
+            Ok(()) => {
+                let n = rc as usize;
+                if len < ev || !n.is_multiple_of(ev) || n > len / ev * ev {
+                    self.violation(format!(
+                        "read of {len} bytes returned {n} (events are {ev})"
+                    ));
+                    return;
+                }
+                for chunk in self.scratch[..n].chunks_exact(ev) {
+                    let kind = u32::from_ne_bytes(chunk[0..4].try_into().unwrap());
+                    let status = i32::from_ne_bytes(chunk[4..8].try_into().unwrap());
+                    let job = u64::from_ne_bytes(chunk[8..16].try_into().unwrap());
+                    if kind != TDRV_EVENT_JOB_DONE
+                        || job == 0
+                        || status > 0
+                        || (status < 0 && !self.ctx.documented.contains(&-status))
+                    {
+                        self.violation(format!(
+                            "event read: type {kind} status {status} job {job}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
     fn remember_job(&self, file: &FileSlot, id: u64) {
         let mut st = file.st.lock().unwrap();
         if st.jobs.len() >= 32 {
@@ -1112,6 +1198,37 @@ impl<'a> Worker<'a> {
                 }
             }
             Op::Submit => self.submit(fd, file),
+            Op::JobNotify => {
+                let mut n = tdrv_job_notify {
+                    job_id: self.job_id(file),
+                    user_data: self.rng.next_u64(),
+                    ..Default::default()
+                };
+                self.stray64(&mut [&mut n.reserved[..]]);
+                let _ = self.send(fd, op, TDRV_IOC_JOB_NOTIFY, &mut n);
+            }
+            Op::ReadEvents => self.read_events(fd),
+            Op::PollEvents => {
+                let mut p = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN | libc::POLLRDNORM | libc::POLLOUT,
+                    revents: 0,
+                };
+                let ms = self.rng.below(4) as i32;
+                // SAFETY: one live pollfd.
+                let rc = unsafe { libc::poll(&mut p, 1, ms) };
+                let r = if rc < 0 { Err(errno()) } else { Ok(()) };
+                self.ctx.shared.record(op, r);
+                if let Err(e) = r {
+                    self.check_errno(op, 0, e, &[libc::EINTR]);
+                }
+                // Only readiness for events (a descriptor whose file was
+                // closed meanwhile is /dev/null, ready for anything).
+                let ours = libc::POLLIN | libc::POLLRDNORM;
+                if rc > 0 && p.revents & !ours != 0 && !is_dev_null(fd) {
+                    self.violation(format!("poll of a tdrv file: revents {:#x}", p.revents));
+                }
+            }
             Op::JobWait => {
                 let mut w = tdrv_job_wait {
                     job_id: self.job_id(file),
