@@ -6,9 +6,12 @@
 
 pub mod bail;
 pub mod dmabuf;
+pub mod inject;
 pub mod raw;
 pub mod sync;
 pub mod wait;
+
+pub use inject::{failure_injection, inject, Hold, SimWatchdog};
 
 use std::fmt::Display;
 
@@ -351,50 +354,6 @@ pub fn desc(
 /// One counter of a device's debugfs statistics, with an error naming it.
 pub fn stat(node: &str, key: &str) -> Result<u64, String> {
     device_stat(node, key).ok_or_else(|| format!("no {key} in the stats of {node}"))
-}
-
-/// The sim device's watchdog timeout set for as long as this lives, then
-/// back to what it was (debugfs `inject`: `watchdog_ms N`; the value is
-/// the `watchdog_ms` line of the stats).
-///
-/// The test guests load tdrv with a long `sim_timeout_ms` (60 s,
-/// `scripts/guest`): a host too busy to run `tdrv-sim` for a while then
-/// slows a check down instead of failing it through a reset. The checks
-/// that make the watchdog fire (stalls, hangs) take the product's
-/// default, 2 s, with this.
-pub struct SimWatchdog {
-    inject: String,
-    restore: u64,
-}
-
-impl SimWatchdog {
-    /// The product's default timeout, `sim_timeout_ms`.
-    pub const DEFAULT_MS: u32 = 2000;
-
-    /// Sets the watchdog of the sim device at `node` to `ms`.
-    pub fn set(node: &str, ms: u32) -> Result<Self, String> {
-        let restore = stat(node, "watchdog_ms")?;
-        let inject = format!(
-            "/sys/kernel/debug/tdrv/{}/inject",
-            node.rsplit('/').next().unwrap_or(node)
-        );
-        std::fs::write(&inject, format!("watchdog_ms {ms}"))
-            .map_err(|e| format!("inject watchdog_ms {ms}: {e}"))?;
-        expect_eq(
-            "watchdog_ms after setting it",
-            stat(node, "watchdog_ms")?,
-            u64::from(ms),
-        )?;
-        Ok(SimWatchdog { inject, restore })
-    }
-}
-
-impl Drop for SimWatchdog {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::write(&self.inject, format!("watchdog_ms {}", self.restore)) {
-            println!("# could not restore watchdog_ms {}: {e}", self.restore);
-        }
-    }
 }
 
 /// Waits (at most `limit`) until every job submitted to the device at

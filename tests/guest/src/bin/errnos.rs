@@ -24,7 +24,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, ok, open_device_or_skip,
+    desc, expect_eq, expect_err, failure_injection, ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     sync::Timeline,
     HangGuard, Tap,
@@ -576,14 +576,7 @@ fn main() {
     t.run(
         "COPY from a buffer a failed job left undefined is EIO and leaves the destination",
         || -> R {
-            // Each engine's fault injection: the software and sim engines
-            // fail the next job with EIO, edu's stuck chunk ends it with
-            // ETIMEDOUT (after the watchdog).
-            let (cmd, want) = if edu {
-                ("stall", libc::ETIMEDOUT)
-            } else {
-                ("fail_job", libc::EIO)
-            };
+            let (cmd, want) = failure_injection(edu);
             let (a, b, _) = pair(&dev, pg, 9)?;
             let (c, _, data_c) = pair(&dev, pg, 10)?;
             if !inject(&node, cmd)? {

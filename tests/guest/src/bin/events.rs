@@ -20,10 +20,11 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    all_jobs_ended, desc, expect_eq, expect_err, ok, open_device_or_skip,
+    all_jobs_ended, desc, expect_eq, expect_err, failure_injection, inject, ok,
+    open_device_or_skip,
     raw::{errno, Dev},
     sync::poll_in,
-    Tap,
+    Hold, Tap,
 };
 use tdrv_uapi::*;
 
@@ -37,47 +38,12 @@ const HANG: Duration = Duration::from_secs(120);
 const JOBS_PER_FILE: usize = 1000;
 const FILES: usize = 10;
 
-fn inject(path: &str, cmd: &str) -> R {
-    let node = path.trim_start_matches("/dev/");
-    fs::write(format!("/sys/kernel/debug/tdrv/{node}/inject"), cmd)
-        .map_err(|e| format!("inject {cmd}: {e}"))
-}
-
-/// The engine holds every job from the next one on until dropped.
-struct Hold<'a>(&'a str);
-
-impl<'a> Hold<'a> {
-    fn new(path: &'a str) -> Result<Self, String> {
-        inject(path, "hold_job")?;
-        Ok(Hold(path))
-    }
-}
-
-impl Drop for Hold<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = inject(self.0, "release") {
-            println!("# {e}");
-        }
-    }
-}
-
 /// Waits (at most `HANG`) until the file has an event ready.
 fn wait_readable(dev: &Dev) -> R {
     if ok("poll", poll_in(dev.fd(), HANG.as_millis() as i32))? {
         Ok(())
     } else {
         Err(format!("no event within {HANG:?}"))
-    }
-}
-
-/// Each engine's injectable job failure and the errno it ends the job
-/// with: EIO from soft and sim, the edu watchdog's ETIMEDOUT for a
-/// stalled chunk.
-fn failure_injection(kind: u32) -> (&'static str, i32) {
-    if kind == TDRV_DEVICE_EDU {
-        ("stall", libc::ETIMEDOUT)
-    } else {
-        ("fail_job", libc::EIO)
     }
 }
 
@@ -707,7 +673,7 @@ fn main() {
     }
 
     t.run("a failed job's event carries its errno", || -> R {
-        let (cmd, want) = failure_injection(kind);
+        let (cmd, want) = failure_injection(kind == TDRV_DEVICE_EDU);
         let d = pair(&dev)?;
         all_jobs_ended(&path, HANG)?;
         inject(&path, cmd)?;
@@ -725,7 +691,7 @@ fn main() {
     t.run(
         "a failed job's awaited handle is JobFailed with its errno",
         || -> R {
-            let (cmd, want) = failure_injection(kind);
+            let (cmd, want) = failure_injection(kind == TDRV_DEVICE_EDU);
             let d = tdrv::Device::open(&path).map_err(|err| format!("open: {err}"))?;
             let a = tdrv::Tensor::allocate_on(&d, 0, 4096, None)
                 .map_err(|err| format!("alloc: {err}"))?;

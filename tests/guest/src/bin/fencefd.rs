@@ -20,7 +20,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    channel_usage, desc, expect_eq, expect_err, ok, open_device_or_skip,
+    channel_usage, desc, expect_eq, expect_err, failure_injection, inject, ok, open_device_or_skip,
     raw::{errno, Dev},
     sync::{file_info, poll_in, Timeline},
     wait_usage, Tap,
@@ -80,12 +80,6 @@ fn check_copied(dev: &Dev, b: &tdrv_alloc, data: &[u8]) -> R {
     let mut out = vec![0u8; data.len()];
     ok("copy_out", dev.copy_out(b.handle, 0, &mut out))?;
     expect_eq("destination holds the source", out == data, true)
-}
-
-fn inject(path: &str, cmd: &str) -> R {
-    let node = path.trim_start_matches("/dev/");
-    fs::write(format!("/sys/kernel/debug/tdrv/{node}/inject"), cmd)
-        .map_err(|e| format!("inject {cmd}: {e}"))
 }
 
 /// SUBMIT until the engine takes jobs again (edu after a watchdog
@@ -439,14 +433,7 @@ fn main() {
     t.run(
         "a failed job's errno is its fence error, and a job gated on it fails with it unrun",
         || -> R {
-            // Each engine's fault injection: the software engine's injected
-            // failure ends a job with EIO, edu's stuck chunk with ETIMEDOUT
-            // (after the watchdog).
-            let (cmd, want) = if edu {
-                ("stall", libc::ETIMEDOUT)
-            } else {
-                ("fail_job", libc::EIO)
-            };
+            let (cmd, want) = failure_injection(edu);
             let (a, b, _) = pair(&dev, 4096, 12)?;
             let (c, e, _) = pair(&dev, 4096, 13)?;
             ok("memset", dev.memset(e.handle, 0, 4096, 0x5a))?;

@@ -16,12 +16,14 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    all_jobs_ended, desc, expect_eq, expect_err, ok, open_device_or_skip,
+    all_jobs_ended, desc, expect_eq, expect_err,
+    inject::inject_file,
+    ok, open_device_or_skip,
     raw::{page_size, Dev},
     stat,
     sync::Timeline,
     wait::{until, until_asleep_in, HANG},
-    Tap,
+    Hold, Tap,
 };
 use tdrv_uapi::*;
 
@@ -1044,45 +1046,10 @@ fn stall_next(path: &str) -> R {
     ok("inject stall", inject(path, "stall"))
 }
 
-/// The debugfs fault-injection file of device node `path`.
-fn inject_file(path: &str) -> String {
-    format!(
-        "/sys/kernel/debug/tdrv/{}/inject",
-        path.trim_start_matches("/dev/")
-    )
-}
-
-/// Writes a fault-injection command for the device at `path`.
+/// Writes a fault-injection command for the device at `path`; the errno
+/// if it is refused.
 fn inject(path: &str, cmd: &str) -> Result<(), i32> {
     fs::write(inject_file(path), cmd).map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
-}
-
-/// The device's engine holding jobs (debugfs `inject`: `hold_job`): the
-/// next job it would start stays queued, and so does every later one,
-/// until this is dropped (`release`).
-struct Hold<'a> {
-    path: &'a str,
-}
-
-impl<'a> Hold<'a> {
-    fn new(path: &'a str) -> Result<Self, String> {
-        ok("inject hold_job", inject(path, "hold_job"))?;
-        Ok(Hold { path })
-    }
-
-    /// Why the engine cannot be held here, if it cannot.
-    fn unavailable(path: &str) -> Option<String> {
-        let file = inject_file(path);
-        (!std::path::Path::new(&file).exists()).then(|| format!("no {file} (debugfs)"))
-    }
-}
-
-impl Drop for Hold<'_> {
-    fn drop(&mut self) {
-        if let Err(e) = inject(self.path, "release") {
-            println!("# inject release: errno {e}");
-        }
-    }
 }
 
 /// The jobs the file of `dev` has queued, as its fdinfo says.

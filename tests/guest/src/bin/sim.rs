@@ -19,7 +19,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, ok, open_device_or_skip,
+    desc, expect_eq, expect_err, inject, ok, open_device_or_skip,
     raw::Dev,
     stat,
     wait::{until_asleep_in, HANG},
@@ -40,10 +40,6 @@ fn debugfs(node: &str) -> String {
         "/sys/kernel/debug/tdrv/{}",
         node.trim_start_matches("/dev/")
     )
-}
-
-fn inject(node: &str, cmd: &str) -> R {
-    fs::write(format!("{}/inject", debugfs(node)), cmd).map_err(|e| format!("inject {cmd}: {e}"))
 }
 
 /// One number per queue from the debugfs `queueN: ...` lines: the value

@@ -12,7 +12,7 @@ use tdrv::sys::FenceKind;
 use tdrv::{
     Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError, Tensor, WriteOp,
 };
-use tdrv_guest_tests::{expect_eq, Tap};
+use tdrv_guest_tests::{expect_eq, failure_injection, inject, Tap};
 
 type R = Result<(), String>;
 /// A named check of this program.
@@ -362,14 +362,8 @@ fn copy_host_round_trip(c: &Ctx) -> R {
 /// none waits for ever or returns stale bytes; a write clears it.
 fn failed_job(c: &Ctx, t: &mut Tap) {
     const NAME: &str = "a failed job is an error for every reader and waiter";
-    // Each engine's fault injection: edu's stuck chunk ends its job with
-    // ETIMEDOUT, the software engine's injected failure with EIO.
     let edu = c.dev.kind() == tdrv::DeviceKind::Edu;
-    let (inject, want) = if edu {
-        ("stall", libc::ETIMEDOUT)
-    } else {
-        ("fail_job", libc::EIO)
-    };
+    let (fault, want) = failure_injection(edu);
     let node = c.path.trim_start_matches("/dev/").to_string();
     let body = || -> R {
         let size = 8192;
@@ -378,8 +372,7 @@ fn failed_job(c: &Ctx, t: &mut Tap) {
         let data = pattern(size, 0x17);
         e("write", src.write(0, &data))?;
         e("write", dst.write(0, &[0xEE; 8192]))?;
-        std::fs::write(format!("/sys/kernel/debug/tdrv/{node}/inject"), inject)
-            .map_err(|err| format!("inject {inject}: {err}"))?;
+        inject(&node, fault)?;
         let h = e(
             "submit",
             Job::new().copy_all(&src, &dst).and_then(|j| j.submit()),
