@@ -9,6 +9,7 @@
  */
 
 #include <linux/capability.h>
+#include <linux/moduleparam.h>
 #include <linux/device.h>
 #include <linux/miscdevice.h>
 #include <linux/sysfs.h>
@@ -292,4 +293,66 @@ bool tdrv_kiocb_nowait(const struct kiocb *iocb)
 void tdrv_file_allow_nowait(struct file *file)
 {
 	file->f_mode |= FMODE_NOWAIT;
+}
+
+/*
+ * The module parameters. They are declared in C rather than in Rust's
+ * module! because a C parameter given twice takes its last value, as
+ * admins expect when an option is both in /etc/modprobe.d and on the
+ * modprobe command line; 7.2's Rust parameters refuse a second value
+ * (EEXIST), which fails the load. Read-only in sysfs (0444): nothing
+ * writes them after the load, so tdrv_params_get() needs no lock.
+ * The ranges are checked by the Rust side (tdrv.rs: params()).
+ */
+static unsigned int tdrv_param_soft_devices = 1;
+module_param_named(soft_devices, tdrv_param_soft_devices, uint, 0444);
+MODULE_PARM_DESC(soft_devices, "Number of software devices to create (0-4)");
+static unsigned int tdrv_param_channels = 2;
+module_param_named(channels, tdrv_param_channels, uint, 0444);
+MODULE_PARM_DESC(channels, "HBM channels per device (1-16)");
+static unsigned int tdrv_param_channel_mib = 64;
+module_param_named(channel_mib, tdrv_param_channel_mib, uint, 0444);
+MODULE_PARM_DESC(channel_mib, "Byte limit of each channel, in MiB (1-4096)");
+static unsigned int tdrv_param_edu_dma_bits = 28;
+module_param_named(edu_dma_bits, tdrv_param_edu_dma_bits, uint, 0444);
+MODULE_PARM_DESC(edu_dma_bits, "DMA mask width of edu devices in bits (24-64; 28 = QEMU's default; match -device edu,dma_mask=)");
+static unsigned int tdrv_param_edu_timeout_ms = 5000;
+module_param_named(edu_timeout_ms, tdrv_param_edu_timeout_ms, uint, 0444);
+MODULE_PARM_DESC(edu_timeout_ms, "Watchdog: time one edu DMA chunk may take before its job fails (200-600000; a chunk takes about 100 ms)");
+static unsigned int tdrv_param_sim_timeout_ms = 2000;
+module_param_named(sim_timeout_ms, tdrv_param_sim_timeout_ms, uint, 0444);
+MODULE_PARM_DESC(sim_timeout_ms, "Watchdog of sim devices: time a queue may make no progress before it is reset and its jobs fail (100-600000)");
+static unsigned int tdrv_param_file_max_buffers = 65536;
+module_param_named(file_max_buffers, tdrv_param_file_max_buffers, uint, 0444);
+MODULE_PARM_DESC(file_max_buffers, "Most live buffers one open file may hold (1-16777216); more is ENOSPC");
+static unsigned int tdrv_param_file_max_imports = 4096;
+module_param_named(file_max_imports, tdrv_param_file_max_imports, uint, 0444);
+MODULE_PARM_DESC(file_max_imports, "Most handles of foreign dma-buf imports one open file may hold (1-16777216); more is ENOSPC");
+static unsigned int tdrv_param_device_max_imports = 65536;
+module_param_named(device_max_imports, tdrv_param_device_max_imports, uint, 0444);
+MODULE_PARM_DESC(device_max_imports, "Most live buffers imported from foreign dma-bufs per device (1-16777216); more is ENOSPC");
+static unsigned int tdrv_param_file_max_mib = 4096;
+module_param_named(file_max_mib, tdrv_param_file_max_mib, uint, 0444);
+MODULE_PARM_DESC(file_max_mib, "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC");
+static unsigned int tdrv_param_file_max_jobs = 1024;
+module_param_named(file_max_jobs, tdrv_param_file_max_jobs, uint, 0444);
+MODULE_PARM_DESC(file_max_jobs, "Most unfinished jobs one open file may have (1-4095); more is EAGAIN");
+static unsigned int tdrv_param_file_max_inflight_mib = 1024;
+module_param_named(file_max_inflight_mib, tdrv_param_file_max_inflight_mib, uint, 0444);
+MODULE_PARM_DESC(file_max_inflight_mib, "Most MiB the unfinished jobs of one open file may move (1-1048576); more is EAGAIN, but a lone job always fits");
+
+void tdrv_params_get(struct tdrv_params *p)
+{
+	p->soft_devices = tdrv_param_soft_devices;
+	p->channels = tdrv_param_channels;
+	p->channel_mib = tdrv_param_channel_mib;
+	p->edu_dma_bits = tdrv_param_edu_dma_bits;
+	p->edu_timeout_ms = tdrv_param_edu_timeout_ms;
+	p->sim_timeout_ms = tdrv_param_sim_timeout_ms;
+	p->file_max_buffers = tdrv_param_file_max_buffers;
+	p->file_max_imports = tdrv_param_file_max_imports;
+	p->device_max_imports = tdrv_param_device_max_imports;
+	p->file_max_mib = tdrv_param_file_max_mib;
+	p->file_max_jobs = tdrv_param_file_max_jobs;
+	p->file_max_inflight_mib = tdrv_param_file_max_inflight_mib;
 }

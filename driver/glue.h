@@ -36,6 +36,23 @@ const struct attribute_group **tdrv_node_groups_get(void);
 int tdrv_get_user_words(u64 *dst, const u64 __user *src, unsigned int words);
 int tdrv_put_user_words(u64 __user *dst, const u64 *src, unsigned int words);
 
+/* The module parameters as loaded (glue.c); driver/glue.rs: ModParams. */
+struct tdrv_params {
+	u32 soft_devices;
+	u32 channels;
+	u32 channel_mib;
+	u32 edu_dma_bits;
+	u32 edu_timeout_ms;
+	u32 sim_timeout_ms;
+	u32 file_max_buffers;
+	u32 file_max_imports;
+	u32 device_max_imports;
+	u32 file_max_mib;
+	u32 file_max_jobs;
+	u32 file_max_inflight_mib;
+};
+void tdrv_params_get(struct tdrv_params *p);
+
 /* Implemented in Rust (node.rs). */
 u64 tdrv_node_busy_ns(struct miscdevice *misc);
 

@@ -14,6 +14,7 @@ use kernel::{
 
 mod ffi {
     extern "C" {
+        pub(super) fn tdrv_params_get(p: *mut super::ModParams);
         pub(super) fn tdrv_kaddr_to_pfn(addr: *const core::ffi::c_void) -> core::ffi::c_ulong;
         pub(super) fn tdrv_pages_alloc(size: usize, phys: *mut u64) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_pages_free(addr: *mut core::ffi::c_void, size: usize);
@@ -51,6 +52,37 @@ mod ffi {
             words: core::ffi::c_uint,
         ) -> core::ffi::c_int;
     }
+}
+
+/// The module parameters as the module was loaded with them, declared in
+/// `glue.c` (where a parameter given twice takes its last value). Same
+/// layout as `struct tdrv_params` in `glue.h`; unchecked (see
+/// `crate::params`).
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct ModParams {
+    pub(crate) soft_devices: u32,
+    pub(crate) channels: u32,
+    pub(crate) channel_mib: u32,
+    pub(crate) edu_dma_bits: u32,
+    pub(crate) edu_timeout_ms: u32,
+    pub(crate) sim_timeout_ms: u32,
+    pub(crate) file_max_buffers: u32,
+    pub(crate) file_max_imports: u32,
+    pub(crate) device_max_imports: u32,
+    pub(crate) file_max_mib: u32,
+    pub(crate) file_max_jobs: u32,
+    pub(crate) file_max_inflight_mib: u32,
+}
+
+/// Reads the module parameters.
+pub(crate) fn module_params() -> ModParams {
+    let mut p = ModParams::default();
+    // SAFETY: `p` is a valid, writable `struct tdrv_params` (same layout,
+    // `repr(C)`). The C side only reads the parameter variables, which are
+    // written by the module loader before init and are read-only in sysfs.
+    unsafe { ffi::tdrv_params_get(&mut p) };
+    p
 }
 
 /// A block of zeroed, physically contiguous system pages, for memory that no

@@ -76,56 +76,6 @@ module! {
     authors: ["tdrv developers"],
     description: "tdrv accelerator driver: DMA buffers, copy engines, fences",
     license: "GPL",
-    params: {
-        soft_devices: u32 {
-            default: 1,
-            description: "Number of software devices to create (0-4)",
-        },
-        channels: u32 {
-            default: 2,
-            description: "HBM channels per device (1-16)",
-        },
-        channel_mib: u32 {
-            default: 64,
-            description: "Byte limit of each channel, in MiB (1-4096)",
-        },
-        edu_dma_bits: u32 {
-            default: 28,
-            description: "DMA mask width of edu devices in bits (24-64; 28 = QEMU's default; match -device edu,dma_mask=)",
-        },
-        edu_timeout_ms: u32 {
-            default: 5000,
-            description: "Watchdog: time one edu DMA chunk may take before its job fails (200-600000; a chunk takes about 100 ms)",
-        },
-        sim_timeout_ms: u32 {
-            default: 2000,
-            description: "Watchdog of sim devices: time a queue may make no progress before it is reset and its jobs fail (100-600000)",
-        },
-        file_max_buffers: u32 {
-            default: 65536,
-            description: "Most live buffers one open file may hold (1-16777216); more is ENOSPC",
-        },
-        file_max_imports: u32 {
-            default: 4096,
-            description: "Most handles of foreign dma-buf imports one open file may hold (1-16777216); more is ENOSPC",
-        },
-        device_max_imports: u32 {
-            default: 65536,
-            description: "Most live buffers imported from foreign dma-bufs per device (1-16777216); more is ENOSPC",
-        },
-        file_max_mib: u32 {
-            default: 4096,
-            description: "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC",
-        },
-        file_max_jobs: u32 {
-            default: 1024,
-            description: "Most unfinished jobs one open file may have (1-4095); more is EAGAIN",
-        },
-        file_max_inflight_mib: u32 {
-            default: 1024,
-            description: "Most MiB the unfinished jobs of one open file may move (1-1048576); more is EAGAIN, but a lone job always fits",
-        },
-    },
 }
 
 /// Most software devices, leaving device numbers for hardware.
@@ -157,53 +107,53 @@ fn check_param(name: &str, value: u32, min: u32, max: u32) -> Result<u32> {
 /// Reads and range-checks the module parameters. Every parameter is
 /// checked (and every bad one logged) before the first error is returned.
 pub(crate) fn params() -> Result<Params> {
-    use module_parameters as m;
+    let m = glue::module_params();
     const _: () = assert!(handle::MAX_HANDLES <= u32::MAX as usize);
     // All checked first, so that every bad parameter is logged.
-    let soft_devices = check_param("soft_devices", *m::soft_devices.value(), 0, MAX_SOFT_DEVICES);
-    let channels = check_param("channels", *m::channels.value(), 1, 16);
-    let channel_mib = check_param("channel_mib", *m::channel_mib.value(), 1, 4096);
-    let edu_dma_bits = check_param("edu_dma_bits", *m::edu_dma_bits.value(), 24, 64);
+    let soft_devices = check_param("soft_devices", m.soft_devices, 0, MAX_SOFT_DEVICES);
+    let channels = check_param("channels", m.channels, 1, 16);
+    let channel_mib = check_param("channel_mib", m.channel_mib, 1, 4096);
+    let edu_dma_bits = check_param("edu_dma_bits", m.edu_dma_bits, 24, 64);
     let edu_timeout_ms = check_param(
         "edu_timeout_ms",
-        *m::edu_timeout_ms.value(),
+        m.edu_timeout_ms,
         edu::MIN_TIMEOUT_MS,
         600_000,
     );
     let sim_timeout_ms = check_param(
         "sim_timeout_ms",
-        *m::sim_timeout_ms.value(),
+        m.sim_timeout_ms,
         sim::MIN_TIMEOUT_MS,
         sim::MAX_TIMEOUT_MS,
     );
     let file_max_buffers = check_param(
         "file_max_buffers",
-        *m::file_max_buffers.value(),
+        m.file_max_buffers,
         1,
         handle::MAX_HANDLES as u32,
     );
-    let file_max_mib = check_param("file_max_mib", *m::file_max_mib.value(), 1, 1 << 20);
+    let file_max_mib = check_param("file_max_mib", m.file_max_mib, 1, 1 << 20);
     let file_max_jobs = check_param(
         "file_max_jobs",
-        *m::file_max_jobs.value(),
+        m.file_max_jobs,
         1,
         job::JOB_WINDOW as u32 - 1,
     );
     let file_max_inflight_mib = check_param(
         "file_max_inflight_mib",
-        *m::file_max_inflight_mib.value(),
+        m.file_max_inflight_mib,
         1,
         1 << 20,
     );
     let file_max_imports = check_param(
         "file_max_imports",
-        *m::file_max_imports.value(),
+        m.file_max_imports,
         1,
         handle::MAX_HANDLES as u32,
     );
     let device_max_imports = check_param(
         "device_max_imports",
-        *m::device_max_imports.value(),
+        m.device_max_imports,
         1,
         handle::MAX_HANDLES as u32,
     );

@@ -200,7 +200,7 @@ fn main() {
             "1-1048576",
         ),
     ];
-    let mut t = Tap::new(bad.len() + 10);
+    let mut t = Tap::new(bad.len() + 11);
 
     for (name, low, high, range) in bad {
         t.run(
@@ -235,8 +235,41 @@ fn main() {
         || -> R { refused(&mut kmsg, "channels=two", &["channels".into()]) },
     );
 
-    // The guest's own parameters, but the caps and mask of this program
-    // (a parameter may be given only once).
+    // An option in /etc/modprobe.d and again on the modprobe command line
+    // reaches the module twice: the last value wins (the sysfs value and
+    // the devices' channel count), as with C modules. (7.2's Rust
+    // parameters failed such a load with EEXIST.)
+    t.run(
+        "insmod with a parameter given twice loads, and the last value wins",
+        || -> R {
+            let p = "channels=3 soft_devices=1 channels=2 soft_devices=2";
+            ok(&format!("insmod {p}"), insmod(p))?;
+            let read = |n: &str| {
+                fs::read_to_string(format!("/sys/module/tdrv/parameters/{n}"))
+                    .map(|s| s.trim().to_owned())
+                    .map_err(|e| format!("/sys/module/tdrv/parameters/{n}: {e}"))
+            };
+            let r = (|| -> R {
+                expect_eq("channels in sysfs", read("channels")?, "2".to_owned())?;
+                expect_eq(
+                    "soft_devices in sysfs",
+                    read("soft_devices")?,
+                    "2".to_owned(),
+                )?;
+                let f = ok("open /dev/tdrv0", Dev::open("/dev/tdrv0"))?;
+                ok("channel 1 exists", f.channel_info(1))?;
+                expect_err(
+                    "channel 2 (only 2 channels)",
+                    f.channel_info(2).map(drop),
+                    libc::EINVAL,
+                )
+            })();
+            ok("rmmod", rmmod())?;
+            r
+        },
+    );
+
+    // The guest's own parameters, but the caps and mask of this program.
     let mine = [
         "file_max_buffers",
         "file_max_mib",
