@@ -797,7 +797,9 @@ mod tests {
                     2 => drv.inject(inject::RESUME),
                     3 => drv.inject(inject::FAIL_NEXT),
                     4 => drv.inject(inject::LOSE_IRQ),
-                    5 => drv.f(qb::SQ_TAIL).store(next(u64::from(u32::MAX)) as u32, Release),
+                    5 => drv
+                        .f(qb::SQ_TAIL)
+                        .store(next(u64::from(u32::MAX)) as u32, Release),
                     6 => drv.f(qb::RESET).store(1, Release),
                     _ => {
                         let tail = drv.f(qb::SQ_TAIL).load(Relaxed);
@@ -817,7 +819,10 @@ mod tests {
             // hung), then a reset.
             drv.inject(inject::RESUME);
             e.service(&irqs);
-            assert!(reset_answered(&drv, &mut e, &irqs), "round {round}: reset not answered");
+            assert!(
+                reset_answered(&drv, &mut e, &irqs),
+                "round {round}: reset not answered"
+            );
             assert_eq!(drv.status(), qstatus::IDLE, "round {round}");
             drv.post(h2d(u64::MAX, 1));
             assert_eq!(e.service(&irqs), 1, "round {round}");

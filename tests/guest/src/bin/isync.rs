@@ -25,7 +25,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 8;
+const TESTS: usize = 9;
 const SIZE: u64 = 4096;
 /// Generous bound that only turns a hang into a failure.
 const WAIT_MS: i32 = 60_000;
@@ -638,6 +638,53 @@ fn main() {
                 read_all(&other, c.handle)? == after,
                 true,
             )
+        },
+    );
+
+    sw(
+        &mut t,
+        "closing a file ends its job held by an implicit fence: ECANCELED on the job's fence",
+        &|tl| -> R {
+            let other = ok("open", Dev::open(&path))?;
+            let a = ok("alloc", other.alloc(SIZE, 0))?;
+            let b = ok("alloc", other.alloc(SIZE, 0))?;
+            let fd = ok("export", other.export(b.handle))?;
+            let gate = ok("sw_sync fence", tl.fence(1))?;
+            ok(
+                "IMPORT_SYNC_FILE",
+                import_sync_file(fd.as_raw_fd(), DMA_BUF_SYNC_WRITE, gate.as_raw_fd()),
+            )?;
+            let (id, out) = ok(
+                "submit with an out-fence",
+                other.submit_fences(&[desc(a.handle, 0, b.handle, 0, SIZE)], &[], true),
+            )?;
+            if out < 0 {
+                return Err(format!("no out-fence fd (got {out})"));
+            }
+            // SAFETY: the driver just installed this descriptor for us.
+            let out = unsafe { OwnedFd::from_raw_fd(out) };
+            expect_eq(
+                "job while the fence is pending",
+                job_state(&other, id)?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
+            drop(other);
+            expect_eq(
+                "the job's fence signals",
+                ok("poll", poll_in(out.as_raw_fd(), WAIT_MS))?,
+                true,
+            )?;
+            let st = ok("SYNC_IOC_FILE_INFO", file_info(out.as_raw_fd()))?;
+            expect_eq("the job's fence error", st.status, -libc::ECANCELED)?;
+            // The export (alive through its fd) still has the foreign
+            // fence: not writable until it signals.
+            expect_eq(
+                "poll with the foreign fence pending",
+                poll_events(fd.as_raw_fd(), libc::POLLOUT, 0)?,
+                0,
+            )?;
+            ok("sw_sync inc", tl.inc(1))?;
+            poll_until(fd.as_raw_fd(), libc::POLLIN | libc::POLLOUT)
         },
     );
 
