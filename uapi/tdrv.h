@@ -292,7 +292,7 @@ struct tdrv_copy {
  * (write usage for a destination, read for a source) at SUBMIT, and
  * signals when the job ends, as the out-fence does; if SUBMIT then fails,
  * it signals at once with ECANCELED. A signal while SUBMIT waits for a
- * reservation lock interrupts it (EINTR, or a restart).
+ * reservation lock ends it with EINTR, nothing queued.
  *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
