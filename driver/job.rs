@@ -269,6 +269,8 @@ pub(crate) struct Job {
     outcome: Atomic<i32>,
     /// Set once the outcome was reported (early, for a timed-out job).
     reported: Atomic<bool>,
+    /// Set by [`Job::abandon`]: its fence marks are abandoned ones.
+    abandoned: Atomic<bool>,
     /// The `sync_file`s the job waits for before it may reach the engine.
     in_fences: Option<InFences>,
     /// Set once every in-fence signalled (at once without in-fences).
@@ -347,6 +349,7 @@ impl Job {
             started_ns: Atomic::new(0),
             outcome: Atomic::new(NO_OUTCOME),
             reported: Atomic::new(false),
+            abandoned: Atomic::new(false),
             in_fences,
             deps_ready: Atomic::new(ready),
             out_fence,
@@ -403,6 +406,17 @@ impl Job {
     /// [`Job::report`] for a job whose DMA may still run after it failed:
     /// its destinations stay marked busy until the device lets go.
     pub(crate) fn release_fences(&self, result: Result) {
+        if self.abandoned.load(Relaxed) {
+            let errno = match result {
+                Ok(()) => EIO.to_errno(),
+                Err(e) => e.to_errno(),
+            };
+            for t in self.transfers.iter() {
+                t.src.fence.end_abandoned(false, 0);
+                t.dst.fence.end_abandoned(true, errno);
+            }
+            return;
+        }
         for (i, t) in self.transfers.iter().enumerate() {
             t.src.fence.end(false, false);
             // A job counts one completion per distinct destination buffer,
@@ -432,6 +446,26 @@ impl Job {
             Relaxed,
         );
         self.report_now(result);
+    }
+
+    /// The job failed with `result` but the device may still run it (a
+    /// dead queue keeps it): reports the outcome now, and marks its fence
+    /// marks abandoned, so that waits only they would hold up fail
+    /// instead of sleeping until the device lets go (see
+    /// `Fence::abandon`). [`Job::release_fences`] ends them later.
+    pub(crate) fn abandon(&self, result: Result) {
+        self.report(result);
+        if self.abandoned.xchg(true, Relaxed) {
+            return;
+        }
+        let errno = match result {
+            Ok(()) => EIO.to_errno(),
+            Err(e) => e.to_errno(),
+        };
+        for t in self.transfers.iter() {
+            t.src.fence.abandon(false, 0);
+            t.dst.fence.abandon(true, errno);
+        }
     }
 
     fn report_now(&self, result: Result) {

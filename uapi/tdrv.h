@@ -60,7 +60,13 @@
  *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
  *           error latch is set: a job that wrote it failed, so its bytes are
  *           undefined, and no write that could still fix them is pending.
- *           tdrv_buf_info.error tells which errno the job ended with.
+ *           tdrv_buf_info.error tells which errno the job ended with;
+ *           (FENCE_WAIT, COMPLETION_WAIT, COPY_IN, COPY_OUT, MEMSET, COPY
+ *           on TDRV_DEVICE_SIM) what the call waits for is held up only by
+ *           jobs the device abandoned (a queue that ignored its reset, such
+ *           as a killed simulator's): they failed, but the device may still
+ *           access their buffers, which stay reserved until it lets go or
+ *           the device is unbound.
  *  ECANCELED (job status) the job's file was closed before it ended
  *  ENODEV   the device was removed; its files only support close(2)
  *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed

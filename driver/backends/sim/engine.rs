@@ -509,7 +509,7 @@ impl SimEngine {
         let orphans = q.take_orphans();
         for op in orphans.iter() {
             match op.job() {
-                Some(job) => job.report(op.result()),
+                Some(job) => job.abandon(op.result()),
                 None => op.signal(),
             }
         }

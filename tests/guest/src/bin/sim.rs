@@ -307,6 +307,98 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("free", dev.free(a.handle))
 }
 
+/// A job whose queue hangs and ignores its reset fails (JOB_WAIT:
+/// ETIMEDOUT); the device may still write its destination, which stays
+/// quarantined, but every wait that only the abandoned job holds up ends
+/// with EIO instead of sleeping until the device lets go: COMPLETION_WAIT
+/// and FENCE_WAIT without a timeout on the destination and the source,
+/// and COPY_IN into the destination. (Like a SIGKILLed tdrv-sim.)
+fn hung_queue_job_wakes_every_waiter(dev: &Dev, path: &str) -> R {
+    let len = 256 << 10;
+    let s = ok("alloc", dev.alloc(len as u64, 0))?;
+    let d = ok("alloc", dev.alloc(len as u64, 0))?;
+    ok("completion_reset", dev.completion_reset(d.handle))?;
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    inject(path, "hang")?;
+    let id = ok(
+        "submit",
+        dev.submit(&[desc(s.handle, 0, d.handle, 0, len as u64)]),
+    )?;
+    let (tx, rx) = std::sync::mpsc::channel::<(&str, Result<(), String>)>();
+    let r = thread::scope(|sc| -> R {
+        let t1 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "COMPLETION_WAIT without a timeout on the abandoned job's destination",
+                dev.completion_wait(d.handle, 1, -1).map_err(|(e, _)| e),
+                libc::EIO,
+            );
+            let _ = t1.send(("completion_wait", r));
+        });
+        let t2 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "FENCE_WAIT (writes) without a timeout on the destination",
+                dev.fence_wait(d.handle, TDRV_FENCE_WRITES, -1),
+                libc::EIO,
+            );
+            let _ = t2.send(("fence_wait writes", r));
+        });
+        let t3 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "FENCE_WAIT (reads) without a timeout on the source",
+                dev.fence_wait(s.handle, TDRV_FENCE_READS, -1),
+                libc::EIO,
+            );
+            let _ = t3.send(("fence_wait reads", r));
+        });
+        let mut errs = Vec::new();
+        if let Err(e) = expect_eq(
+            "the job on the queue that ignores its reset",
+            ok("job_wait", dev.job_wait(id, HANG_US))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        ) {
+            errs.push(e);
+        }
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            let left = HANG.saturating_sub(t0.elapsed());
+            match rx.recv_timeout(left) {
+                Ok((_, Ok(()))) => {}
+                Ok((what, Err(e))) => errs.push(format!("{what}: {e}")),
+                Err(_) => {
+                    errs.push(format!(
+                        "a waiter still blocked {HANG:?} after the job failed"
+                    ));
+                    // Let the device go: the blocked waiters end, the
+                    // scope can join them.
+                    let _ = inject(path, "resume");
+                    break;
+                }
+            }
+        }
+        if let Err(e) = expect_err(
+            "COPY_IN into the abandoned job's destination",
+            dev.copy_in(d.handle, 0, &[1; 4096]),
+            libc::EIO,
+        ) {
+            errs.push(e);
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    });
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    drop(watchdog);
+    ok("free", dev.free(s.handle))?;
+    ok("free", dev.free(d.handle))?;
+    r
+}
+
 /// A synchronous MEMSET whose queue hangs and ignores its reset times out,
 /// and its buffer is freed; the device runs the fill when it resumes. The
 /// freed HBM must not have gone to a new buffer meanwhile: the new one
@@ -380,7 +472,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(22);
+    let mut t = Tap::new(23);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -924,6 +1016,11 @@ fn main() {
     t.run(
         "a queue that ignores its reset keeps the HBM of a timed-out MEMSET until it lets go",
         || hung_queue_fills_no_freed_hbm(&dev, &path),
+    );
+
+    t.run(
+        "a queue that ignores its reset: every waiter on its abandoned job's buffers ends with EIO",
+        || hung_queue_job_wakes_every_waiter(&dev, &path),
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
