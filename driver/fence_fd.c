@@ -63,7 +63,8 @@ bool tdrv_fence_fd_supported(void)
  *    - Every later user of the ops checks for NULL under RCU:
  *      dma_fence_release, dma-fence.c:607-611 (NULL ops: dma_fence_free,
  *      i.e. kfree_rcu in the core, dma-fence.c:623-626: the kzalloc'd
- *      fence needs no module code to be freed); __dma_fence_enable_signaling,
+ *      fence needs no module code to be freed; struct tdrv_fence starts
+ *      with it, so that frees the whole allocation); __dma_fence_enable_signaling,
  *      dma-fence.c:642-644 (sync_file_poll's dma_fence_add_callback);
  *      dma_fence_wait_timeout, dma-fence.c:540-551; dma_fence_is_signaled,
  *      include/linux/dma-fence.h:555-563 (sync_file_poll, FILE_INFO);

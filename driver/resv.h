@@ -34,7 +34,7 @@ void tdrv_resv_free(struct dma_resv *resv);
  * for readers and writers, a reader for writers; fences of jobs already
  * in @engine's queue excepted) into *@depsp as implicit dependencies,
  * then adds @fence to each object (WRITE or READ usage). All or nothing:
- * on error (-EINTR/-ERESTARTSYS on a signal while locking, -ENOMEM)
+ * on error (-EINTR on a signal while locking, -ENOMEM)
  * nothing was added and *@depsp is unchanged. Sleeps.
  */
 int tdrv_resv_attach(struct tdrv_resv_use *uses, u32 n, struct dma_fence *fence,

@@ -148,7 +148,7 @@ impl ResvUses {
 
     /// Steps 1-3 of the module documentation: returns the job's
     /// dependencies, `deps` (the in-fence fds, not armed yet) plus the
-    /// implicit ones. Interrupted by a signal (ERESTARTSYS, EINTR) or
+    /// implicit ones. Fails on a signal while locking (EINTR) or with
     /// ENOMEM, with nothing added anywhere and `deps` dropped.
     pub(crate) fn attach(
         mut self,
