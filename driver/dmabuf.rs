@@ -689,6 +689,8 @@ mod tests {
                 inflight_bytes: 64 << 20,
                 imports: 16,
                 device_imports: 16,
+                events: 16,
+                device_events: 16,
             },
         }
     }
