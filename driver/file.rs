@@ -386,6 +386,7 @@ impl TdrvFile {
                 | FEAT_DMABUF
                 | FEAT_BUF_ID
                 | FEAT_EVENTS
+                | FEAT_IMPLICIT_SYNC
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -856,7 +857,7 @@ impl TdrvFile {
         // the job is queued, so that nothing can fail after it, except
         // writing the result back.
         let (out_fence, fd) = if want_out {
-            let fence = OutFence::new()?;
+            let fence = OutFence::new(Arc::as_ptr(&self.device).cast())?;
             let fd = fence.reserve_fd()?;
             (Some(fence), Some(fd))
         } else {

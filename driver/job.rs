@@ -95,6 +95,7 @@ use crate::{
         PollQueue, //
     },
     range::ByteRange,
+    resv::ResvUses,
     uapi::{
         self,
         ecanceled,
@@ -479,6 +480,13 @@ impl PinnedDrop for Job {
 }
 
 impl Job {
+    /// The job is in its engine's queue (or claimed by it): see `resv.rs`.
+    fn reached_engine(&self) {
+        if let Some(f) = &self.out_fence {
+            f.set_queued();
+        }
+    }
+
     /// Whether every in-fence of the job has signalled.
     fn deps_ready(&self) -> bool {
         self.deps_ready.load(Acquire)
@@ -551,6 +559,10 @@ pub(crate) struct JobTracker {
     /// Hands held jobs to the engine once their in-fences signalled.
     #[pin]
     dispatch: Work<JobTracker>,
+    /// Held by SUBMIT from a job's implicit synchronisation until it has
+    /// its id (see `resv.rs`). Never taken on a completion path.
+    #[pin]
+    submit_lock: Mutex<()>,
     /// `poll(2)` and epoll of the file's completion events.
     #[pin]
     poll: PollQueue,
@@ -600,6 +612,7 @@ impl JobTracker {
                 queued_hint: Atomic::new(0),
                 busy_ns: Atomic::new(0),
                 dispatch <- new_work!("JobTracker::dispatch"),
+                submit_lock <- new_mutex!((), "JobTracker::submit_lock"),
                 poll <- PollQueue::new(),
                 events_ready: Atomic::new(false),
             }),
@@ -638,6 +651,24 @@ impl JobTracker {
         // again under the lock.
         if self.queued_hint.load(Relaxed) >= limits.jobs {
             return Err(EAGAIN);
+        }
+        // Implicit synchronisation (see `resv.rs`): a job whose buffers
+        // have reservation objects gets a fence there and waits for the
+        // fences it finds, before it takes its id.
+        let uses = ResvUses::of(&transfers)?;
+        let mut in_fences = in_fences;
+        let mut out_fence = out_fence;
+        let mut order = None;
+        if let Some(uses) = uses {
+            let engine = Arc::as_ptr(device).cast::<core::ffi::c_void>();
+            let fence = match out_fence.take() {
+                Some(f) => f,
+                None => OutFence::new(engine)?,
+            };
+            // Held until the job has its id: see `resv.rs`.
+            order = Some(self.submit_lock.lock());
+            in_fences = uses.attach(&fence, engine, in_fences)?;
+            out_fence = Some(fence);
         }
         if in_fences.is_none()
             && out_fence.is_none()
@@ -715,10 +746,13 @@ impl JobTracker {
                 && device.engine().may_claim(bytes, job.transfers.len())
                 && device.engine().claim(&job)
             {
+                job.reached_engine();
                 claimed = Some(job);
                 return Ok(());
             }
-            device.engine().submit(job)
+            device.engine().submit(job)?;
+            undo.reached_engine();
+            Ok(())
         });
         if let Err(e) = queued {
             // Never queued: undo the marks without counting anything.
@@ -728,6 +762,7 @@ impl JobTracker {
         }
         self.issue(&mut state, bytes, device);
         drop(state);
+        drop(order);
         if let Some(e) = failed {
             undo.complete(Err(e));
         }
@@ -789,6 +824,9 @@ impl JobTracker {
                     }
                     let keep = job.clone_arc();
                     let r = keep.device.engine().submit(job);
+                    if r.is_ok() {
+                        keep.reached_engine();
+                    }
                     handed = Some((keep, r));
                     break;
                 }

@@ -56,6 +56,7 @@ mod mmap;
 mod node;
 mod range;
 mod registry;
+mod resv;
 mod stats;
 mod uapi;
 mod waitqueue;

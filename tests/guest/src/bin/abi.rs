@@ -71,6 +71,8 @@ fn main() {
                 (TDRV_FEAT_FENCE_FD, "FENCE_FD", sync_file),
                 (TDRV_FEAT_BUF_ID, "BUF_ID", true),
                 (TDRV_FEAT_EVENTS, "EVENTS", true),
+                // Reservation objects need no SYNC_FILE: every kernel.
+                (TDRV_FEAT_IMPLICIT_SYNC, "IMPLICIT_SYNC", true),
             ];
             let reported: Vec<&str> = names
                 .iter()
