@@ -366,6 +366,8 @@ fn ioctl_errnos(op: Op) -> &'static [Errno] {
         Op::Copy => &[ENOENT, ERANGE, EXDEV, ENOMEM, EIO],
         Op::Submit => &[
             ENOENT, ERANGE, EXDEV, ENOMEM, EAGAIN, EBADF, EOPNOTSUPP, EMFILE, EIO,
+            // (a signal while it takes a dma-buf's reservation lock)
+            EINTR,
         ],
         Op::JobWait => &[ETIMEDOUT, EINTR, ESTALE],
         Op::FenceWait | Op::CompletionWait => &[ENOENT, ETIMEDOUT, EINTR, EIO],
