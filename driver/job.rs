@@ -72,6 +72,7 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     event::{
+        EventBudget,
         EventQueue,
         JobEvent, //
     },
@@ -92,7 +93,8 @@ use crate::{
     },
     glue::{
         self,
-        PollQueue, //
+        PollQueue,
+        ReadWait, //
     },
     range::ByteRange,
     resv::ResvUses,
@@ -591,7 +593,9 @@ pub(crate) enum JobStatus {
 }
 
 impl JobTracker {
-    pub(crate) fn new() -> Result<Arc<Self>> {
+    /// The tracker of a new file, which may have `max_events` events
+    /// queued, from the device's `budget`.
+    pub(crate) fn new(max_events: u32, budget: Arc<EventBudget>) -> Result<Arc<Self>> {
         let ring = StatusRing::new()?;
         Arc::pin_init(
             pin_init!(Self {
@@ -603,7 +607,7 @@ impl JobTracker {
                         inflight_bytes: 0,
                         held: List::new(),
                         sleepers: 0,
-                        events: EventQueue::new(),
+                        events: EventQueue::new(max_events, budget),
                     },
                     "JobTracker::state"
                 ),
@@ -892,7 +896,8 @@ impl JobTracker {
 
     /// `TDRV_IOC_JOB_NOTIFY`: queues an event for job `id` when it ends
     /// (now if it has). EINVAL for an id this file never issued, ESTALE
-    /// for one older than the last `JOB_WINDOW`, ENOSPC past `MAX_EVENTS`.
+    /// for one older than the last `JOB_WINDOW`, ENOSPC past the file's
+    /// `file_max_events` or the device's `device_max_events`.
     pub(crate) fn notify(&self, id: u64, user_data: u64) -> Result {
         // Allocated before the lock, which the completion path takes.
         let ev = JobEvent::new(id, user_data)?;
@@ -928,18 +933,27 @@ impl JobTracker {
     }
 
     /// `read(2)` of the file: copies whole ready events to `out`, oldest
-    /// first, sleeping until one is ready unless `nowait` (EAGAIN).
-    /// EINVAL if `out` cannot hold one; EFAULT (losing nothing) if none
-    /// could be copied; a signal ends the sleep (ERESTARTSYS).
-    pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, nowait: bool) -> Result<usize> {
+    /// first, sleeping until one is ready unless `wait` forbids it
+    /// (EAGAIN). EINVAL if `out` cannot hold one; EFAULT (losing nothing)
+    /// if none could be copied; a signal ends the sleep (ERESTARTSYS).
+    ///
+    /// One reader at a time copies (the others wait, interruptibly): the
+    /// copy runs unlocked and may fault, and what it could not copy goes
+    /// back to the front, so a second reader must not take later events
+    /// meanwhile. Whatever the copy left, and whatever completed during
+    /// it, wakes the sleepers and poll() again.
+    pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, wait: ReadWait) -> Result<usize> {
         const SIZE: usize = core::mem::size_of::<uapi::Event>();
         let max = out.len() / SIZE;
         if max == 0 {
             return Err(EINVAL);
         }
-        let mut state = self.state.lock();
-        while !state.events.has_ready() {
-            if nowait {
+        let mut state = match wait {
+            ReadWait::NoWait => self.state.try_lock().ok_or(EAGAIN)?,
+            ReadWait::Block | ReadWait::NonBlock => self.state.lock(),
+        };
+        while !state.events.readable() {
+            if wait != ReadWait::Block {
                 return Err(EAGAIN);
             }
             if self.wq.wait_interruptible(&mut state) {
@@ -960,10 +974,16 @@ impl JobTracker {
             }
         }
         let mut state = self.state.lock();
-        state.events.consumed(copied);
-        state.events.put_back(left);
-        self.events_ready.store(state.events.has_ready(), Release);
-        drop(state);
+        state.events.end_read(copied, left);
+        let ready = state.events.has_ready();
+        self.events_ready.store(ready, Release);
+        // Readers that waited for this one, and ready events: the ones put
+        // back and the ones delivered during the copy, which another
+        // reader could not take then (an EPOLLET waiter needs a new edge).
+        self.wq.wake_all(state);
+        if ready {
+            self.poll.wake();
+        }
         if copied == 0 {
             return Err(EFAULT);
         }

@@ -42,7 +42,7 @@
  *           (module parameters file_max_buffers, file_max_mib), or the
  *           limit of foreign dma-buf imports (file_max_imports,
  *           device_max_imports), or of completion events
- *           (TDRV_MAX_EVENTS), would be exceeded
+ *           (file_max_events, device_max_events), would be exceeded
  *  EAGAIN   this file has too many unfinished jobs, or they would move too
  *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
  *           some to finish and submit again
@@ -352,7 +352,14 @@ struct tdrv_job_wait {
 #define TDRV_FENCE_WRITES	(1U << 1) /* no pending device writes */
 #define TDRV_FENCE_ALL		(TDRV_FENCE_READS | TDRV_FENCE_WRITES)
 
-/* Most completion events one file may have requested and not yet read. */
+/*
+ * Most completion events one file may ever be allowed to have requested and
+ * not yet read: the upper end of module parameter file_max_events, which
+ * sets the real limit (by default 4096, TDRV_JOB_WINDOW: one event for each
+ * job whose status the file can still ask for). device_max_events (by
+ * default 65536) bounds the sum over all files of a device, so that many
+ * files cannot hold more kernel memory in events than that.
+ */
 #define TDRV_MAX_EVENTS		65536
 
 /**
@@ -386,7 +393,8 @@ struct tdrv_job_wait {
  *
  * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
  * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),
- * ENOSPC (TDRV_MAX_EVENTS events requested and not yet read), ENOMEM,
+ * ENOSPC (file_max_events events of this file, or device_max_events of all
+ * files of the device, requested and not yet read), ENOMEM,
  * ENODEV (device removed).
  */
 struct tdrv_job_notify {

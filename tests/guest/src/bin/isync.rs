@@ -16,7 +16,7 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use tdrv_guest_tests::{
-    desc, expect_eq, ok, open_device_or_skip,
+    desc, dmabuf, expect_eq, ok, open_device_or_skip,
     raw::{errno, map_fd, Dev, Errno},
     sync::{file_info, poll_in, Timeline},
     Hold, Tap,
@@ -25,7 +25,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 10;
+const TESTS: usize = 11;
 const SIZE: u64 = 4096;
 /// Generous bound that only turns a hang into a failure.
 const WAIT_MS: i32 = 60_000;
@@ -726,5 +726,105 @@ fn main() {
         },
     );
 
+    // The last check unloads the module: no file of it may stay open.
+    drop(probe_buf);
+    drop(dev);
+    let name =
+        "tdrv fences in a foreign dma-buf's reservation object outlive rmmod: poll and close after";
+    let guest = std::path::Path::new("/lib/modules/tdrv.ko").exists()
+        && std::path::Path::new("/etc/tdrv-params").exists();
+    match dmabuf::heap_alloc(SIZE as usize) {
+        Err(e) => t.check(name, Err::<(), _>(e)),
+        Ok(None) => t.skip(
+            name,
+            &format!("no {} (the kernel has no system dma-heap)", dmabuf::HEAP),
+        ),
+        Ok(Some(_)) if !guest => t.skip(
+            name,
+            "needs the QEMU guest's /lib/modules/tdrv.ko to reload the module",
+        ),
+        Ok(Some(heap)) => t.run(name, || rmmod_test(&path, heap)),
+    }
+
     t.finish();
+}
+
+/// `delete_module("tdrv", O_NONBLOCK)`.
+fn unload() -> Result<(), i32> {
+    // SAFETY: a NUL-terminated name and flags.
+    let r = unsafe { libc::syscall(libc::SYS_delete_module, c"tdrv".as_ptr(), libc::O_NONBLOCK) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(errno())
+    }
+}
+
+/// A tdrv file imports `heap` (a system dma-heap buffer) and runs a job
+/// that reads it and one that writes it, so that both fences sit in the
+/// heap buffer's reservation object; the file closes, the module goes,
+/// and the heap buffer (holding those fences) is polled and closed after
+/// that. Then the module is loaded again.
+fn rmmod_test(path: &str, heap: OwnedFd) -> R {
+    {
+        let dev = ok("open", Dev::open(path))?;
+        let imp = ok("import of the heap buffer", dev.import(heap.as_raw_fd(), 0))?;
+        let c = ok("alloc", dev.alloc(SIZE, 0))?;
+        let id = ok(
+            "submit heap -> c",
+            dev.submit(&[desc(imp.handle, 0, c.handle, 0, SIZE)]),
+        )?;
+        expect_eq(
+            "job reading the heap buffer",
+            job_end(&dev, id)?,
+            (TDRV_JOB_DONE, 0),
+        )?;
+        let id = ok(
+            "submit c -> heap",
+            dev.submit(&[desc(c.handle, 0, imp.handle, 0, SIZE)]),
+        )?;
+        expect_eq(
+            "job writing the heap buffer",
+            job_end(&dev, id)?,
+            (TDRV_JOB_DONE, 0),
+        )?;
+    }
+    let unloaded = unload();
+    let r = (|| -> R {
+        unloaded.map_err(|e| {
+            format!("rmmod with tdrv fences in a foreign reservation object: errno {e}")
+        })?;
+        let both = libc::POLLIN | libc::POLLOUT;
+        expect_eq(
+            "poll of the heap buffer after rmmod",
+            poll_events(heap.as_raw_fd(), both, 0)?,
+            both,
+        )?;
+        // Its last reference: the reservation object puts tdrv's fences.
+        drop(heap);
+        Ok(())
+    })();
+    let params = std::fs::read_to_string("/etc/tdrv-params").unwrap_or_default();
+    let reload = std::process::Command::new("insmod")
+        .arg("/lib/modules/tdrv.ko")
+        .args(params.split_whitespace())
+        .status()
+        .map_err(|e| format!("insmod: {e}"))
+        .and_then(|s| {
+            if s.success() {
+                Ok(())
+            } else {
+                Err(format!("insmod: {s}"))
+            }
+        });
+    r?;
+    reload?;
+    let start = std::time::Instant::now();
+    while Dev::open(path).is_err() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            return Err(format!("{path} did not come back"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(())
 }
