@@ -52,6 +52,8 @@
 //! faulted in while a guard is held (a page fault may block for ever, on
 //! userfaultfd or FUSE, and unbind waits for every guard).
 
+use core::ffi::c_void;
+
 use kernel::{
     alloc::KVVec,
     bindings,
@@ -64,6 +66,11 @@ use kernel::{
     page::PAGE_SIZE,
     prelude::*,
     sync::{
+        atomic::{
+            Acquire,
+            Atomic,
+            Full, //
+        },
         Arc,
         Mutex, //
     },
@@ -72,6 +79,7 @@ use kernel::{
 
 use crate::{
     dmabuf::{
+        self,
         Import, //
     },
     device::{
@@ -84,6 +92,7 @@ use crate::{
         Pages, //
     },
     range::ByteRange,
+    resv,
     uapi::MAX_BUFFER_SIZE, //
 };
 
@@ -254,11 +263,10 @@ pub(crate) struct Buffer {
     /// Every piece but the last is `1 << shift` bytes.
     shift: u32,
     size: usize,
-    /// Bytes of the pieces: the size rounded up to pages.
+    /// Bytes of the pieces: the size rounded up to pages. What the channel
+    /// is charged is `span` for tdrv's own memory, 0 for imports (see
+    /// [`Buffer::charged`]; not stored, to keep the buffer small).
     span: usize,
-    /// What the channel is charged: `span` for tdrv's own memory, 0 for
-    /// imports.
-    charged: u64,
     channel: u32,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry; also its
@@ -272,6 +280,11 @@ pub(crate) struct Buffer {
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
+    /// Implicit synchronisation (`resv.rs`): for tdrv's own memory, the
+    /// buffer's reservation object, made at its first export (null
+    /// before) and freed on drop; for a foreign import, a reference to
+    /// the imported dma-buf, whose object it is (dropped on drop).
+    resv: Atomic<*mut c_void>,
 }
 
 // Every buffer is one `Arc` allocation: a refcount, padded to 8 bytes,
@@ -462,12 +475,22 @@ impl Buffer {
         } = layout;
         let on_device = matches!(backing, Backing::Device(_));
         let foreign = matches!(backing, Backing::Imported { .. });
+        // `Buffer::charged` derives the charge from these two.
+        if charged != if foreign { 0 } else { span as u64 } {
+            device.channels.release(channel, charged);
+            return Err(EINVAL);
+        }
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
                 device.channels.release(channel, charged);
                 return Err(e);
             }
+        };
+        let resv = match &backing {
+            // Held from here: a failure below drops it again.
+            Backing::Imported { _import } => _import.get_dmabuf(),
+            _ => core::ptr::null_mut(),
         };
         let buf = Arc::pin_init(
             try_pin_init!(Self {
@@ -476,13 +499,13 @@ impl Buffer {
                 shift,
                 size,
                 span,
-                charged,
                 channel,
                 device: device.clone(),
                 registry_key,
                 on_device,
                 foreign,
                 fence <- Fence::new(),
+                resv: Atomic::new(resv),
             }),
             GFP_KERNEL_ACCOUNT,
         );
@@ -495,6 +518,10 @@ impl Buffer {
                 // The backing was dropped by the initializer, but
                 // `PinnedDrop` never runs for an unbuilt value: undo the
                 // rest by hand.
+                if !resv.is_null() {
+                    // SAFETY: The reference taken above, dropped once.
+                    unsafe { dmabuf::put_dmabuf(resv) };
+                }
                 device.unregister_buffer(registry_key);
                 device.channels.release(channel, charged);
                 Err(e)
@@ -554,6 +581,39 @@ impl Buffer {
         Self::from_backing(device, Backing::Imported { _import: import }, layout)
     }
 
+    /// The reservation object jobs of this buffer use (see `resv.rs`), or
+    /// null if the buffer takes no part in implicit synchronisation (tdrv
+    /// memory never exported). Lives as long as the buffer.
+    pub(crate) fn resv(&self) -> *mut c_void {
+        let p = self.resv.load(Acquire);
+        if self.foreign && !p.is_null() {
+            // SAFETY: For a foreign import `p` is our dma-buf reference.
+            unsafe { dmabuf::dmabuf_resv(p) }
+        } else {
+            p
+        }
+    }
+
+    /// The reservation object for an export of the buffer: made at the
+    /// first export of tdrv memory (ENOMEM), the imported dma-buf's for a
+    /// foreign import.
+    pub(crate) fn export_resv(&self) -> Result<*mut c_void> {
+        let cur = self.resv();
+        if !cur.is_null() || self.foreign {
+            return Ok(cur);
+        }
+        let new = resv::new_own()?;
+        match self.resv.cmpxchg(core::ptr::null_mut(), new, Full) {
+            Ok(_) => Ok(new),
+            Err(won) => {
+                // Another export made one first.
+                // SAFETY: `new` was never published.
+                unsafe { resv::free_own(new) };
+                Ok(won)
+            }
+        }
+    }
+
     /// The device the buffer belongs to.
     pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
         &self.device
@@ -583,8 +643,13 @@ impl Buffer {
         self.foreign
     }
 
+    /// What the buffer's channel is charged for it.
     pub(crate) fn charged(&self) -> u64 {
-        self.charged
+        if self.foreign {
+            0
+        } else {
+            self.span as u64
+        }
     }
 
     /// The piece holding `offset` and the bytes left in it from there.
@@ -924,9 +989,23 @@ impl PinnedDrop for Buffer {
                 backing.release();
             }
         });
-        self.device.channels.release(self.channel, self.charged);
+        self.device.channels.release(self.channel, self.charged());
         if self.foreign {
             self.device.uncount_import();
+        }
+        // Last: every dma-buf exported from the buffer, and every job
+        // that used it, held a reference, so nothing uses the object now.
+        // (This may run on a job's completion path: neither puts a lock
+        // or memory the signalling rules forbid, see `resv.rs`.)
+        let resv = self.resv.load(Acquire);
+        if !resv.is_null() {
+            if self.foreign {
+                // SAFETY: Our dma-buf reference, dropped once.
+                unsafe { dmabuf::put_dmabuf(resv) };
+            } else {
+                // SAFETY: Made by `export_resv`, freed once, unused now.
+                unsafe { resv::free_own(resv) };
+            }
         }
     }
 }

@@ -41,6 +41,7 @@ use crate::{
         Engine,
         EngineCounters, //
     },
+    event::EventBudget,
     registry::Registry, //
 };
 /// Most tdrv devices at once (software and hardware together).
@@ -135,6 +136,10 @@ pub(crate) struct Limits {
     pub(crate) imports: usize,
     /// Live buffers imported from foreign dma-bufs on the whole device.
     pub(crate) device_imports: u32,
+    /// Completion events queued and not yet read.
+    pub(crate) events: u32,
+    /// The same on the whole device.
+    pub(crate) device_events: u32,
 }
 
 /// The raw `struct device` behind `dev`, for the C calls 7.2 does not wrap.
@@ -195,6 +200,8 @@ pub(crate) struct TdrvDevice {
     /// Live buffers imported from foreign dma-bufs (not charged to a
     /// channel), at most `limits.device_imports`.
     imports: Atomic<u32>,
+    /// Completion events of all its files, at most `limits.device_events`.
+    pub(crate) events: Arc<EventBudget>,
     /// Every open file, by client id, so that unbind can zap their mappings
     /// and debugfs can show who holds what.
     #[pin]
@@ -227,6 +234,7 @@ impl TdrvDevice {
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- Registry::new(),
                 imports: Atomic::new(0),
+                events: EventBudget::new(params.limits.device_events)?,
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 exports <- Exports::new(),
                 stats: DeviceStats::new(),

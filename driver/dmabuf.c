@@ -24,6 +24,7 @@
 #include <linux/workqueue.h>
 
 #include "dmabuf.h"
+#include "resv.h"
 
 MODULE_IMPORT_NS("DMA_BUF");
 
@@ -61,7 +62,15 @@ static int tdrv_dmabuf_mmap(struct dma_buf *dmabuf, struct vm_area_struct *vma)
 static int tdrv_dmabuf_begin_cpu_access(struct dma_buf *dmabuf,
 					enum dma_data_direction dir)
 {
-	return tdrv_dmabuf_begin_cpu(dmabuf->priv, dir != DMA_FROM_DEVICE);
+	bool write = dir != DMA_FROM_DEVICE;
+	/* Other drivers' work first (fences in the reservation object: an
+	 * importer's job, or a sync_file imported with
+	 * DMA_BUF_IOCTL_IMPORT_SYNC_FILE), then tdrv's own. */
+	int ret = tdrv_resv_wait_cpu(dmabuf->resv, write);
+
+	if (ret)
+		return ret;
+	return tdrv_dmabuf_begin_cpu(dmabuf->priv, write);
 }
 
 static const struct dma_buf_ops tdrv_dmabuf_ops = {
@@ -73,7 +82,8 @@ static const struct dma_buf_ops tdrv_dmabuf_ops = {
 	.begin_cpu_access = tdrv_dmabuf_begin_cpu_access,
 };
 
-struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size)
+struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size,
+				   struct dma_resv *resv)
 {
 	DEFINE_DMA_BUF_EXPORT_INFO(info);
 
@@ -84,6 +94,8 @@ struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size)
 	info.size = size;
 	info.flags = O_RDWR;
 	info.priv = (void *)buf;
+	/* The buffer's own: every export of the buffer shares it. */
+	info.resv = resv;
 	return dma_buf_export(&info);
 }
 
@@ -276,6 +288,17 @@ err_free:
 err_put:
 	dma_buf_put(dmabuf);
 	return ERR_PTR(ret);
+}
+
+struct dma_buf *tdrv_import_get_dmabuf(const struct tdrv_import *imp)
+{
+	get_dma_buf(imp->dmabuf);
+	return imp->dmabuf;
+}
+
+struct dma_resv *tdrv_dmabuf_resv(struct dma_buf *dmabuf)
+{
+	return dmabuf->resv;
 }
 
 size_t tdrv_import_size(const struct tdrv_import *imp)

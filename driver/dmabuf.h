@@ -20,14 +20,17 @@
 struct address_space;
 struct device;
 struct dma_buf;
+struct dma_resv;
 struct inode;
 struct tdrv_import;
 struct vm_area_struct;
 
 /* Exports the buffer behind @buf (@size bytes). Returns the dma-buf, which
  * now owns that reference, or an ERR_PTR; on failure the reference is
- * still the caller's. */
-struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size);
+ * still the caller's. @resv is the buffer's reservation object, which
+ * must outlive the dma-buf (the buffer owns it). */
+struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size,
+				   struct dma_resv *resv);
 /* A reference to the inode of @dmabuf's file (every mmap of the dma-buf
  * hangs off its address space), for unmap at unbind; the caller holds
  * @dmabuf. */
@@ -57,6 +60,11 @@ int tdrv_dmabuf_lookup(int fd, struct dma_buf **dmabuf, const void **own);
  * -EINVAL if its DMA segments are not whole pages, or the error of
  * dma_buf_vmap()/dma_buf_attach()/dma_buf_map_attachment(). */
 struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev);
+/* A new reference to the imported dma-buf (for its reservation object,
+ * which the buffer uses beyond the import's release at unbind). */
+struct dma_buf *tdrv_import_get_dmabuf(const struct tdrv_import *imp);
+/* The reservation object of @dmabuf (the caller holds a reference). */
+struct dma_resv *tdrv_dmabuf_resv(struct dma_buf *dmabuf);
 /* The imported dma-buf's size in bytes (a multiple of pages). */
 size_t tdrv_import_size(const struct tdrv_import *imp);
 /* The kernel address of byte 0 of the import (virtually contiguous). */

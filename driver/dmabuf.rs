@@ -53,8 +53,9 @@
 //! tdrv has no other way to reach a foreign dma-buf's bytes with the CPU
 //! (the pages of an importer's scatterlist are off limits).
 //!
-//! tdrv neither waits for nor adds fences in a dma-buf's reservation
-//! object: its users order device work with tdrv's own fence waits.
+//! Jobs take part in the dma-buf's reservation object (implicit
+//! synchronisation): see `resv.rs`. Every export of a buffer shares the
+//! buffer's object, so `poll(2)` of any of its fds waits for its jobs.
 
 use kernel::{
     bindings,
@@ -95,7 +96,10 @@ mod ffi {
         pub(super) fn tdrv_dmabuf_export(
             buf: *const core::ffi::c_void,
             size: usize,
+            resv: *mut Opaque,
         ) -> *mut Opaque;
+        pub(super) fn tdrv_import_get_dmabuf(imp: *const core::ffi::c_void) -> *mut Opaque;
+        pub(super) fn tdrv_dmabuf_resv(dmabuf: *mut Opaque) -> *mut Opaque;
         pub(super) fn tdrv_dmabuf_hold_inode(dmabuf: *mut Opaque) -> *mut Opaque;
         pub(super) fn tdrv_dmabuf_zap(inode: *mut Opaque);
         pub(super) fn tdrv_dmabuf_put_inode(inode: *mut Opaque);
@@ -265,10 +269,21 @@ pub(crate) fn export(buf: Arc<Buffer>, charge: Arc<Charge>) -> Result<PendingExp
     }
     // dma-bufs are whole pages (mmap and importers count in pages).
     let size = buf.size().next_multiple_of(PAGE_SIZE);
+    let resv = match buf.export_resv() {
+        Ok(r) => r,
+        Err(e) => {
+            // SAFETY: Reserved above, never installed.
+            unsafe { ffi::tdrv_dmabuf_unreserve_fd(fd) };
+            return Err(e);
+        }
+    };
     let raw = Arc::into_raw(buf);
     // SAFETY: `raw` is a buffer reference, which the dma-buf takes over on
     // success (and gives back through `tdrv_dmabuf_release_buffer`).
-    let dmabuf = match from_err_ptr(unsafe { ffi::tdrv_dmabuf_export(raw.cast(), size) }) {
+    // `resv` lives as long as the buffer (see `Buffer::export_resv`),
+    // which the dma-buf holds; the dma-buf core uses it no more after
+    // that release.
+    let dmabuf = match from_err_ptr(unsafe { ffi::tdrv_dmabuf_export(raw.cast(), size, resv) }) {
         Ok(d) => d,
         Err(e) => {
             // SAFETY: On failure the reference is still ours.
@@ -354,6 +369,13 @@ impl Import {
         Ok(Self(imp))
     }
 
+    /// A new reference to the imported dma-buf (give it back with
+    /// [`put_dmabuf`]).
+    pub(crate) fn get_dmabuf(&self) -> *mut Opaque {
+        // SAFETY: `self.0` is a live import, which holds the dma-buf.
+        unsafe { ffi::tdrv_import_get_dmabuf(self.0) }
+    }
+
     /// Size in bytes (a multiple of pages).
     pub(crate) fn size(&self) -> usize {
         // SAFETY: `self.0` is a live import.
@@ -389,6 +411,28 @@ impl Import {
         // and exit (`DmabufModule`), around every device.
         unsafe { ffi::tdrv_import_flush_releases() }
     }
+}
+
+/// The reservation object of `dmabuf`.
+///
+/// # Safety
+///
+/// The caller holds a reference to `dmabuf`; the object lives as long.
+pub(crate) unsafe fn dmabuf_resv(dmabuf: *mut Opaque) -> *mut Opaque {
+    // SAFETY: `dmabuf` is live (the caller's reference).
+    unsafe { ffi::tdrv_dmabuf_resv(dmabuf) }
+}
+
+/// Drops a dma-buf reference (from [`Import::get_dmabuf`]). Takes no lock
+/// and allocates nothing (the file's release is deferred by `fput`), so a
+/// job's completion path may call it.
+///
+/// # Safety
+///
+/// The reference is the caller's, given up here.
+pub(crate) unsafe fn put_dmabuf(dmabuf: *mut Opaque) {
+    // SAFETY: The caller's reference.
+    unsafe { ffi::tdrv_dmabuf_put(dmabuf) }
 }
 
 /// Module init: creates the import release queue. Call before any device

@@ -220,6 +220,7 @@ impl MiscDevice for TdrvFile {
             return Err(ENODEV);
         }
         let account = Account::new(device.channels.count())?;
+        let jobs = JobTracker::new(device.limits.events, device.events.clone())?;
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
@@ -233,7 +234,7 @@ impl MiscDevice for TdrvFile {
                     },
                     "FileState::handles"
                 ),
-                jobs: JobTracker::new()?,
+                jobs,
                 // SAFETY: `file` is a valid file being opened; `f_mapping`
                 // is set before `open` is called.
                 mapping: FileMapping(unsafe { (*file.as_ptr()).f_mapping }),
@@ -263,8 +264,8 @@ impl MiscDevice for TdrvFile {
     /// Completion events (`TDRV_IOC_JOB_NOTIFY`): see `event.rs`.
     fn read_iter(kiocb: Kiocb<'_, Self::Ptr>, iov: &mut IovIterDest<'_>) -> Result<usize> {
         // SAFETY: `kiocb` is the valid kiocb of this read.
-        let nowait = unsafe { glue::kiocb_nowait(kiocb.as_raw()) };
-        kiocb.file().state.jobs.read_events(iov, nowait)
+        let wait = unsafe { glue::kiocb_wait(kiocb.as_raw()) };
+        kiocb.file().state.jobs.read_events(iov, wait)
     }
 
     fn release(me: Pin<KBox<TdrvFile>>, _file: &File) {
@@ -386,6 +387,7 @@ impl TdrvFile {
                 | FEAT_DMABUF
                 | FEAT_BUF_ID
                 | FEAT_EVENTS
+                | FEAT_IMPLICIT_SYNC
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -856,7 +858,7 @@ impl TdrvFile {
         // the job is queued, so that nothing can fail after it, except
         // writing the result back.
         let (out_fence, fd) = if want_out {
-            let fence = OutFence::new()?;
+            let fence = OutFence::new(Arc::as_ptr(&self.device).cast())?;
             let fd = fence.reserve_fd()?;
             (Some(fence), Some(fd))
         } else {

@@ -281,10 +281,11 @@ __poll_t tdrv_poll_readable(void)
 }
 
 /* A read that must not sleep: O_NONBLOCK on the file, or RWF_NOWAIT. */
-bool tdrv_kiocb_nowait(const struct kiocb *iocb)
+int tdrv_kiocb_wait_mode(const struct kiocb *iocb)
 {
-	return (iocb->ki_flags & IOCB_NOWAIT) ||
-	       (iocb->ki_filp->f_flags & O_NONBLOCK);
+	if (iocb->ki_flags & IOCB_NOWAIT)
+		return 2;
+	return (iocb->ki_filp->f_flags & O_NONBLOCK) ? 1 : 0;
 }
 
 /* read(2) of the file honours RWF_NOWAIT (preadv2), which the VFS refuses

@@ -56,6 +56,7 @@ mod mmap;
 mod node;
 mod range;
 mod registry;
+mod resv;
 mod stats;
 mod uapi;
 mod waitqueue;
@@ -116,6 +117,14 @@ module! {
         file_max_mib: u32 {
             default: 4096,
             description: "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC",
+        },
+        file_max_events: u32 {
+            default: 4096,
+            description: "Most completion events one open file may have asked for and not read (1-65536); more is ENOSPC",
+        },
+        device_max_events: u32 {
+            default: 65536,
+            description: "Most completion events all open files of a device may have asked for and not read (1-16777216); more is ENOSPC",
         },
         file_max_jobs: u32 {
             default: 1024,
@@ -207,6 +216,18 @@ pub(crate) fn params() -> Result<Params> {
         1,
         handle::MAX_HANDLES as u32,
     );
+    let file_max_events = check_param(
+        "file_max_events",
+        *m::file_max_events.value(),
+        1,
+        uapi::MAX_EVENTS,
+    );
+    let device_max_events = check_param(
+        "device_max_events",
+        *m::device_max_events.value(),
+        1,
+        1 << 24,
+    );
     Ok(Params {
         soft_devices: soft_devices?,
         channels: channels?,
@@ -221,6 +242,8 @@ pub(crate) fn params() -> Result<Params> {
             inflight_bytes: u64::from(file_max_inflight_mib?) << 20,
             imports: file_max_imports? as usize,
             device_imports: device_max_imports?,
+            events: file_max_events?,
+            device_events: device_max_events?,
         },
     })
 }

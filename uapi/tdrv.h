@@ -42,7 +42,7 @@
  *           (module parameters file_max_buffers, file_max_mib), or the
  *           limit of foreign dma-buf imports (file_max_imports,
  *           device_max_imports), or of completion events
- *           (TDRV_MAX_EVENTS), would be exceeded
+ *           (file_max_events, device_max_events), would be exceeded
  *  EAGAIN   this file has too many unfinished jobs, or they would move too
  *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
  *           some to finish and submit again
@@ -91,7 +91,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 4
+#define TDRV_ABI_MINOR 5
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -106,6 +106,9 @@
 #define TDRV_FEAT_EVENTS	(1ULL << 8) /* TDRV_IOC_JOB_NOTIFY, and read(2) and
 					     * poll(2) of completion events (1.4);
 					     * on every kernel */
+#define TDRV_FEAT_IMPLICIT_SYNC	(1ULL << 9) /* jobs take part in their dma-bufs'
+					     * reservation objects (1.5; see
+					     * struct tdrv_export); on every kernel */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -278,6 +281,19 @@ struct tdrv_copy {
  * Closing the file ends held jobs with ECANCELED, removing the device
  * with ENODEV.
  *
+ * Implicit synchronisation (ABI 1.5, TDRV_FEAT_IMPLICIT_SYNC, on every
+ * kernel): a job that uses a buffer with a dma-buf (one exported with
+ * TDRV_IOC_EXPORT, or imported from another exporter) also waits, like
+ * for an in-fence, for the unsignalled fences in that dma-buf's
+ * reservation object: a destination for all of them, a source for the
+ * writers (DMA_RESV_USAGE_WRITE), except tdrv jobs already queued on this
+ * device, which run first anyway. Such a fence's error does not fail the
+ * job. The job's own fence goes into each of those reservation objects
+ * (write usage for a destination, read for a source) at SUBMIT, and
+ * signals when the job ends, as the out-fence does; if SUBMIT then fails,
+ * it signals at once with ECANCELED. A signal while SUBMIT waits for a
+ * reservation lock ends it with EINTR, nothing queued.
+ *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
  * with a zero count, an in-fence fd that is not a sync_file, or
@@ -336,7 +352,14 @@ struct tdrv_job_wait {
 #define TDRV_FENCE_WRITES	(1U << 1) /* no pending device writes */
 #define TDRV_FENCE_ALL		(TDRV_FENCE_READS | TDRV_FENCE_WRITES)
 
-/* Most completion events one file may have requested and not yet read. */
+/*
+ * Most completion events one file may ever be allowed to have requested and
+ * not yet read: the upper end of module parameter file_max_events, which
+ * sets the real limit (by default 4096, TDRV_JOB_WINDOW: one event for each
+ * job whose status the file can still ask for). device_max_events (by
+ * default 65536) bounds the sum over all files of a device, so that many
+ * files cannot hold more kernel memory in events than that.
+ */
 #define TDRV_MAX_EVENTS		65536
 
 /**
@@ -370,7 +393,8 @@ struct tdrv_job_wait {
  *
  * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
  * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),
- * ENOSPC (TDRV_MAX_EVENTS events requested and not yet read), ENOMEM,
+ * ENOSPC (file_max_events events of this file, or device_max_events of all
+ * files of the device, requested and not yet read), ENOMEM,
  * ENODEV (device removed).
  */
 struct tdrv_job_notify {
@@ -448,11 +472,26 @@ struct tdrv_completion_reset {
  *  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device
  *    writes (DMA_BUF_SYNC_READ) or all pending device access (with
  *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN, whatever the error
- *    latch says (it does not report the latch); a signal interrupts
+ *    latch says (it does not report the latch), and first (ABI 1.5) for
+ *    the same kind of fences in the dma-buf's reservation object (other
+ *    drivers' work, imported sync_files); a signal interrupts
  *    it (EINTR/restart), and after unbind it fails with ENODEV. It does not
  *    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.
  *  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the
  *    same buffer.
+ *  - Implicit synchronisation (ABI 1.5, TDRV_FEAT_IMPLICIT_SYNC): the
+ *    buffer gets a reservation object at its first export, shared by
+ *    every dma-buf exported from it. Every job submitted afterwards that
+ *    writes the buffer adds its fence there with write usage, every job
+ *    that reads it with read usage, and waits for the fences already
+ *    there (see struct tdrv_submit). So poll(2) of the fd reports POLLIN
+ *    once no job writing the buffer is pending, POLLOUT once no job uses
+ *    it (on every kernel); DMA_BUF_IOCTL_EXPORT_SYNC_FILE gives a
+ *    sync_file of those jobs, and DMA_BUF_IOCTL_IMPORT_SYNC_FILE makes
+ *    the next tdrv jobs on the buffer wait for a foreign fence (both need
+ *    CONFIG_SYNC_FILE; without it they are ENOTTY). Jobs submitted
+ *    before the first export are not in it. COPY_IN, COPY_OUT, MEMSET and
+ *    COPY wait for tdrv's jobs only, not for other fences there.
  *  - Other devices cannot attach to it (dma_buf_attach: EOPNOTSUPP).
  *
  * Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such
@@ -493,9 +532,10 @@ struct tdrv_export {
  * at most file_max_imports (default 4096) handles of foreign imports, and
  * a device at most device_max_imports (default 65536) such buffers
  * (module parameters); each IMPORT of a foreign dma-buf makes a new one,
- * alive until its handle is freed and no job uses it. tdrv does not take part
- * in the dma-buf's reservation object (implicit fences): order device work
- * with tdrv's fence waits. Unbind detaches and releases the import.
+ * alive until its handle is freed and no job uses it. Jobs on it take
+ * part in the dma-buf's reservation object (ABI 1.5, see struct
+ * tdrv_submit): they wait for the exporter's and other importers' fences
+ * there and add their own. Unbind detaches and releases the import.
  *
  * Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;
  * flags, pad or reserved not zero, out fields not zero; @channel out of

@@ -461,6 +461,18 @@ def test_host_waits_return_at_once():
 
 # --- device (only where a tdrv node exists) ------------------------------
 
+
+def test_expected_devices_are_there():
+    # scripts/test's guest names the kinds of device it gave the guest: one
+    # missing must fail, not shrink the parametrized tests below to none.
+    want = os.environ.get("TDRV_EXPECT_DEVICES")
+    if want is None:
+        pytest.skip("TDRV_EXPECT_DEVICES is not set: no device expected here (the host)")
+    kinds = sorted(tdrv.Device(p).kind for p in tdrv.devices())
+    missing = sorted(set(want.split()) - set(kinds))
+    assert not missing, f"no {missing} device; the guest has {kinds}"
+
+
 # An empty list (no /dev/tdrv* node, as on the host) skips the test.
 @pytest.mark.parametrize("path", tdrv.devices())
 def test_device_tensors_jobs_and_views(path):

@@ -9,6 +9,7 @@ pub mod dmabuf;
 pub mod inject;
 pub mod raw;
 pub mod sync;
+pub mod uffd;
 pub mod wait;
 
 pub use inject::{failure_injection, inject, Hold, SimWatchdog};

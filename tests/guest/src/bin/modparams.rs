@@ -176,7 +176,7 @@ fn main() {
         Err(e) => skip_all(&e),
     };
     // (parameter, a value below its range, one above, the range)
-    let bad: [(&str, Option<u64>, Option<u64>, &str); 12] = [
+    let bad: [(&str, Option<u64>, Option<u64>, &str); 14] = [
         ("soft_devices", None, Some(5), "0-4"),
         ("channels", Some(0), Some(17), "1-16"),
         ("channel_mib", Some(0), Some(4097), "1-4096"),
@@ -187,6 +187,8 @@ fn main() {
         ("file_max_mib", Some(0), Some(1_048_577), "1-1048576"),
         ("file_max_jobs", Some(0), Some(4096), "1-4095"),
         ("file_max_imports", Some(0), Some(16_777_217), "1-16777216"),
+        ("file_max_events", Some(0), Some(65_537), "1-65536"),
+        ("device_max_events", Some(0), Some(16_777_217), "1-16777216"),
         (
             "device_max_imports",
             Some(0),
