@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! DLPack: the C structures of the DLPack 1.0 header (`dlpack.h`, the
 //! ABI every DLPack consumer reads), the capsules `__dlpack__` returns,
 //! and the import side of `tdrv.from_dlpack`.
