@@ -763,8 +763,10 @@ fn main() {
         }
         let mut status = 0;
         // SAFETY: waits for our child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        match libc::WEXITSTATUS(status) {
+        if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+            return Err(format!("waitpid: errno {}", tdrv_guest_tests::raw::errno()));
+        }
+        match tdrv_guest_tests::exit_code(status)? {
             0 => Ok(()),
             1 => Err("an opener without CAP_SYS_RAWIO saw a bus address".into()),
             _ => Err("child without CAP_SYS_RAWIO could not allocate".into()),
