@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! The C ABI called from Rust: status mapping, handle ownership and sets.
 
 use std::ffi::CString;
@@ -224,6 +225,42 @@ fn dmabuf_fd_of_host_memory_and_bad_arguments_are_invalid() {
         assert_eq!(nrt_get_dmabuf_fd(va, 16, std::ptr::null_mut()), NRT_INVALID);
         assert_eq!(nrt_get_dmabuf_fd(u64::MAX, 2, &mut fd), NRT_INVALID);
     }
+    let mut t = t;
+    // SAFETY: a live handle variable.
+    unsafe { nrt_tensor_free(&mut t) };
+}
+
+#[test]
+fn memcpy_to_device_refuses_host_memory_and_bad_arguments() {
+    let t = alloc(4096, "host");
+    let va = nrt_tensor_get_va(t);
+    let src = [7u8; 16];
+    // SAFETY: `src` is readable for 16 bytes; `dest` is only looked up.
+    unsafe {
+        assert_eq!(
+            nrt_memcpy_to_device(va, src.as_ptr().cast(), 16),
+            NRT_INVALID
+        );
+        assert_eq!(nrt_memcpy_to_device(va, std::ptr::null(), 16), NRT_INVALID);
+        assert_eq!(
+            nrt_memcpy_to_device(null_mut(), src.as_ptr().cast(), 16),
+            NRT_INVALID
+        );
+        assert_eq!(
+            nrt_memcpy_to_device(null_mut(), std::ptr::null(), 0),
+            NRT_SUCCESS
+        );
+    }
+    // Host memory was not written.
+    let mut back = [1u8; 16];
+    // SAFETY: live handle, writable buffer.
+    assert_eq!(
+        unsafe { nrt_tensor_read(t, back.as_mut_ptr().cast(), 0, 16) },
+        NRT_SUCCESS
+    );
+    assert_eq!(back, [0u8; 16]);
+    // SAFETY: NULL is allowed and refused.
+    assert_eq!(unsafe { nrt_get_total_nc_count(null_mut()) }, NRT_INVALID);
     let mut t = t;
     // SAFETY: a live handle variable.
     unsafe { nrt_tensor_free(&mut t) };
