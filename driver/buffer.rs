@@ -705,6 +705,13 @@ impl Buffer {
         (n > 0).then_some(n)
     }
 
+    /// True while the buffer still holds its memory (live or detached), for
+    /// KUnit tests of unbind.
+    #[cfg(CONFIG_KUNIT)]
+    pub(crate) fn holds_memory(&self) -> bool {
+        !matches!(*self.mem.lock(), MemState::Gone)
+    }
+
     /// First step of unbind's memory release: [`Buffer::page_pfns`] finds
     /// no more page frames of the buffer. Pages mapped before are zapped by
     /// the caller next.

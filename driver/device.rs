@@ -395,7 +395,15 @@ impl TdrvDevice {
             file.zap_mappings();
         }
         self.exports.zap_all();
+        // Importers on other devices drop their mappings of exported
+        // memory; what a non-revocable importer still maps is freed with
+        // the buffer's last reference instead (the dma-buf's release, after
+        // the importer let go), never while it is mapped.
+        self.exports.revoke_all();
         self.for_each_buffer(|buf| {
+            if self.exports.in_use(buf) {
+                return;
+            }
             // SAFETY: The device is unbound, its engine stopped (above), no
             // active guard exists (drained) or can be taken (`bound` is
             // false), the buffer was detached and then every mapping of

@@ -10,6 +10,7 @@
 #include <linux/dma-direct.h>
 #include <linux/dma-direction.h>
 #include <linux/dma-map-ops.h>
+#include <linux/dma-resv.h>
 #include <linux/err.h>
 #include <linux/fcntl.h>
 #include <linux/file.h>
@@ -28,35 +29,229 @@
 
 MODULE_IMPORT_NS("DMA_BUF");
 
-/* No device but tdrv's own files may use the memory: an importer's DMA
- * mapping could not be revoked when the device is unbound and its memory
- * freed. */
+/*
+ * One export's state: the buffer reference the dma-buf holds, and how many
+ * DMA mappings (map_dma_buf) and kernel mappings (vmap) of its pages
+ * other users hold. Unbind revokes the mappings and frees the memory only
+ * once the count is zero (see driver/dmabuf.rs, "Revocation").
+ */
+struct tdrv_export {
+	const void *buf;
+	atomic_t users;
+	/* The DMA mappings of revocable importers among them: unbind waits
+	 * for these after telling the importers. */
+	atomic_t revocable;
+	wait_queue_head_t idle;
+};
+
+static void tdrv_export_put_user(struct tdrv_export *exp)
+{
+	if (atomic_dec_and_test(&exp->users))
+		wake_up_all(&exp->idle);
+}
+
+static void tdrv_export_put_mapping(struct tdrv_export *exp,
+				    struct dma_buf_attachment *attach)
+{
+	if (dma_buf_attach_revocable(attach) &&
+	    atomic_dec_and_test(&exp->revocable))
+		wake_up_all(&exp->idle);
+	tdrv_export_put_user(exp);
+}
+
+/*
+ * The pages of the export, in order, in a new array (kvfree it). Fails
+ * with the buffer's refusal: -EOPNOTSUPP for device memory, -ENODEV once
+ * the device is being unbound.
+ */
+static struct page **tdrv_export_pages(struct tdrv_export *exp, size_t n)
+{
+	unsigned long *pfns;
+	size_t i;
+	int ret;
+
+	pfns = kvmalloc_array(n, sizeof(*pfns), GFP_KERNEL);
+	if (!pfns)
+		return ERR_PTR(-ENOMEM);
+	ret = tdrv_dmabuf_buffer_pfns(exp->buf, pfns, n);
+	if (ret) {
+		kvfree(pfns);
+		return ERR_PTR(ret);
+	}
+	/* struct page pointers are the same size: convert in place. */
+	BUILD_BUG_ON(sizeof(struct page *) != sizeof(unsigned long));
+	for (i = 0; i < n; i++)
+		((struct page **)pfns)[i] = pfn_to_page(pfns[i]);
+	return (struct page **)pfns;
+}
+
+/* True if @dev maps memory directly and one of @pages lies beyond its DMA
+ * mask: mapping it would fail with a WARN of the DMA core. */
+static bool tdrv_pages_beyond_mask(struct device *dev, struct page **pages,
+				   size_t n)
+{
+	u64 limit;
+	size_t i;
+
+	if (!dev->dma_mask || get_dma_ops(dev) || dev_dma_iommu(dev))
+		return false;
+#ifdef CONFIG_SWIOTLB
+	if (dev->dma_io_tlb_mem && dev->dma_io_tlb_mem->nslabs)
+		return false;
+#endif
+	limit = min_not_zero(*dev->dma_mask, dev->bus_dma_limit);
+	for (i = 0; i < n; i++)
+		if (phys_to_dma(dev, page_to_phys(pages[i])) + PAGE_SIZE - 1 > limit)
+			return true;
+	return false;
+}
+
+/*
+ * Any device may attach. Device memory (the sim device's HBM behind its
+ * BAR) has no struct pages the DMA API could map, and peer-to-peer
+ * mapping of it is not provided: refused with a reason in the log. Pages
+ * beyond the importer's DMA mask (with a direct mapping) are EIO.
+ */
 static int tdrv_dmabuf_attach(struct dma_buf *dmabuf,
 			      struct dma_buf_attachment *attach)
 {
-	return -EOPNOTSUPP;
+	struct tdrv_export *exp = dmabuf->priv;
+	size_t n = dmabuf->size >> PAGE_SHIFT;
+	struct page **pages;
+	int ret = 0;
+
+	pages = tdrv_export_pages(exp, n);
+	if (IS_ERR(pages)) {
+		ret = PTR_ERR(pages);
+		if (ret == -EOPNOTSUPP)
+			dev_info_ratelimited(attach->dev,
+				"tdrv: cannot attach to tdrv device memory: no peer-to-peer DMA path to it (%s)\n",
+				attach->peer2peer ? "not a P2P provider" :
+						    "importer takes no P2P memory");
+		return ret;
+	}
+	if (tdrv_pages_beyond_mask(attach->dev, pages, n))
+		ret = -EIO;
+	kvfree(pages);
+	return ret;
+}
+
+/* The memory never moves: pinning has nothing to do. */
+static int tdrv_dmabuf_pin(struct dma_buf_attachment *attach)
+{
+	return 0;
+}
+
+static void tdrv_dmabuf_unpin(struct dma_buf_attachment *attach)
+{
 }
 
 static struct sg_table *tdrv_dmabuf_map(struct dma_buf_attachment *attach,
 					enum dma_data_direction dir)
 {
-	return ERR_PTR(-EOPNOTSUPP);
+	struct tdrv_export *exp = attach->dmabuf->priv;
+	size_t n = attach->dmabuf->size >> PAGE_SHIFT;
+	struct sg_table *sgt;
+	struct page **pages;
+	int ret;
+
+	if (!attach->dev->dma_mask)
+		return ERR_PTR(-EOPNOTSUPP);
+	/* Counted before the buffer is asked for its pages: unbind marks
+	 * the memory detached first and reads the count after, so either
+	 * it sees this mapping or the buffer refuses it. */
+	atomic_inc(&exp->users);
+	if (dma_buf_attach_revocable(attach))
+		atomic_inc(&exp->revocable);
+	pages = tdrv_export_pages(exp, n);
+	if (IS_ERR(pages)) {
+		ret = PTR_ERR(pages);
+		goto err_user;
+	}
+	ret = -EIO;
+	if (tdrv_pages_beyond_mask(attach->dev, pages, n))
+		goto err_pages;
+	ret = -ENOMEM;
+	sgt = kzalloc(sizeof(*sgt), GFP_KERNEL);
+	if (!sgt)
+		goto err_pages;
+	/* Contiguous pages merge into one segment; every piece is in it. */
+	ret = sg_alloc_table_from_pages(sgt, pages, n, 0, n << PAGE_SHIFT,
+					GFP_KERNEL);
+	if (ret)
+		goto err_sgt;
+	ret = dma_map_sgtable(attach->dev, sgt, dir, 0);
+	if (ret)
+		goto err_table;
+	kvfree(pages);
+	return sgt;
+
+err_table:
+	sg_free_table(sgt);
+err_sgt:
+	kfree(sgt);
+err_pages:
+	kvfree(pages);
+err_user:
+	tdrv_export_put_mapping(exp, attach);
+	return ERR_PTR(ret);
 }
 
 static void tdrv_dmabuf_unmap(struct dma_buf_attachment *attach,
 			      struct sg_table *sgt,
 			      enum dma_data_direction dir)
 {
+	struct tdrv_export *exp = attach->dmabuf->priv;
+
+	dma_unmap_sgtable(attach->dev, sgt, dir, 0);
+	sg_free_table(sgt);
+	kfree(sgt);
+	tdrv_export_put_mapping(exp, attach);
+}
+
+/* A kernel mapping for CPU importers (another tdrv device's software
+ * engine and COPY_IN/OUT, for example). The core calls it once while any
+ * importer holds a mapping (it counts them). */
+static int tdrv_dmabuf_vmap(struct dma_buf *dmabuf, struct iosys_map *map)
+{
+	struct tdrv_export *exp = dmabuf->priv;
+	size_t n = dmabuf->size >> PAGE_SHIFT;
+	struct page **pages;
+	void *vaddr;
+
+	atomic_inc(&exp->users);
+	pages = tdrv_export_pages(exp, n);
+	if (IS_ERR(pages)) {
+		tdrv_export_put_user(exp);
+		return PTR_ERR(pages);
+	}
+	vaddr = vmap(pages, n, VM_MAP, PAGE_KERNEL);
+	kvfree(pages);
+	if (!vaddr) {
+		tdrv_export_put_user(exp);
+		return -ENOMEM;
+	}
+	iosys_map_set_vaddr(map, vaddr);
+	return 0;
+}
+
+static void tdrv_dmabuf_vunmap(struct dma_buf *dmabuf, struct iosys_map *map)
+{
+	vunmap(map->vaddr);
+	tdrv_export_put_user(dmabuf->priv);
 }
 
 static void tdrv_dmabuf_release(struct dma_buf *dmabuf)
 {
-	tdrv_dmabuf_release_buffer(dmabuf->priv, dmabuf);
+	struct tdrv_export *exp = dmabuf->priv;
+
+	tdrv_dmabuf_release_buffer(exp->buf, dmabuf);
+	kfree(exp);
 }
 
 static int tdrv_dmabuf_mmap(struct dma_buf *dmabuf, struct vm_area_struct *vma)
 {
-	return tdrv_dmabuf_mmap_buffer(dmabuf->priv, vma);
+	return tdrv_dmabuf_mmap_buffer(((struct tdrv_export *)dmabuf->priv)->buf, vma);
 }
 
 static int tdrv_dmabuf_begin_cpu_access(struct dma_buf *dmabuf,
@@ -70,33 +265,72 @@ static int tdrv_dmabuf_begin_cpu_access(struct dma_buf *dmabuf,
 
 	if (ret)
 		return ret;
-	return tdrv_dmabuf_begin_cpu(dmabuf->priv, write);
+	return tdrv_dmabuf_begin_cpu(((struct tdrv_export *)dmabuf->priv)->buf, write);
 }
 
 static const struct dma_buf_ops tdrv_dmabuf_ops = {
 	.attach = tdrv_dmabuf_attach,
+	.pin = tdrv_dmabuf_pin,
+	.unpin = tdrv_dmabuf_unpin,
 	.map_dma_buf = tdrv_dmabuf_map,
 	.unmap_dma_buf = tdrv_dmabuf_unmap,
 	.release = tdrv_dmabuf_release,
 	.mmap = tdrv_dmabuf_mmap,
 	.begin_cpu_access = tdrv_dmabuf_begin_cpu_access,
+	.vmap = tdrv_dmabuf_vmap,
+	.vunmap = tdrv_dmabuf_vunmap,
 };
 
 struct dma_buf *tdrv_dmabuf_export(const void *buf, size_t size,
 				   struct dma_resv *resv)
 {
 	DEFINE_DMA_BUF_EXPORT_INFO(info);
+	struct tdrv_export *exp;
+	struct dma_buf *dmabuf;
 
+	exp = kzalloc(sizeof(*exp), GFP_KERNEL_ACCOUNT);
+	if (!exp)
+		return ERR_PTR(-ENOMEM);
+	exp->buf = buf;
+	atomic_set(&exp->users, 0);
+	atomic_set(&exp->revocable, 0);
+	init_waitqueue_head(&exp->idle);
 	info.exp_name = "tdrv";
 	/* An exported fd pins the module: the release callback is ours. */
 	info.owner = THIS_MODULE;
 	info.ops = &tdrv_dmabuf_ops;
 	info.size = size;
 	info.flags = O_RDWR;
-	info.priv = (void *)buf;
+	info.priv = exp;
 	/* The buffer's own: every export of the buffer shares it. */
 	info.resv = resv;
-	return dma_buf_export(&info);
+	dmabuf = dma_buf_export(&info);
+	if (IS_ERR(dmabuf))
+		kfree(exp);
+	return dmabuf;
+}
+
+int tdrv_dmabuf_revoke(struct dma_buf *dmabuf, unsigned long timeout)
+{
+	struct tdrv_export *exp = dmabuf->priv;
+
+	dma_resv_lock(dmabuf->resv, NULL);
+	dma_buf_invalidate_mappings(dmabuf);
+	dma_resv_unlock(dmabuf->resv);
+	/* Revocable importers unmap in bounded time; others keep theirs
+	 * until they are done (the memory waits for them). */
+	wait_event_timeout(exp->idle, !atomic_read(&exp->revocable), timeout);
+	return atomic_read(&exp->users);
+}
+
+void tdrv_dmabuf_log_no_p2p(void)
+{
+	pr_info_ratelimited("tdrv: IMPORT of another tdrv device's device memory refused: no peer-to-peer DMA path to it\n");
+}
+
+int tdrv_dmabuf_users(struct dma_buf *dmabuf)
+{
+	return atomic_read(&((struct tdrv_export *)dmabuf->priv)->users);
 }
 
 struct inode *tdrv_dmabuf_hold_inode(struct dma_buf *dmabuf)
@@ -148,7 +382,8 @@ int tdrv_dmabuf_lookup(int fd, struct dma_buf **out, const void **own)
 	if (IS_ERR(dmabuf))
 		return PTR_ERR(dmabuf);
 	*out = dmabuf;
-	*own = dmabuf->ops == &tdrv_dmabuf_ops ? dmabuf->priv : NULL;
+	*own = dmabuf->ops == &tdrv_dmabuf_ops ?
+	       ((struct tdrv_export *)dmabuf->priv)->buf : NULL;
 	return 0;
 }
 
@@ -372,3 +607,170 @@ void tdrv_dmabuf_module_exit(void)
 		destroy_workqueue(tdrv_release_wq);
 	tdrv_release_wq = NULL;
 }
+
+#if IS_ENABLED(CONFIG_KUNIT)
+#include <linux/device/faux.h>
+#include <linux/highmem.h>
+
+/*
+ * A KUnit importer that does what the RDMA core does for a pinned dma-buf
+ * memory region: a dynamic attach that takes peer-to-peer memory and is
+ * revocable, pin, map, and on invalidation unmap and unpin at once.
+ */
+struct tdrv_test_importer {
+	struct faux_device *fdev;
+	struct dma_buf *dmabuf;
+	struct dma_buf_attachment *attach;
+	struct sg_table *sgt;
+	bool pinned;
+	int invalidated;
+};
+
+static void tdrv_test_invalidate(struct dma_buf_attachment *attach)
+{
+	struct tdrv_test_importer *t = attach->importer_priv;
+
+	t->invalidated++;
+	if (t->sgt)
+		dma_buf_unmap_attachment(attach, t->sgt, DMA_BIDIRECTIONAL);
+	t->sgt = NULL;
+	if (t->pinned)
+		dma_buf_unpin(attach);
+	t->pinned = false;
+}
+
+static const struct dma_buf_attach_ops tdrv_test_importer_ops = {
+	.allow_peer2peer = true,
+	.invalidate_mappings = tdrv_test_invalidate,
+};
+
+/* Attaches a new faux device (64-bit DMA) to @dmabuf, dynamic and
+ * revocable if @dynamic, else static; takes a dma-buf reference. */
+struct tdrv_test_importer *tdrv_test_importer_new(struct dma_buf *dmabuf,
+						  const char *name, bool dynamic)
+{
+	struct tdrv_test_importer *t;
+	struct device *dev;
+	int ret;
+
+	t = kzalloc(sizeof(*t), GFP_KERNEL);
+	if (!t)
+		return ERR_PTR(-ENOMEM);
+	t->fdev = faux_device_create(name, NULL, NULL);
+	if (!t->fdev) {
+		kfree(t);
+		return ERR_PTR(-ENODEV);
+	}
+	dev = &t->fdev->dev;
+	dev->coherent_dma_mask = DMA_BIT_MASK(64);
+	dev->dma_mask = &dev->coherent_dma_mask;
+	get_dma_buf(dmabuf);
+	t->dmabuf = dmabuf;
+	t->attach = dynamic ?
+		dma_buf_dynamic_attach(dmabuf, dev, &tdrv_test_importer_ops, t) :
+		dma_buf_attach(dmabuf, dev);
+	if (IS_ERR(t->attach)) {
+		ret = PTR_ERR(t->attach);
+		dma_buf_put(dmabuf);
+		faux_device_destroy(t->fdev);
+		kfree(t);
+		return ERR_PTR(ret);
+	}
+	return t;
+}
+
+/* Pins (dynamic importers) and maps the attachment. */
+int tdrv_test_importer_map(struct tdrv_test_importer *t)
+{
+	struct sg_table *sgt;
+	int ret = 0;
+
+	dma_resv_lock(t->dmabuf->resv, NULL);
+	if (t->attach->importer_ops) {
+		ret = dma_buf_pin(t->attach);
+		if (ret)
+			goto out;
+		t->pinned = true;
+	}
+	sgt = dma_buf_map_attachment(t->attach, DMA_BIDIRECTIONAL);
+	if (IS_ERR(sgt))
+		ret = PTR_ERR(sgt);
+	else
+		t->sgt = sgt;
+out:
+	dma_resv_unlock(t->dmabuf->resv);
+	return ret;
+}
+
+/* Bytes the mapping covers, -EINVAL if a segment is not whole pages,
+ * -ENOENT if there is no mapping. */
+long tdrv_test_importer_mapped_bytes(struct tdrv_test_importer *t)
+{
+	struct scatterlist *sg;
+	long total = 0;
+	unsigned int i;
+
+	if (!t->sgt)
+		return -ENOENT;
+	for_each_sgtable_dma_sg(t->sgt, sg, i) {
+		if (!PAGE_ALIGNED(sg_dma_address(sg)) ||
+		    !PAGE_ALIGNED(sg_dma_len(sg)))
+			return -EINVAL;
+		total += sg_dma_len(sg);
+	}
+	return total;
+}
+
+/* Reads every byte at the bus addresses of the mapping (a direct mapping:
+ * they are physical addresses) and counts those that are not @value. */
+long tdrv_test_importer_count_other(struct tdrv_test_importer *t, u8 value)
+{
+	struct device *dev = &t->fdev->dev;
+	struct scatterlist *sg;
+	long other = 0;
+	unsigned int i;
+
+	if (!t->sgt)
+		return -ENOENT;
+	for_each_sgtable_dma_sg(t->sgt, sg, i) {
+		phys_addr_t phys = dma_to_phys(dev, sg_dma_address(sg));
+		size_t off;
+
+		for (off = 0; off < sg_dma_len(sg); off += PAGE_SIZE) {
+			u8 *p = kmap_local_page(pfn_to_page(PHYS_PFN(phys + off)));
+			size_t b;
+
+			for (b = 0; b < PAGE_SIZE; b++)
+				other += p[b] != value;
+			kunmap_local(p);
+		}
+	}
+	return other;
+}
+
+int tdrv_test_importer_invalidated(struct tdrv_test_importer *t)
+{
+	return t->invalidated;
+}
+
+/* Unmaps, unpins, detaches and frees the importer and its device. */
+void tdrv_test_importer_free(struct tdrv_test_importer *t)
+{
+	if (t->attach->importer_ops) {
+		dma_resv_lock(t->dmabuf->resv, NULL);
+		if (t->sgt)
+			dma_buf_unmap_attachment(t->attach, t->sgt,
+						 DMA_BIDIRECTIONAL);
+		if (t->pinned)
+			dma_buf_unpin(t->attach);
+		dma_resv_unlock(t->dmabuf->resv);
+	} else if (t->sgt) {
+		dma_buf_unmap_attachment_unlocked(t->attach, t->sgt,
+						  DMA_BIDIRECTIONAL);
+	}
+	dma_buf_detach(t->dmabuf, t->attach);
+	dma_buf_put(t->dmabuf);
+	faux_device_destroy(t->fdev);
+	kfree(t);
+}
+#endif

@@ -5,8 +5,10 @@
  * Exporter: a tdrv buffer becomes a dma-buf whose private data is one
  * reference to the buffer (an Arc<Buffer> turned into a raw pointer). The
  * dma-buf gives it back through tdrv_dmabuf_release_buffer() when its last
- * file reference goes. Other devices cannot attach (map_dma_buf is refused
- * with -EOPNOTSUPP); mmap and DMA_BUF_IOCTL_SYNC go to the callbacks below.
+ * file reference goes. Other devices attach, pin and map it (an sg_table
+ * of its pages mapped for the importer's device) and vmap it; device
+ * memory is refused (-EOPNOTSUPP). mmap and DMA_BUF_IOCTL_SYNC go to the
+ * callbacks below.
  *
  * Importer: a foreign dma-buf is vmapped for CPU access (the software
  * engine, COPY_IN/OUT, mmap) and, for a device that does DMA, attached and
@@ -46,6 +48,16 @@ int tdrv_dmabuf_reserve_fd(void);
 void tdrv_dmabuf_install(struct dma_buf *dmabuf, int fd);
 /* Gives back an fd reserved and never installed. */
 void tdrv_dmabuf_unreserve_fd(int fd);
+/* Unbind: tells every importer of the tdrv export @dmabuf to drop its
+ * mappings (dma_buf_invalidate_mappings) and, if one of them is revocable,
+ * waits up to @timeout jiffies for them to go. Returns how many DMA and
+ * kernel mappings of its pages remain. The caller keeps @dmabuf alive. */
+int tdrv_dmabuf_revoke(struct dma_buf *dmabuf, unsigned long timeout);
+/* Logs, rate-limited, why IMPORT of device memory of another tdrv device
+ * failed. */
+void tdrv_dmabuf_log_no_p2p(void);
+/* How many DMA and kernel mappings of the tdrv export @dmabuf exist. */
+int tdrv_dmabuf_users(struct dma_buf *dmabuf);
 /* Drops a dma-buf reference. */
 void tdrv_dmabuf_put(struct dma_buf *dmabuf);
 
@@ -83,9 +95,23 @@ void tdrv_import_flush_releases(void);
 int tdrv_dmabuf_module_init(void);
 void tdrv_dmabuf_module_exit(void);
 
+/* KUnit only (dmabuf.rs's tests): an importer of a tdrv export that
+ * behaves like the RDMA core's pinned dma-buf memory region. */
+struct tdrv_test_importer;
+struct tdrv_test_importer *tdrv_test_importer_new(struct dma_buf *dmabuf,
+						  const char *name, bool dynamic);
+int tdrv_test_importer_map(struct tdrv_test_importer *t);
+long tdrv_test_importer_mapped_bytes(struct tdrv_test_importer *t);
+long tdrv_test_importer_count_other(struct tdrv_test_importer *t, u8 value);
+int tdrv_test_importer_invalidated(struct tdrv_test_importer *t);
+void tdrv_test_importer_free(struct tdrv_test_importer *t);
+
 /* Implemented in Rust (dmabuf.rs). */
 void tdrv_dmabuf_release_buffer(const void *buf, struct dma_buf *dmabuf);
 int tdrv_dmabuf_mmap_buffer(const void *buf, struct vm_area_struct *vma);
 int tdrv_dmabuf_begin_cpu(const void *buf, bool write);
+/* The page frame of each of the buffer's first @n pages: -EOPNOTSUPP for
+ * device memory, -ENODEV once unbind detached the memory. */
+int tdrv_dmabuf_buffer_pfns(const void *buf, unsigned long *pfns, size_t n);
 
 #endif

@@ -13,8 +13,9 @@
 //! outlives FREE, the exporter's close and exit. Its `owner` is this
 //! module: `rmmod` fails while an exported fd exists. tdrv recognises its
 //! own dma-bufs by their ops table: IMPORT of one resolves to the original
-//! buffer (no copy), in any file of the same device; another device's
-//! buffer is EXDEV (jobs only run between buffers of one device).
+//! buffer (no copy), in any file of the same device; another tdrv device
+//! imports it like a foreign dma-buf (below), except device memory, which
+//! is EOPNOTSUPP.
 //!
 //! - mmap of the dma-buf fd maps the buffer like tdrv's own mmap (shared,
 //!   not executable, pages inserted at fault time, SIGBUS after unbind).
@@ -28,10 +29,33 @@
 //!   cannot rely on userspace pairing the two, and a forgotten END must not
 //!   block other users of the buffer. The error latch does not fail SYNC;
 //!   after unbind it is ENODEV.
-//! - No other device may attach (`map_dma_buf`): its DMA mapping of tdrv
-//!   memory could not be revoked when tdrv's device is unbound and the
-//!   memory freed. (Serving revocable importers, `dma_buf_attach_revocable`
-//!   and `dma_buf_invalidate_mappings`, would lift this; not done yet.)
+//! - Other devices attach, pin and map it (see "Sharing" below).
+//!
+//! # Sharing
+//!
+//! The exporter serves any importer: `attach` checks that the pages are
+//! within the importer's DMA mask (EIO) and refuses device memory
+//! (EOPNOTSUPP, with a rate-limited line in the log: BAR memory has no
+//! struct pages, and no peer-to-peer provider is registered); `pin` has
+//! nothing to do (the memory never moves); `map_dma_buf` builds an
+//! sg_table of every page of every piece and maps it for the importer's
+//! device; `vmap` maps the pages into the kernel for CPU importers.
+//!
+//! Every DMA mapping and vmap counts as a user of the export's pages
+//! (`struct tdrv_export` in `dmabuf.c`), counted before the buffer is
+//! asked for its pages and refused once unbind detached them.
+//!
+//! # Revocation
+//!
+//! Unbind detaches every buffer, then for each live export calls
+//! `dma_buf_invalidate_mappings` under its reservation lock and waits (at
+//! most [`REVOKE_WAIT_MS`]) until revocable importers (those with an
+//! `invalidate_mappings` callback, `dma_buf_attach_revocable`) have
+//! unmapped. A buffer whose pages are still mapped or vmapped (static
+//! importers, tdrv's own imports) is not freed by unbind: its memory goes
+//! with the buffer's last reference, which the dma-buf holds until every
+//! importer has let go. So no page returns to the allocator while a device
+//! may still reach it.
 //!
 //! # Import of foreign dma-bufs
 //!
@@ -107,6 +131,9 @@ mod ffi {
         pub(super) fn tdrv_dmabuf_install(dmabuf: *mut Opaque, fd: core::ffi::c_int);
         pub(super) fn tdrv_dmabuf_unreserve_fd(fd: core::ffi::c_int);
         pub(super) fn tdrv_dmabuf_put(dmabuf: *mut Opaque);
+        pub(super) fn tdrv_dmabuf_revoke(dmabuf: *mut Opaque, timeout: core::ffi::c_ulong) -> core::ffi::c_int;
+        pub(super) fn tdrv_dmabuf_log_no_p2p();
+        pub(super) fn tdrv_dmabuf_users(dmabuf: *mut Opaque) -> core::ffi::c_int;
         pub(super) fn tdrv_dmabuf_lookup(
             fd: core::ffi::c_int,
             dmabuf: *mut *mut Opaque,
@@ -169,7 +196,40 @@ impl Exports {
             m.zap();
         }
     }
+
+    /// Unbind, after the buffers were detached: tells every importer of
+    /// every live export to drop its mappings, and gives revocable ones
+    /// [`REVOKE_WAIT_MS`] to do so.
+    ///
+    /// The lock is held throughout, so no export is released meanwhile:
+    /// its release callback waits for it, and only runs once the last
+    /// dma-buf reference is gone, after every importer's mappings (which
+    /// hold references) are.
+    pub(crate) fn revoke_all(&self) {
+        let timeout = kernel::time::msecs_to_jiffies(REVOKE_WAIT_MS);
+        for m in self.live.lock().values() {
+            // SAFETY: The dma-buf is alive: its release removes it from
+            // this list under the lock we hold; it is a tdrv export.
+            unsafe { ffi::tdrv_dmabuf_revoke(m.dmabuf, timeout as core::ffi::c_ulong) };
+        }
+    }
+
+    /// True if another device or the kernel still maps the memory of `buf`
+    /// through one of its exports: then unbind leaves the memory to the
+    /// buffer's last reference (the dma-buf's release) instead of freeing
+    /// it.
+    pub(crate) fn in_use(&self, buf: &Buffer) -> bool {
+        let key = core::ptr::from_ref(buf) as usize;
+        self.live.lock().values().any(|m| {
+            // SAFETY: As in `revoke_all`.
+            m.buf == key && unsafe { ffi::tdrv_dmabuf_users(m.dmabuf) } > 0
+        })
+    }
 }
+
+/// How long unbind waits for revocable importers (whose `invalidate_mappings`
+/// promises an unmap in bounded time) to unmap an export.
+const REVOKE_WAIT_MS: u32 = 10_000;
 
 /// A live export, as its device records it: the dma-buf (only as a key,
 /// never dereferenced) and a reference to the inode of its file, whose
@@ -181,6 +241,8 @@ impl Exports {
 /// be gone while unbind still finds the export in the list.
 pub(crate) struct ExportMapping {
     dmabuf: *mut Opaque,
+    /// The exported buffer's address (only compared).
+    buf: usize,
     inode: *mut Opaque,
     /// The exporting handle's charge, kept while the dma-buf lives (see
     /// `charge.rs`).
@@ -199,11 +261,12 @@ impl ExportMapping {
     /// # Safety
     ///
     /// The caller holds a reference to `dmabuf`.
-    unsafe fn new(dmabuf: *mut Opaque, charge: Arc<Charge>) -> Self {
+    unsafe fn new(dmabuf: *mut Opaque, buf: *const Buffer, charge: Arc<Charge>) -> Self {
         // SAFETY: `dmabuf` and its file are alive (the caller's reference).
         let inode = unsafe { ffi::tdrv_dmabuf_hold_inode(dmabuf) };
         Self {
             dmabuf,
+            buf: buf as usize,
             inode,
             _charge: charge,
         }
@@ -244,6 +307,18 @@ impl PendingExport {
         // SAFETY: `fd` was reserved in this task and never installed;
         // `dmabuf` is our reference, which the fd table takes over.
         unsafe { ffi::tdrv_dmabuf_install(me.dmabuf, me.fd) };
+    }
+}
+
+impl PendingExport {
+    /// Gives back the fd and keeps the dma-buf reference (for KUnit tests,
+    /// which have no fd table to install it in).
+    #[cfg(CONFIG_KUNIT)]
+    fn into_dmabuf(self) -> *mut Opaque {
+        let me = core::mem::ManuallyDrop::new(self);
+        // SAFETY: Reserved and never installed.
+        unsafe { ffi::tdrv_dmabuf_unreserve_fd(me.fd) };
+        me.dmabuf
     }
 }
 
@@ -295,7 +370,7 @@ pub(crate) fn export(buf: Arc<Buffer>, charge: Arc<Charge>) -> Result<PendingExp
     };
     let pending = PendingExport { dmabuf, fd };
     // SAFETY: `pending` holds a reference to the dma-buf.
-    let mapping = unsafe { ExportMapping::new(dmabuf, charge) };
+    let mapping = unsafe { ExportMapping::new(dmabuf, raw, charge) };
     // SAFETY: The dma-buf holds the reference `raw` came from until its
     // release, which cannot run while `pending` holds the dma-buf. (On
     // failure `mapping` is dropped, then `pending`.)
@@ -305,8 +380,9 @@ pub(crate) fn export(buf: Arc<Buffer>, charge: Arc<Charge>) -> Result<PendingExp
 
 /// What an fd passed to IMPORT refers to.
 pub(crate) enum Lookup {
-    /// One of tdrv's exports: its buffer.
-    Own(Arc<Buffer>),
+    /// One of tdrv's exports: its buffer, and the dma-buf (for an import
+    /// by another tdrv device, which maps it like a foreign one).
+    Own(Arc<Buffer>, DmaBufRef),
     /// Another exporter's dma-buf.
     Foreign(DmaBufRef),
 }
@@ -339,8 +415,14 @@ pub(crate) fn lookup(fd: i32) -> Result<Lookup> {
     // `export`); `dmabuf` keeps the dma-buf, and so that reference, alive
     // while we take our own.
     let buf = Arc::from(unsafe { ArcBorrow::from_raw(own.cast::<Buffer>()) });
-    drop(dmabuf);
-    Ok(Lookup::Own(buf))
+    Ok(Lookup::Own(buf, dmabuf))
+}
+
+/// Logs (rate-limited) why an IMPORT of another tdrv device's device
+/// memory failed.
+pub(crate) fn log_no_p2p() {
+    // SAFETY: No preconditions.
+    unsafe { ffi::tdrv_dmabuf_log_no_p2p() }
 }
 
 /// An imported foreign dma-buf: its kernel mapping and, for a DMA device,
@@ -526,5 +608,188 @@ unsafe extern "C" fn tdrv_dmabuf_begin_cpu(buf: *const Buffer, write: bool) -> c
     match buf.fence.wait_idle(kind, Timeout::Forever) {
         Ok(()) => 0,
         Err(e) => e.to_errno(),
+    }
+}
+
+/// `dma_buf_ops` attach, map and vmap: the page frame of each of the first
+/// `n` pages of the buffer.
+///
+/// # Safety
+///
+/// Called by `dmabuf.c` with a live export's buffer and room for `n`
+/// frames at `pfns`, `n` at most the buffer's pages.
+#[no_mangle]
+unsafe extern "C" fn tdrv_dmabuf_buffer_pfns(
+    buf: *const Buffer,
+    pfns: *mut core::ffi::c_ulong,
+    n: usize,
+) -> core::ffi::c_int {
+    // SAFETY: The dma-buf holds a buffer reference during the call.
+    let buf = unsafe { &*buf };
+    // Device memory has no struct pages for the DMA API or vmap.
+    if buf.on_device() {
+        return crate::uapi::eopnotsupp().to_errno();
+    }
+    // SAFETY: The caller's guarantee; `c_ulong` is `usize` on Linux.
+    let out = unsafe { core::slice::from_raw_parts_mut(pfns.cast::<usize>(), n) };
+    let mut done = 0;
+    while done < n {
+        // Refused once unbind detached the memory: the caller counted its
+        // mapping first, so unbind either sees it or it fails here.
+        match buf.page_pfns(done, &mut out[done..]) {
+            Some(k) => done += k,
+            None => return ENODEV.to_errno(),
+        }
+    }
+    0
+}
+
+#[kunit_tests(tdrv_dmabuf_export)]
+mod tests {
+    use super::{ffi, Opaque};
+    use crate::{
+        backends::soft::SoftDevice,
+        buffer::Buffer,
+        charge::{Account, Charge},
+        device::Limits,
+        range::ByteRange,
+        Params,
+    };
+    use kernel::{
+        page::PAGE_SIZE,
+        prelude::*,
+        sync::{Arc, UniqueArc},
+    };
+
+    extern "C" {
+        fn tdrv_test_importer_new(
+            dmabuf: *mut Opaque,
+            name: *const u8,
+            dynamic: bool,
+        ) -> *mut Opaque;
+        fn tdrv_test_importer_map(t: *mut Opaque) -> core::ffi::c_int;
+        fn tdrv_test_importer_mapped_bytes(t: *mut Opaque) -> core::ffi::c_long;
+        fn tdrv_test_importer_count_other(t: *mut Opaque, value: u8) -> core::ffi::c_long;
+        fn tdrv_test_importer_invalidated(t: *mut Opaque) -> core::ffi::c_int;
+        fn tdrv_test_importer_free(t: *mut Opaque);
+    }
+
+    fn params() -> Params {
+        Params {
+            soft_devices: 1,
+            channels: 1,
+            channel_limit: 64 << 20,
+            edu_dma_bits: 32,
+            edu_timeout_ms: 10_000,
+            sim_timeout_ms: 10_000,
+            limits: Limits {
+                handles: 16,
+                bytes: 64 << 20,
+                jobs: 16,
+                inflight_bytes: 64 << 20,
+                imports: 16,
+                device_imports: 16,
+                events: 16,
+                device_events: 16,
+            },
+        }
+    }
+
+    /// A software device, its exported buffer and a dma-buf reference.
+    type Exported = (Pin<KBox<SoftDevice>>, Arc<Buffer>, *mut Opaque);
+
+    /// A buffer of `pages` pages of a new software device, every byte
+    /// `value`, exported: (device, buffer, dma-buf reference).
+    fn exported(
+        pages: usize,
+        value: u8,
+    ) -> Result<Exported> {
+        let p = params();
+        let soft = KBox::pin_init(SoftDevice::new(&p), GFP_KERNEL)?;
+        let device = soft.device().clone();
+        let len = pages * PAGE_SIZE;
+        let buf = {
+            let active = device.enter()?;
+            Buffer::new(&device, device.bound_device(&active), len, 0)?
+        };
+        buf.fill(ByteRange { start: 0, len }, value)?;
+        let account = Account::new(1)?;
+        account.charge(0, len as u64);
+        let charge = Charge::adopt(UniqueArc::new_uninit(GFP_KERNEL)?, account, 0, len as u64);
+        let dmabuf = super::export(buf.clone(), charge)?.into_dmabuf();
+        Ok((soft, buf, dmabuf))
+    }
+
+    /// What `ib_umem_dmabuf_get_pinned` does (dynamic attach taking P2P
+    /// memory, revocable, pin, map), plus a static importer at the same
+    /// time; then the exporter is unbound with both attachments live.
+    #[test]
+    fn rdma_like_importer_then_unbind() -> Result {
+        let pages = 5;
+        let (soft, buf, dmabuf) = exported(pages, 0xa7)?;
+        // SAFETY: `dmabuf` is a live tdrv export (our reference).
+        let rdma = unsafe { tdrv_test_importer_new(dmabuf, c"tdrv-kunit-rdma".as_char_ptr(), true) };
+        // dynamic attach
+        assert!(kernel::error::from_err_ptr(rdma).is_ok());
+        // SAFETY: As above.
+        let stat = unsafe { tdrv_test_importer_new(dmabuf, c"tdrv-kunit-static".as_char_ptr(), false) };
+        // static attach
+        assert!(kernel::error::from_err_ptr(stat).is_ok());
+        // SAFETY: `rdma` and `stat` are live importers until freed below.
+        unsafe {
+            // pin and map
+            assert_eq!(tdrv_test_importer_map(rdma), 0);
+            // static map
+            assert_eq!(tdrv_test_importer_map(stat), 0);
+            // the sg_table covers every byte
+            assert_eq!(
+                tdrv_test_importer_mapped_bytes(rdma),
+                (pages * PAGE_SIZE) as core::ffi::c_long);
+            // bytes through the mapping
+            assert_eq!(tdrv_test_importer_count_other(rdma, 0xa7), 0);
+            // two mappings counted
+            assert_eq!(ffi::tdrv_dmabuf_users(dmabuf), 2);
+        }
+        // Unbind (the software device's removal) with both live.
+        drop(soft);
+        // SAFETY: As above.
+        unsafe {
+            // the revocable importer was told
+            assert_eq!(tdrv_test_importer_invalidated(rdma), 1);
+            // and unmapped
+            assert_eq!(tdrv_test_importer_mapped_bytes(rdma), core::ffi::c_long::from(ENOENT.to_errno()));
+            // the static mapping remains
+            assert_eq!(ffi::tdrv_dmabuf_users(dmabuf), 1);
+        }
+        // Not freed while mapped: the buffer still holds its memory and
+        // the static importer still reads it.
+        assert!(buf.holds_memory());
+        // SAFETY: As above.
+        unsafe {
+            assert_eq!(tdrv_test_importer_count_other(stat, 0xa7), 0);
+            tdrv_test_importer_free(stat);
+            // no mapping left
+            assert_eq!(ffi::tdrv_dmabuf_users(dmabuf), 0);
+            tdrv_test_importer_free(rdma);
+            ffi::tdrv_dmabuf_put(dmabuf);
+        }
+        drop(buf);
+        Ok(())
+    }
+
+    /// After unbind, new attachments and mappings are refused.
+    #[test]
+    fn attach_after_unbind_is_enodev() -> Result {
+        let (soft, buf, dmabuf) = exported(1, 0)?;
+        drop(soft);
+        // Nothing mapped it: unbind freed the memory.
+        assert!(!buf.holds_memory());
+        // SAFETY: `dmabuf` is a live tdrv export (our reference).
+        let t = unsafe { tdrv_test_importer_new(dmabuf, c"tdrv-kunit-late".as_char_ptr(), true) };
+        assert_eq!(kernel::error::from_err_ptr(t).err(), Some(ENODEV));
+        // SAFETY: Our reference.
+        unsafe { ffi::tdrv_dmabuf_put(dmabuf) };
+        drop(buf);
+        Ok(())
     }
 }

@@ -416,15 +416,42 @@ void tdrv_fence_end_signalling(bool cookie)
  * callbacks), owned by the module so that exit can drain it. */
 static struct workqueue_struct *tdrv_dispatch_wq;
 
+/* The queue of the engines' work: the soft engine's copies, the sim
+ * device's deferred work and watchdog, edu's watchdog. */
+static struct workqueue_struct *tdrv_engine_wq;
+
+/*
+ * Both queues signal out-fences (dispatch queues a job or ends it with an
+ * error, the engine work completes it), and reclaim may wait on those
+ * fences. A queue without WQ_MEM_RECLAIM may need a new kworker to make
+ * progress, and creating one can wait on that same reclaim: so each has
+ * a rescuer thread (kworker/R-tdrv-dispatch, kworker/R-tdrv-engine), as
+ * drm_sched's queues do.
+ */
 int tdrv_fence_module_init(void)
 {
-	tdrv_dispatch_wq = alloc_workqueue("tdrv-dispatch", WQ_UNBOUND, 0);
-	return tdrv_dispatch_wq ? 0 : -ENOMEM;
+	tdrv_dispatch_wq = alloc_workqueue("tdrv-dispatch",
+					   WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+	if (!tdrv_dispatch_wq)
+		return -ENOMEM;
+	tdrv_engine_wq = alloc_workqueue("tdrv-engine",
+					 WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+	if (!tdrv_engine_wq) {
+		destroy_workqueue(tdrv_dispatch_wq);
+		tdrv_dispatch_wq = NULL;
+		return -ENOMEM;
+	}
+	return 0;
 }
 
 struct workqueue_struct *tdrv_dispatch_queue(void)
 {
 	return tdrv_dispatch_wq;
+}
+
+struct workqueue_struct *tdrv_engine_queue(void)
+{
+	return tdrv_engine_wq;
 }
 
 /*
@@ -440,5 +467,8 @@ void tdrv_fence_module_exit(void)
 	if (tdrv_dispatch_wq)
 		destroy_workqueue(tdrv_dispatch_wq);
 	tdrv_dispatch_wq = NULL;
+	if (tdrv_engine_wq)
+		destroy_workqueue(tdrv_engine_wq);
+	tdrv_engine_wq = NULL;
 	synchronize_rcu();
 }

@@ -27,6 +27,7 @@ void tdrv_fence_fd_install(int fd, struct file *file);
 void tdrv_fence_fd_discard(int fd, struct file *file);
 int tdrv_fence_module_init(void);
 struct workqueue_struct *tdrv_dispatch_queue(void);
+struct workqueue_struct *tdrv_engine_queue(void);
 void tdrv_fence_module_exit(void);
 
 /* dma-fence signalling critical sections (lockdep annotation). */

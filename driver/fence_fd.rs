@@ -98,6 +98,7 @@ mod ffi {
         pub(super) fn tdrv_fence_fd_discard(fd: c_int, file: *mut c_void);
         pub(super) fn tdrv_fence_module_init() -> c_int;
         pub(super) fn tdrv_dispatch_queue() -> *mut kernel::bindings::workqueue_struct;
+        pub(super) fn tdrv_engine_queue() -> *mut kernel::bindings::workqueue_struct;
         pub(super) fn tdrv_fence_module_exit();
         pub(super) fn tdrv_deps_new(fds: *const i32, count: u32, depsp: *mut *mut c_void) -> c_int;
         pub(super) fn tdrv_deps_arm(deps: *mut c_void, ctx: *mut c_void) -> bool;
@@ -172,6 +173,15 @@ pub(crate) fn dispatch_queue() -> &'static kernel::workqueue::Queue {
     // before any device) until module exit (after every device and file
     // is gone), which covers every user.
     unsafe { kernel::workqueue::Queue::from_raw(ffi::tdrv_dispatch_queue()) }
+}
+
+/// The queue of the engines' work (see `engine::queue`): module-owned and
+/// WQ_MEM_RECLAIM, like the dispatch queue.
+pub(crate) fn engine_queue() -> &'static kernel::workqueue::Queue {
+    // SAFETY: The queue exists from module init (`FenceModule::init`,
+    // before any device) until module exit (after every device, and so
+    // every engine, is gone), which covers every user.
+    unsafe { kernel::workqueue::Queue::from_raw(ffi::tdrv_engine_queue()) }
 }
 
 /// The out-fence of a job: one reference to an unsignalled tdrv

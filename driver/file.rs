@@ -549,13 +549,18 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = match dmabuf::lookup(a.fd)? {
-            dmabuf::Lookup::Own(buf) => {
-                if !Arc::ptr_eq(buf.device(), &self.device) {
-                    return Err(EXDEV);
-                }
-                buf
+            dmabuf::Lookup::Own(buf, _) if Arc::ptr_eq(buf.device(), &self.device) => buf,
+            dmabuf::Lookup::Own(buf, _) if buf.on_device() => {
+                // Another device's memory behind its BAR: no peer-to-peer
+                // path (refused before vmap, whose failure the dma-buf core
+                // would WARN about).
+                dmabuf::log_no_p2p();
+                return Err(crate::uapi::eopnotsupp());
             }
-            dmabuf::Lookup::Foreign(foreign) => {
+            dmabuf::Lookup::Own(buf, _) if !buf.device().is_bound() => return Err(ENODEV),
+            // Another tdrv device's export in host memory: mapped like a
+            // foreign dma-buf (zero-copy, see `dmabuf.rs`).
+            dmabuf::Lookup::Own(_, foreign) | dmabuf::Lookup::Foreign(foreign) => {
                 if a.channel >= self.device.channels.count() {
                     return Err(EINVAL);
                 }

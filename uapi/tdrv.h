@@ -30,8 +30,7 @@
  *  ENOENT   no such buffer handle in this open file (or it was freed)
  *  ERANGE   offset + size outside the buffer, or overflows 64 bits
  *  EFAULT   a user pointer cannot be read or written
- *  EXDEV    a copy between buffers on different HBM channels; IMPORT of a
- *           tdrv dma-buf of another device
+ *  EXDEV    a copy between buffers on different HBM channels
  *  EBADF    IMPORT of an fd, or SUBMIT of an in-fence, that is not open
  *  EOPNOTSUPP IMPORT of a dma-buf tdrv cannot map (see struct tdrv_import);
  *           SUBMIT with fence fds on a kernel without CONFIG_SYNC_FILE
@@ -498,7 +497,18 @@ struct tdrv_completion_reset {
  *    CONFIG_SYNC_FILE; without it they are ENOTTY). Jobs submitted
  *    before the first export are not in it. COPY_IN, COPY_OUT, MEMSET and
  *    COPY wait for tdrv's jobs only, not for other fences there.
- *  - Other devices cannot attach to it (dma_buf_attach: EOPNOTSUPP).
+ *  - Other devices attach to it (dma_buf_attach, dma_buf_dynamic_attach),
+ *    pin it and map it: a mapping is an sg_table of all its pages, mapped
+ *    for the importer's device, and several attachments may be mapped at
+ *    once; the kernel may also vmap it. Attaching fails with EIO when a
+ *    page is beyond the importer's DMA mask, with ENODEV after unbind,
+ *    and with EOPNOTSUPP for device memory (TDRV_DEVICE_SIM: it is never
+ *    mapped for another device, no peer-to-peer path is provided; the
+ *    kernel log says so, rate-limited). On unbind, importers are told to
+ *    drop their mappings (dma_buf_invalidate_mappings); revocable ones
+ *    (with an invalidate_mappings callback) get 10 s to unmap, and memory
+ *    still mapped by any importer is freed only once it has unmapped.
+ *    See docs/sharing.md.
  *
  * Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such
  * handle), EMFILE (no free fd), ENOMEM, ENODEV (device removed).
@@ -529,6 +539,19 @@ struct tdrv_export {
  * buffer: the same memory, fence and completion count, no copy. It is
  * charged to this file's limits (file_max_buffers, file_max_mib) as well.
  *
+ * A dma-buf exported by another tdrv device is imported like a foreign
+ * one (below): a new buffer of this device over the exporter's memory,
+ * zero-copy, with its own fence and completion count (jobs of the two
+ * devices order through the reservation object). Which pairs work:
+ * software (TDRV_DEVICE_SOFT) and edu (TDRV_DEVICE_EDU) devices import
+ * each other's buffers in every direction. A sim (TDRV_DEVICE_SIM)
+ * buffer is device memory behind a BAR with no peer-to-peer path to
+ * other devices: its IMPORT into another device is EOPNOTSUPP. If the
+ * exporter is unbound, the import keeps the memory it maps (freed when
+ * the import goes) and stays usable. Like any import it lives on the channel named here: SUBMIT
+ * and COPY need it on the same channel as the other buffers of a job
+ * (the channel is the importer's accounting, not where the memory is).
+ *
  * A foreign dma-buf (e.g. from /dev/dma_heap/system) is mapped into the
  * kernel for CPU access and, on a device whose engine does DMA (edu), is
  * attached and mapped for the device once, now; jobs, COPY_IN/OUT,
@@ -546,9 +569,9 @@ struct tdrv_export {
  * Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;
  * flags, pad or reserved not zero, out fields not zero; @channel out of
  * range for a foreign dma-buf; its size is zero, not whole pages, above
- * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages), EXDEV
- * (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a
- * kernel mapping in system memory), ENOSPC (this file's buffer or byte
+ * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages),
+ * EOPNOTSUPP (a dma-buf without a kernel mapping in system memory, such
+ * as another tdrv device's device memory), ENOSPC (this file's buffer or byte
  * limit, or for a foreign dma-buf file_max_imports or device_max_imports),
  * ENOMEM (also when the exporter cannot map the dma-buf into the
  * kernel; the dma-buf core then logs a warning once), ENODEV (device

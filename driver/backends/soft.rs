@@ -126,6 +126,12 @@ pub(crate) struct SoftDevice {
 }
 
 impl SoftDevice {
+    /// The device (for KUnit tests that drive one directly).
+    #[cfg(CONFIG_KUNIT)]
+    pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
+        &self.node.device
+    }
+
     pub(crate) fn new(params: &Params) -> impl PinInit<Self, Error> + '_ {
         pin_init::pin_init_scope(move || {
             let index = DeviceIndex::take()?;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Python exceptions for `tdrv::Error`.
 //!
 //! Every exception is a subclass of `tdrv.Error`, itself an `OSError`, so

@@ -85,6 +85,8 @@ struct State {
     next_id: u64,
     next_job: u64,
     fail_next_job: Option<i32>,
+    /// Callers blocked in an ioctl waiting for a buffer's device accesses.
+    waiting: usize,
 }
 
 impl State {
@@ -197,6 +199,12 @@ impl FakeDevice {
         self.lock().fail_next_job = Some(errno);
     }
 
+    /// Test knob: how many callers are blocked in an ioctl that waits for
+    /// a buffer's device accesses (FENCE_WAIT, COPY_IN, MEMSET, ...).
+    pub(crate) fn waiting(&self) -> usize {
+        self.lock().waiting
+    }
+
     /// Live handles (to check that storages free theirs).
     pub(crate) fn live_handles(&self) -> usize {
         self.lock().handles.len()
@@ -217,19 +225,21 @@ impl FakeDevice {
             if ready(st.buf(handle)?) {
                 return Ok(st);
             }
-            st = match deadline {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                return Err(libc::ETIMEDOUT);
+            }
+            st.waiting += 1;
+            st = match left {
                 None => self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(libc::ETIMEDOUT);
-                    }
+                Some(left) => {
                     self.cond
                         .wait_timeout(st, left)
                         .unwrap_or_else(|e| e.into_inner())
                         .0
                 }
             };
+            st.waiting -= 1;
         }
     }
 
@@ -860,6 +870,78 @@ mod tests {
         assert!(timed_out(u.read_timeout(0, &mut b, short)));
         fake.release(h, true);
         u.read_timeout(0, &mut b, short).unwrap();
+    }
+
+    /// A bounded guard is bounded also while a plain copy of the same
+    /// bytes waits for the device: that copy (write, memset, device copy
+    /// into the tensor, all without limit) waits with its span not held,
+    /// so `map_read_timeout`/`map_write_timeout` time out instead of
+    /// waiting behind it for as long as the device takes. (Before, each
+    /// copy held its span while waiting, and the guard's wait for it had
+    /// no deadline: the guard never returned until the device finished.)
+    #[test]
+    fn bounded_guards_time_out_behind_a_copy_waiting_for_the_device() {
+        type Blocker = fn(&Tensor, &Tensor) -> Result<(), Error>;
+        let blockers: [(&str, Blocker); 3] = [
+            ("write", |t, _| t.write(0, &[5; 64])),
+            ("memset", |t, _| t.memset(0, 5, 64)),
+            ("copy", |t, src| Tensor::copy(src, 0, t, 0, 64)),
+        ];
+        let short = Duration::from_millis(if cfg!(miri) { 5 } else { 50 });
+        for (what, blocker) in blockers {
+            for write_guard in [false, true] {
+                let (dev, fake) = Device::fake();
+                let t = Tensor::allocate_on(&dev, 0, 64, Some("held")).unwrap();
+                let src = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+                src.write(0, &[5; 64]).unwrap();
+                let h = t.dma_handle().unwrap();
+                // A job writing the tensor that does not end, and a plain
+                // copy into it that waits for that job.
+                fake.hold(h, true);
+                let copier = {
+                    let (t, src) = (t.clone(), src.clone());
+                    std::thread::spawn(move || blocker(&t, &src))
+                };
+                let start = std::time::Instant::now();
+                while fake.waiting() == 0 {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(60),
+                        "{what}: never waited"
+                    );
+                    std::thread::yield_now();
+                }
+                let guard = {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        if write_guard {
+                            t.map_write_timeout(.., short).map(drop)
+                        } else {
+                            t.map_read_timeout(.., short).map(drop)
+                        }
+                    })
+                };
+                // The bound only turns a hang into a failure.
+                while !guard.is_finished() && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let finished = guard.is_finished();
+                fake.release(h, true);
+                assert!(
+                    finished,
+                    "{what}: the bounded guard (write {write_guard}) hung"
+                );
+                match guard.join().unwrap() {
+                    Err(Error::Timeout { name, .. }) => assert_eq!(name, "held"),
+                    r => panic!("{what}, write guard {write_guard}: {r:?}"),
+                }
+                copier.join().unwrap().unwrap();
+                assert_eq!(
+                    t.to_vec().unwrap(),
+                    [5; 64],
+                    "{what}: the copy went through"
+                );
+            }
+        }
     }
 
     #[test]

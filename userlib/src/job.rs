@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::few::Few;
+use crate::log::{heartbeat_interval, log_warn};
 use crate::reactor;
 use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
 use crate::tensor::Tensor;
@@ -367,14 +368,23 @@ impl JobHandle {
             name: format!("job {}", self.id),
             waited: start.elapsed(),
         };
+        // Without a limit, each JOB_WAIT still ends after a heartbeat
+        // interval, so a job that never ends is logged rather than silent.
+        let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
-            let r = self.device.job_wait(self.id, deadline.remaining_us(None));
+            let r = self.device.job_wait(self.id, deadline.remaining_us(cap));
             match r {
                 Ok(s) => match self.state(s)? {
                     JobState::Done => return Ok(()),
                     JobState::Pending if deadline.expired() => return Err(timed_out()),
+                    JobState::Pending if cap.is_some() => {
+                        log_warn!("still waiting for job {}", self.id);
+                    }
                     JobState::Pending => {}
                 },
+                Err(SysError::TimedOut { .. }) if cap.is_some() => {
+                    log_warn!("still waiting for job {}", self.id);
+                }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
                     if deadline.expired() =>
                 {

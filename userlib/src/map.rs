@@ -127,7 +127,12 @@ impl Tensor {
         };
         // Host side first: waits for the plain copies it overlaps, refuses
         // accessors and other guards.
-        let span = st.sync.hold(op, Span::guard(abs, len, write))?;
+        let Some(span) = st
+            .sync
+            .hold_until(op, Span::guard(abs, len, write), deadline)?
+        else {
+            return Err(timed_out());
+        };
         let pin = match st.dma() {
             Some(b) => {
                 // No device write can start from here on, and no export

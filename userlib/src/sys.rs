@@ -340,8 +340,8 @@ pub struct Device {
     /// single atomic load.
     any_reset: AtomicBool,
     /// Buffers with live host references into their mapping
-    /// (`Tensor::map_read`/`map_write` guards), by handle: the count of
-    /// guards. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
+    /// (`Tensor::map_read`/`map_write` guards, device staging buffers), by
+    /// handle: the count of pins. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
     /// COPY, SUBMIT) holds the read side for its whole call and refuses a
     /// pinned destination; pinning takes the write side, so it waits for
     /// the writes in progress. See `userlib/DESIGN.md`.
@@ -368,13 +368,39 @@ pub(crate) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        let mut pins = self.device.pins.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = pins.get_mut(&self.handle) {
-            *n -= 1;
-            if *n == 0 {
-                pins.remove(&self.handle);
-            }
-        }
+        self.device.unpin(self.handle);
+    }
+}
+
+/// A pin held for the whole life of a buffer that its owner lends as
+/// references (a device staging buffer, `LocalBuffer::device`); unpins on
+/// drop. Like [`Pin`], it refuses every write of the buffer's bytes by
+/// the raw calls, including with a handle found by probing; the owner's
+/// own jobs, made while it holds the buffer exclusively, go through
+/// [`Device::submit_as_owner`].
+pub(crate) struct OwnedPin {
+    device: Arc<Device>,
+    handle: u64,
+}
+
+impl OwnedPin {
+    /// The pinned buffer.
+    pub(crate) fn handle(&self) -> u64 {
+        self.handle
+    }
+}
+
+impl Drop for OwnedPin {
+    fn drop(&mut self) {
+        self.device.unpin(self.handle);
+    }
+}
+
+impl std::fmt::Debug for OwnedPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedPin")
+            .field("handle", &self.handle)
+            .finish()
     }
 }
 
@@ -401,6 +427,25 @@ impl Device {
         })
     }
 
+    /// [`Device::pin`] held by the buffer's owner for the buffer's life.
+    pub(crate) fn pin_owned(self: &Arc<Self>, handle: u64) -> Result<OwnedPin, SysError> {
+        std::mem::forget(self.pin(handle)?);
+        Ok(OwnedPin {
+            device: self.clone(),
+            handle,
+        })
+    }
+
+    fn unpin(&self, handle: u64) {
+        let mut pins = self.pins.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = pins.get_mut(&handle) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&handle);
+            }
+        }
+    }
+
     /// The read side of the pins, held across an ioctl that writes the
     /// bytes of `handles`; [`SysError::Pinned`] if one is pinned.
     fn unpinned(
@@ -408,8 +453,24 @@ impl Device {
         op: &'static str,
         handles: impl IntoIterator<Item = u64>,
     ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
+        self.unpinned_but(op, handles, None)
+    }
+
+    /// [`Device::unpinned`], letting through the buffer of `owner` when
+    /// that pin is its only one.
+    fn unpinned_but(
+        &self,
+        op: &'static str,
+        handles: impl IntoIterator<Item = u64>,
+        owner: Option<&OwnedPin>,
+    ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
         let pins = self.pins.read().unwrap_or_else(|e| e.into_inner());
-        if !pins.is_empty() && handles.into_iter().any(|h| pins.contains_key(&h)) {
+        if !pins.is_empty()
+            && handles.into_iter().any(|h| match pins.get(&h) {
+                None => false,
+                Some(&n) => !(n == 1 && owner.is_some_and(|o| o.handle == h)),
+            })
+        {
             return Err(SysError::Pinned { op });
         }
         Ok(pins)
@@ -808,6 +869,32 @@ impl Device {
         in_fences: &[BorrowedFd<'_>],
         out_fence: bool,
     ) -> Result<(u64, Option<OwnedFd>), SysError> {
+        self.submit_inner(descs, in_fences, out_fence, None)
+    }
+
+    /// [`Device::submit`] of a job that may write the buffer `owner` pins:
+    /// for the owner of a staging buffer, which calls it while it holds
+    /// the buffer exclusively (no reference into it is lent) and waits for
+    /// the job before lending one again.
+    pub(crate) fn submit_as_owner(
+        &self,
+        descs: &[tdrv_copy_desc],
+        owner: &OwnedPin,
+    ) -> Result<u64, SysError> {
+        if !std::ptr::eq(Arc::as_ptr(&owner.device), self) {
+            return Err(SysError::from_errno("SUBMIT", libc::EINVAL));
+        }
+        self.submit_inner(descs, &[], false, Some(owner))
+            .map(|(id, _)| id)
+    }
+
+    fn submit_inner(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[BorrowedFd<'_>],
+        out_fence: bool,
+        owner: Option<&OwnedPin>,
+    ) -> Result<(u64, Option<OwnedFd>), SysError> {
         let desc_count =
             u32::try_from(descs.len()).map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?;
         let fds: Vec<i32> = in_fences.iter().map(|f| f.as_raw_fd()).collect();
@@ -832,7 +919,7 @@ impl Device {
                 .map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?,
             ..Default::default()
         };
-        let _pins = self.unpinned("SUBMIT", descs.iter().map(|d| d.dst_handle))?;
+        let _pins = self.unpinned_but("SUBMIT", descs.iter().map(|d| d.dst_handle), owner)?;
         self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
         let fence = if out_fence && s.out_fence >= 0 {
             // SAFETY: the driver installed this descriptor for this call

@@ -835,6 +835,21 @@ impl Tensor {
         Some(unsafe { base.add(self.view().offset) })
     }
 
+    /// [`Tensor::va`] without mapping anything: also `None` for a `Dma`
+    /// buffer that has no host mapping yet. For finding the tensor of an
+    /// address among many (libnrt's `nrt_get_dmabuf_fd`): an address a
+    /// caller holds came from a mapping that exists, and mapping every
+    /// other buffer to compare would cost a mapping each.
+    pub fn mapped_va(&self) -> Option<NonNull<u8>> {
+        let st = self.view().storage.as_ref()?;
+        let base = match st.dma() {
+            Some(b) => NonNull::new(b.mapping.get()?.as_ptr())?,
+            None => st.host_base()?,
+        };
+        // SAFETY: as in `va`: the offset stays inside the allocation.
+        Some(unsafe { base.add(self.view().offset) })
+    }
+
     /// Device (bus) address of the view's first byte; `Dma` only.
     /// [`Error::NoDmaAddress`] when the driver withholds bus addresses from
     /// this process (it reports them only to openers with

@@ -182,6 +182,22 @@ pub fn expect_eq<T: PartialEq + std::fmt::Debug>(
     }
 }
 
+/// The exit code of a child's wait status. A child killed by a signal
+/// (or stopped) has no exit code: that is an error naming the signal, so
+/// that a crash never reads as `WEXITSTATUS` 0.
+pub fn exit_code(status: i32) -> Result<i32, String> {
+    if libc::WIFEXITED(status) {
+        Ok(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        Err(format!(
+            "the child was killed by signal {}",
+            libc::WTERMSIG(status)
+        ))
+    } else {
+        Err(format!("the child did not exit: wait status {status:#x}"))
+    }
+}
+
 /// Short name of an errno value, for messages and histograms.
 pub fn errno_name(e: raw::Errno) -> String {
     let name = match e {

@@ -139,7 +139,7 @@ fn completion_path_allocates_nothing(dev: &Dev) -> R {
         for id in ids {
             expect_eq(
                 "job",
-                ok("wait", dev.job_wait(id, 30_000_000))?,
+                ok("wait", dev.job_wait(id, HANG_US))?,
                 (TDRV_JOB_DONE, 0),
             )?;
         }
@@ -251,8 +251,8 @@ fn wait_queues_alive(node: &str) -> R {
         if bad.is_empty() {
             return Ok(());
         }
-        if t0.elapsed() > Duration::from_secs(30) {
-            return Err(format!("after 30 s: {bad:?}"));
+        if t0.elapsed() > HANG {
+            return Err(format!("after {HANG:?}: {bad:?}"));
         }
         thread::sleep(Duration::from_millis(20));
     }
@@ -268,13 +268,15 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
     let mut u = Anon::new(len, 0x11)?;
     let u_pfns = u.pfns()?;
-    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    // The product's 2 s watchdog for the hung COPY_OUT only.
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "COPY_OUT on a queue that ignores its reset",
         dev.copy_out(a.handle, 0, u.slice_mut()),
         libc::ETIMEDOUT,
     )?;
+    drop(watchdog);
     drop(u);
     // Fresh memory, likely made of the pages just freed (if they were).
     let v = Anon::new(64 << 20, 0x22)?;
@@ -411,13 +413,15 @@ fn hung_queue_fills_no_freed_hbm(dev: &Dev, path: &str) -> R {
     let used = ok("channel_info", dev.channel_info(ch))?.used_bytes;
     expect_eq("bytes used in channel 1 before", used, 0)?;
     let a = ok("alloc", dev.alloc(len as u64, ch))?;
-    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    // The product's 2 s watchdog for the hung MEMSET only.
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "MEMSET on a queue that ignores its reset",
         dev.memset(a.handle, 0, len as u64, 0xC3),
         libc::ETIMEDOUT,
     )?;
+    drop(watchdog);
     ok("free", dev.free(a.handle))?;
     let b = ok("alloc", dev.alloc(len as u64, ch));
     inject(path, "resume")?;
@@ -459,7 +463,7 @@ fn job_ok(dev: &Dev, descs: &[tdrv_copy_desc]) -> R {
     let id = ok("submit", dev.submit(descs))?;
     expect_eq(
         "job",
-        ok("wait", dev.job_wait(id, 30_000_000))?,
+        ok("wait", dev.job_wait(id, HANG_US))?,
         (TDRV_JOB_DONE, 0),
     )
 }
@@ -627,7 +631,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -663,7 +667,11 @@ fn main() {
             // the order, whatever the clocks: a job queued behind the
             // stalled one would have been failed with it (EIO) by the
             // reset, and the first never completed its copy (ETIMEDOUT).
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The watchdog is the loaded, long one while the second job
+            // must succeed, the product's 2 s only once it has: the
+            // stalled job alone meets the short one (it is read at each
+            // watchdog pass, and the stalled queue has made no progress
+            // since the stall).
             inject(&path, "stall")?;
             let slow = ok(
                 "submit",
@@ -679,6 +687,7 @@ fn main() {
                 (TDRV_JOB_DONE, 0),
             )?;
             expect_eq("data", read_all(&dev, d.handle, 4096)?, vec![0x5A; 4096])?;
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             expect_eq(
                 "stalled job",
                 ok("wait", dev.job_wait(slow, HANG_US))?,
@@ -710,7 +719,10 @@ fn main() {
             // another queue. Third: b -> d reads what the first writes and
             // writes what the second writes: it is held back while both
             // run, on different queues.
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The watchdog is off (600 s) until the second has ended, so
+            // the first is still stuck then and the third still held back
+            // behind both; then the product's 2 s ends the first.
+            let long = SimWatchdog::set(&path, 600_000)?;
             inject(&path, "stall")?;
             let first = ok("submit", dev.submit(&[desc(a, 0, b, 0, 64 << 10)]))?;
             let second = ok("submit", dev.submit(&[desc(c, 0, d, 0, 64 << 10)]))?;
@@ -720,8 +732,13 @@ fn main() {
                 ok("wait", dev.job_wait(second, HANG_US))?,
                 (TDRV_JOB_DONE, 0),
             )?;
-            // Whether the third is still pending now depends on the
-            // watchdog's clock; its outcome below shows where it waited.
+            expect_eq(
+                "third still pending behind the stalled first",
+                ok("poll", dev.job_wait(third, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            drop(long);
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             expect_eq(
                 "first",
                 ok("wait", dev.job_wait(first, HANG_US))?,
@@ -732,7 +749,7 @@ fn main() {
             // before it ran: d still holds the second's bytes.
             expect_eq(
                 "third",
-                ok("wait", dev.job_wait(third, 30_000_000))?,
+                ok("wait", dev.job_wait(third, HANG_US))?,
                 (TDRV_JOB_DONE, -libc::EIO),
             )?;
             let m = ok("mmap", dev.map(&bufs[3]))?;
@@ -779,7 +796,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -844,7 +861,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -872,7 +889,7 @@ fn main() {
             )?;
             expect_eq(
                 "job",
-                ok("wait", dev.job_wait(id, 30_000_000))?,
+                ok("wait", dev.job_wait(id, HANG_US))?,
                 (TDRV_JOB_DONE, -libc::EIO),
             )?;
             expect_eq(
@@ -902,7 +919,10 @@ fn main() {
             let b = ok("alloc", dev.alloc(4096, 0))?;
             let c = ok("alloc", dev.alloc(4096, 0))?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[3; 4096]))?;
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The product's 2 s watchdog only around the jobs meant to
+            // time out; the jobs that must succeed after it have the
+            // loaded, long one.
+            let watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall 0")?;
             // Queue 0 is the least loaded (all idle): the first job goes
             // there; the second reads its output, so it queues behind it.
@@ -910,6 +930,7 @@ fn main() {
             let second = ok("submit", dev.submit(&[desc(b.handle, 0, c.handle, 0, 4096)]))?;
             expect_eq("first", ok("wait", dev.job_wait(first, HANG_US))?, (TDRV_JOB_DONE, -libc::ETIMEDOUT))?;
             expect_eq("second", ok("wait", dev.job_wait(second, HANG_US))?, (TDRV_JOB_DONE, -libc::EIO))?;
+            drop(watchdog);
             if stat(&path, "resets")? <= resets {
                 return Err("no reset counted".into());
             }
@@ -924,8 +945,10 @@ fn main() {
             }
             expect_eq("data", read_all(&dev, c.handle, 4096)?, vec![3; 4096])?;
             // A synchronous transfer on a stalled queue times out too.
+            let watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall")?;
             expect_err("COPY_IN on a stalled queue", dev.copy_in(a.handle, 0, &[4; 4096]), libc::ETIMEDOUT)?;
+            drop(watchdog);
             ok("copy_in after reset", dev.copy_in(a.handle, 0, &[5; 4096]))?;
             expect_eq("data", read_all(&dev, a.handle, 4096)?, vec![5; 4096])?;
             for x in [a, b, c] {
@@ -992,8 +1015,10 @@ fn main() {
                 if left == 0 && stat(&path, "resets")? > resets {
                     break;
                 }
-                if t0.elapsed() > Duration::from_secs(30) {
-                    return Err(format!("{left} descriptors still outstanding after 30 s"));
+                if t0.elapsed() > HANG {
+                    return Err(format!(
+                        "{left} descriptors still outstanding after {HANG:?}"
+                    ));
                 }
                 thread::sleep(Duration::from_millis(20));
             }
