@@ -400,9 +400,13 @@ impl TdrvDevice {
         // the buffer's last reference instead (the dma-buf's release, after
         // the importer let go), never while it is mapped.
         self.exports.revoke_all();
+        // Without the list (no memory), every buffer keeps its memory until
+        // its last reference: late, but never while something maps it.
+        let in_use = self.exports.in_use_keys();
         self.for_each_buffer(|buf| {
-            if self.exports.in_use(buf) {
-                return;
+            match &in_use {
+                Ok(keys) if !keys.contains(&Exports::key_of(buf)) => {}
+                _ => return,
             }
             // SAFETY: The device is unbound, its engine stopped (above), no
             // active guard exists (drained) or can be taken (`bound` is

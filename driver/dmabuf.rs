@@ -214,16 +214,31 @@ impl Exports {
         }
     }
 
-    /// True if another device or the kernel still maps the memory of `buf`
-    /// through one of its exports: then unbind leaves the memory to the
-    /// buffer's last reference (the dma-buf's release) instead of freeing
-    /// it.
-    pub(crate) fn in_use(&self, buf: &Buffer) -> bool {
-        let key = core::ptr::from_ref(buf) as usize;
-        self.live.lock().values().any(|m| {
+    /// Unbind: the buffers (as [`Exports::key_of`] names them) whose
+    /// memory another device or the kernel still maps through one of
+    /// their exports; unbind leaves that memory to the buffer's last
+    /// reference (the dma-buf's release) instead of freeing it.
+    ///
+    /// Collected before the registry sweep rather than asked during it:
+    /// `live` is held while taking reservation locks (`revoke_all`), and
+    /// the sweep lock is taken on a job's completion path (a buffer's last
+    /// reference), inside a dma-fence signalling section, so the sweep
+    /// must not take `live`.
+    pub(crate) fn in_use_keys(&self) -> Result<KVec<usize>> {
+        let live = self.live.lock();
+        let mut keys = KVec::new();
+        for m in live.values() {
             // SAFETY: As in `revoke_all`.
-            m.buf == key && unsafe { ffi::tdrv_dmabuf_users(m.dmabuf) } > 0
-        })
+            if unsafe { ffi::tdrv_dmabuf_users(m.dmabuf) } > 0 {
+                keys.push(m.buf, GFP_KERNEL)?;
+            }
+        }
+        Ok(keys)
+    }
+
+    /// How [`Exports::in_use_keys`] names `buf`.
+    pub(crate) fn key_of(buf: &Buffer) -> usize {
+        core::ptr::from_ref(buf) as usize
     }
 }
 

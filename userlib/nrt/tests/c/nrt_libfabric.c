@@ -25,7 +25,7 @@
 
 #include "tap.h"
 
-#define PLAN 13
+#define PLAN 14
 
 #define API(fn) static __typeof__(fn) *p_##fn
 API(nrt_tensor_allocate);
