@@ -261,13 +261,13 @@ pub(crate) struct Buffer {
     mem: Mutex<MemState>,
     pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
-    shift: u32,
+    shift: u8,
     size: usize,
     /// Bytes of the pieces: the size rounded up to pages. What the channel
     /// is charged is `span` for tdrv's own memory, 0 for imports (see
     /// [`Buffer::charged`]; not stored, to keep the buffer small).
     span: usize,
-    channel: u32,
+    channel: u16,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry; also its
     /// `tdrv_buf_info.buf_id` (unique among the device's live buffers,
@@ -475,6 +475,12 @@ impl Buffer {
         } = layout;
         let on_device = matches!(backing, Backing::Device(_));
         let foreign = matches!(backing, Backing::Imported { .. });
+        // Stored narrow (see the size assertion below the struct).
+        let (Ok(narrow_shift), Ok(narrow_channel)) = (u8::try_from(shift), u16::try_from(channel))
+        else {
+            device.channels.release(channel, charged);
+            return Err(EINVAL);
+        };
         // `Buffer::charged` derives the charge from these two.
         if charged != if foreign { 0 } else { span as u64 } {
             device.channels.release(channel, charged);
@@ -496,10 +502,10 @@ impl Buffer {
             try_pin_init!(Self {
                 mem <- new_mutex!(MemState::Live(backing), "Buffer::mem"),
                 pieces,
-                shift,
+                shift: narrow_shift,
                 size,
                 span,
-                channel,
+                channel: narrow_channel,
                 device: device.clone(),
                 registry_key,
                 on_device,
@@ -624,7 +630,7 @@ impl Buffer {
     }
 
     pub(crate) fn channel(&self) -> u32 {
-        self.channel
+        u32::from(self.channel)
     }
 
     /// The buffer's identity on its device (`tdrv_buf_info.buf_id`).
@@ -996,7 +1002,7 @@ impl PinnedDrop for Buffer {
                 backing.release();
             }
         });
-        self.device.channels.release(self.channel, self.charged());
+        self.device.channels.release(self.channel(), self.charged());
         if self.foreign {
             self.device.uncount_import();
         }

@@ -93,7 +93,8 @@ impl EventBudget {
         }
     }
 
-    /// Events taken and not given back.
+    /// Events taken and not given back (for KUnit tests).
+    #[cfg(CONFIG_KUNIT)]
     pub(crate) fn used(&self) -> u32 {
         self.used.load(Relaxed)
     }
