@@ -823,7 +823,14 @@ fn main() {
                     let mut out = vec![0u8; size as usize];
                     for _ in 0..rounds {
                         let id = ok("submit", d.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
-                        expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+                        // Bounded: a job that never ends fails the check
+                        // (seen once as a hang of the whole guest).
+                        let bound = HANG.as_micros() as i64;
+                        expect_eq(
+                            "job",
+                            ok("wait", d.job_wait(id, bound))?,
+                            (TDRV_JOB_DONE, 0),
+                        )?;
                         ok("copy_out", d.copy_out(y.handle, 0, &mut out))?;
                         let first = out[0];
                         if let Some(i) = out.iter().position(|b| *b != first) {
