@@ -85,6 +85,21 @@ static struct page **tdrv_export_pages(struct tdrv_export *exp, size_t n)
 	return (struct page **)pfns;
 }
 
+/* True if @dev maps memory directly (no IOMMU, DMA ops or bounce buffers),
+ * with the highest bus address it reaches in @limit: only then can a page
+ * beyond its mask be known before mapping it. */
+static bool tdrv_direct_dma_limit(struct device *dev, u64 *limit)
+{
+	if (!dev->dma_mask || get_dma_ops(dev) || dev_dma_iommu(dev))
+		return false;
+#ifdef CONFIG_SWIOTLB
+	if (dev->dma_io_tlb_mem && dev->dma_io_tlb_mem->nslabs)
+		return false;
+#endif
+	*limit = min_not_zero(*dev->dma_mask, dev->bus_dma_limit);
+	return true;
+}
+
 /* True if @dev maps memory directly and one of @pages lies beyond its DMA
  * mask: mapping it would fail with a WARN of the DMA core. */
 static bool tdrv_pages_beyond_mask(struct device *dev, struct page **pages,
@@ -93,13 +108,8 @@ static bool tdrv_pages_beyond_mask(struct device *dev, struct page **pages,
 	u64 limit;
 	size_t i;
 
-	if (!dev->dma_mask || get_dma_ops(dev) || dev_dma_iommu(dev))
+	if (!tdrv_direct_dma_limit(dev, &limit))
 		return false;
-#ifdef CONFIG_SWIOTLB
-	if (dev->dma_io_tlb_mem && dev->dma_io_tlb_mem->nslabs)
-		return false;
-#endif
-	limit = min_not_zero(*dev->dma_mask, dev->bus_dma_limit);
 	for (i = 0; i < n; i++)
 		if (phys_to_dma(dev, page_to_phys(pages[i])) + PAGE_SIZE - 1 > limit)
 			return true;
@@ -430,13 +440,8 @@ static bool tdrv_beyond_dma_mask(struct device *dev, const void *vaddr,
 	u64 limit;
 	size_t off;
 
-	if (!dev->dma_mask || get_dma_ops(dev) || dev_dma_iommu(dev))
+	if (!tdrv_direct_dma_limit(dev, &limit))
 		return false;
-#ifdef CONFIG_SWIOTLB
-	if (dev->dma_io_tlb_mem && dev->dma_io_tlb_mem->nslabs)
-		return false;
-#endif
-	limit = min_not_zero(*dev->dma_mask, dev->bus_dma_limit);
 	for (off = 0; off < size; off += PAGE_SIZE) {
 		const void *p = vaddr + off;
 		struct page *page;
