@@ -290,7 +290,11 @@ impl MiscDevice for TdrvFile {
                 let mut h = me.state.handles.lock();
                 me.state.table.remove_slot(&mut h.slots, slot)
             };
-            drop(buf);
+            if let Some(buf) = buf {
+                let arc = (*buf).clone();
+                drop(buf);
+                Buffer::drop_unlocked(arc);
+            }
         }
     }
 
@@ -569,6 +573,9 @@ impl TdrvFile {
                 if self.state.handles.lock().imports >= self.device.limits.imports {
                     return Err(ENOSPC);
                 }
+                // Counted before the guard: at the limit, this waits for
+                // queued releases (which unbind also waits for).
+                let slot = self.device.imports.reserve()?;
                 let active = self.device.enter()?;
                 let dev = if self.device.engine().does_dma() {
                     raw_device(self.device.bound_device(&active)).cast()
@@ -579,7 +586,7 @@ impl TdrvFile {
                 // guard keeps it bound until the buffer is registered, and
                 // unbind releases every registered buffer's import before
                 // the device goes away.
-                let import = unsafe { dmabuf::Import::new(foreign, dev)? };
+                let import = unsafe { dmabuf::Import::new(foreign, dev, slot)? };
                 Buffer::import(&self.device, &active, import, a.channel)?
             }
         };
@@ -623,7 +630,9 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.remove_handle(a.handle).ok_or(ENOENT)?;
+        let arc = (*buf).clone();
         drop(buf);
+        Buffer::drop_unlocked(arc);
         Ok(())
     }
 

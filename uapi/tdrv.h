@@ -561,7 +561,13 @@ struct tdrv_export {
  * at most file_max_imports (default 4096) handles of foreign imports, and
  * a device at most device_max_imports (default 65536) such buffers
  * (module parameters); each IMPORT of a foreign dma-buf makes a new one,
- * alive until its handle is freed and no job uses it. Jobs on it take
+ * alive until its handle is freed and no job uses it. FREE of the handle,
+ * or close of the file, releases an import that no job or mapping uses
+ * before it returns: the dma-buf is unmapped and its reference dropped, so
+ * a tdrv exporter has its memory back by then. An import a job or mapping
+ * still uses is released shortly after the last of them lets go, and
+ * counts against device_max_imports until it is (IMPORT at the limit
+ * waits for such releases before it reports ENOSPC). Jobs on it take
  * part in the dma-buf's reservation object (ABI 1.5, see struct
  * tdrv_submit): they wait for the exporter's and other importers' fences
  * there and add their own. Unbind detaches and releases the import.
