@@ -343,13 +343,48 @@ struct tdrv_submit {
 #define TDRV_JOB_PENDING	1 /* queued or running */
 #define TDRV_JOB_DONE		2 /* finished; see status */
 
-/* TDRV_IOC_JOB_WAIT: wait for a job of this file; timeout 0 queries. */
+/**
+ * struct tdrv_job_wait - TDRV_IOC_JOB_WAIT: wait until a job of this file
+ * has ended; a timeout of 0 only asks.
+ * @job_id: in: a job of this file (the id SUBMIT returned).
+ * @timeout_us: in: 0 asks without waiting, < 0 waits without limit.
+ * @state: out: TDRV_JOB_PENDING or TDRV_JOB_DONE; in: zero.
+ * @status: out: with TDRV_JOB_DONE, 0 or the job's negative errno; in: zero.
+ * @reserved: in: zero.
+ *
+ * A job has ended (TDRV_JOB_DONE) when it has its final status and the
+ * device has let go of its buffers: their pending reads and writes
+ * (struct tdrv_buf_info) no longer count it.
+ *
+ * One exception: a job the device gave up on while it may still be moving
+ * the job's bytes. That is a job the watchdog timed out (-ETIMEDOUT: edu,
+ * sim) or a job of a sim queue that stopped answering (-EIO). It ends at
+ * once, so that nobody waits on a device that may never answer; until the
+ * device lets go (edu: its transfer lands, or the device is removed; sim:
+ * its queue is reset, or the device is removed):
+ * - its buffers still count it in pending_reads and pending_writes, and
+ *   their memory is not freed, even after FREE and close;
+ * - its out-fence, and its fence in a dma-buf's reservation object,
+ *   signal only then: they always mean "let go";
+ * - each destination's error latch holds the job's error, so COPY_OUT and
+ *   COMPLETION_WAIT on it fail with EIO;
+ * - a wait for the buffer's device accesses (FENCE_WAIT, and COPY_IN,
+ *   COPY_OUT and MEMSET before they copy): on edu it lasts until the
+ *   transfer lands, then reports the latch (EIO); on sim, whose queue may
+ *   never answer, it fails at once with EIO when only such accesses keep
+ *   it from ending.
+ *
+ * Errors: EINVAL (job id 0 or not yet issued by this file; state, status
+ * or reserved not zero), ESTALE (older than this file's last
+ * TDRV_JOB_WINDOW jobs), ETIMEDOUT (@timeout_us > 0 passed with the job
+ * still pending), EINTR (see the list above), ENODEV (device removed).
+ */
 struct tdrv_job_wait {
-	__u64 job_id;		/* in */
-	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
-	__u32 state;		/* out: TDRV_JOB_* */
-	__s32 status;		/* out: 0, or the job's negative errno */
-	__u64 reserved[2];	/* in: zero */
+	__u64 job_id;
+	__s64 timeout_us;
+	__u32 state;
+	__s32 status;
+	__u64 reserved[2];
 };
 
 /* tdrv_fence_wait.kind */
@@ -376,9 +411,9 @@ struct tdrv_job_wait {
  *
  * Queues one struct tdrv_event on this file when the job has ended, at
  * once if it already has. "Ended" is what TDRV_IOC_JOB_WAIT reports as
- * TDRV_JOB_DONE: the job let go of its buffers, and JOB_WAIT gives the
- * same status. Each call queues one event, so two calls for one job give
- * two events.
+ * TDRV_JOB_DONE, with the same status: the job let go of its buffers,
+ * except a job the device gave up on (see struct tdrv_job_wait). Each
+ * call queues one event, so two calls for one job give two events.
  *
  * Events are read with read(2) from the tdrv file itself: each read
  * returns as many whole events as fit in the buffer (at least one), oldest
