@@ -55,10 +55,14 @@
  *           kept
  *  EIO      (job status, or SUBMIT) the device failed and is recovering;
  *           (COPY_IN, COPY_OUT, MEMSET, COPY on TDRV_DEVICE_SIM) the
- *           device's DMA failed the transfer;
+ *           device's DMA failed the transfer: COPY_IN, MEMSET and COPY
+ *           then latch the error in the buffer they wrote (its bytes are
+ *           undefined; the same for ETIMEDOUT from the device's watchdog),
+ *           COPY_OUT leaves the buffer as it was;
  *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
- *           error latch is set: a job that wrote it failed, so its bytes are
- *           undefined, and no write that could still fix them is pending.
+ *           error latch is set: a job or synchronous write that wrote it
+ *           failed, so its bytes are undefined, and no write that could
+ *           still fix them is pending.
  *           tdrv_buf_info.error tells which errno the job ended with;
  *           (FENCE_WAIT, COMPLETION_WAIT, COPY_IN, COPY_OUT, MEMSET, COPY
  *           on TDRV_DEVICE_SIM) what the call waits for is held up only by
@@ -67,7 +71,11 @@
  *           access their buffers, which stay reserved until it lets go or
  *           the device is unbound.
  *  ECANCELED (job status) the job's file was closed before it ended
- *  ENODEV   the device was removed; its files only support close(2)
+ *  ENODEV   the device was removed (unbind, hot-unplug). Its open files
+ *           then support close(2), read(2) and poll(2) of completion
+ *           events (see struct tdrv_job_notify) and TDRV_IOC_VERSION,
+ *           which still describes the device it was; every other ioctl
+ *           (TDRV_IOC_CHANNEL_INFO included) and mmap(2) fail with ENODEV
  *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed
  *           between two DMA chunks
  *
@@ -140,7 +148,12 @@
 /* Timeouts are in microseconds: 0 polls, negative waits without limit. */
 #define TDRV_TIMEOUT_INFINITE	(-1LL)
 
-/* TDRV_IOC_VERSION: ABI version, features and device description. */
+/*
+ * TDRV_IOC_VERSION: ABI version, features and device description. It is the
+ * one ioctl that still works after the device was removed: it then reports
+ * what it did before (the same kind, channels and features), so a caller
+ * can tell what its file was for.
+ */
 struct tdrv_version {
 	__u32 abi_major;	/* out: TDRV_ABI_MAJOR */
 	__u32 abi_minor;	/* out: TDRV_ABI_MINOR */
@@ -151,7 +164,8 @@ struct tdrv_version {
 	__u64 reserved[4];	/* out: zero */
 };
 
-/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. */
+/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. EINVAL for a
+ * channel >= num_channels; ENODEV once the device was removed. */
 struct tdrv_channel_info {
 	__u32 channel;		/* in */
 	__u32 pad;		/* in: zero */
@@ -194,7 +208,9 @@ struct tdrv_buf_info {
 	__u32 pad;		/* in: zero */
 	__s32 error;		/* out: the buffer's error latch (ABI 1.1): the
 				 * negative errno of the last job that failed
-				 * writing it, or 0. Cleared by a successful
+				 * writing it, or of a COPY_IN, MEMSET or COPY
+				 * into it that the device's DMA failed (EIO,
+				 * ETIMEDOUT; TDRV_DEVICE_SIM), or 0. Cleared by a successful
 				 * write (job, COPY_IN, MEMSET, COPY) and by
 				 * TDRV_IOC_COMPLETION_RESET. Ignored on input. */
 	__u32 pad2;		/* in: zero */
@@ -429,7 +445,8 @@ struct tdrv_job_wait {
  * children that inherit it). Closing it, also by exit or SIGKILL,
  * discards the requested and unread ones. When the device is removed,
  * every job ends with ENODEV and its events are queued; read and poll
- * keep working, while JOB_NOTIFY (like every ioctl) fails with ENODEV.
+ * keep working, while JOB_NOTIFY (like every ioctl but TDRV_IOC_VERSION)
+ * fails with ENODEV.
  *
  * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
  * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),

@@ -130,7 +130,9 @@ fn class(py: Python<'_>, kind: Kind) -> Bound<'_, PyType> {
 fn kind_of(e: &tdrv::Error) -> Option<Kind> {
     use tdrv::Error as E;
     Some(match e {
-        E::Busy { .. } | E::SharedView(_) | E::Sys(SysError::Pinned { .. }) => Kind::Busy,
+        E::Busy { .. }
+        | E::SharedView(_)
+        | E::Sys(SysError::Pinned { .. } | SysError::EventsBusy { .. }) => Kind::Busy,
         e if e.is_timeout() => Kind::Timeout,
         E::JobFailed { .. } => Kind::JobFailed,
         E::DeviceWriteFailed { .. } => Kind::DeviceWriteFailed,

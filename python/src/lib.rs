@@ -1060,9 +1060,13 @@ impl PyJobHandle {
         self.h.device().as_fd().as_raw_fd()
     }
 
-    /// For the asyncio glue: whether the driver delivers completion events.
+    /// For the asyncio glue: whether it may read the device file's
+    /// completion events: the driver delivers them, and this process
+    /// reads them (not a child after `fork` sharing its parent's file;
+    /// the glue then waits in an executor thread).
     fn _events_supported(&self) -> bool {
-        self.h.device().supports_events()
+        let d = self.h.device();
+        d.supports_events() && d.claim_events().is_ok()
     }
 
     /// For the asyncio glue: asks for the job's completion event, tagged

@@ -565,7 +565,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(24);
+    let mut t = Tap::new(29);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -967,7 +967,7 @@ fn main() {
     );
 
     t.run(
-        "fail_desc: the job fails with EIO, its output is latched, the next works",
+        "fail_desc: the job or COPY_IN fails with EIO, its output is latched, the next works",
         || -> R {
             let a = ok("alloc", dev.alloc(64 << 10, 0))?;
             let b = ok("alloc", dev.alloc(64 << 10, 0))?;
@@ -992,9 +992,113 @@ fn main() {
                 dev.copy_in(a.handle, 0, &[1; 9000]),
                 libc::EIO,
             )?;
+            expect_eq(
+                "latch after the failed COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[2; 9000]))?;
+            expect_eq(
+                "latch after a good COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
             job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 9000)])?;
             expect_eq("data", read_all(&dev, b.handle, 9000)?, vec![2; 9000])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY_OUT: EIO, no latch, the buffer keeps its bytes",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 21);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT with a failed descriptor",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            // Only the caller's memory was being written: the buffer's
+            // bytes are what they were, and nothing is latched.
+            expect_eq("latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            expect_eq(
+                "data read again",
+                read_all(&dev, a.handle, len)? == data,
+                true,
+            )?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on MEMSET: EIO, the buffer's error latched (COPY_OUT EIO) until a good MEMSET",
+        || -> R {
+            let len = 64 << 10;
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &pattern(len, 22)))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "MEMSET with a failed descriptor",
+                dev.memset(a.handle, 0, len as u64, 0x77),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "latch",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined bytes",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("memset", dev.memset(a.handle, 0, len as u64, 0x77))?;
+            expect_eq(
+                "latch after a good MEMSET",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
+            expect_eq("data", read_all(&dev, a.handle, len)?, vec![0x77; len])?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY: EIO, the destination's error latched, the source's not; a good COPY clears it",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 23);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            let b = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "COPY with a failed descriptor",
+                dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "destination's latch",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                -libc::EIO,
+            )?;
+            expect_eq("source's latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined destination",
+                dev.copy_out(b.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("copy", dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)))?;
+            expect_eq("latch after a good COPY", ok("buf_info", dev.buf_info(b.handle))?.error, 0)?;
+            expect_eq("data", read_all(&dev, b.handle, len)? == data, true)?;
             ok("free", dev.free(a.handle))?;
             ok("free", dev.free(b.handle))
         },
@@ -1256,6 +1360,7 @@ fn main() {
         "after a rebind, new buffers read as zero where the previous binding left bytes",
         rebind_zeroes,
     );
+    tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_SIM, DRIVER_DIR);
     t.finish();
 }
 
