@@ -137,7 +137,7 @@ class Tensor:
     def memset(self, value: int, offset: int = 0, size: Optional[int] = None) -> None: ...
     def to(
         self,
-        device: Optional[DeviceLike],
+        device: Optional[_DeviceLike],
         *,
         channel: int = 0,
         copy: Optional[bool] = None,
