@@ -557,17 +557,6 @@ impl Buffer {
         import: Import,
         channel: u32,
     ) -> Result<Arc<Self>> {
-        device.count_import()?;
-        let buf = Self::import_counted(device, import, channel);
-        if buf.is_err() {
-            // Never built: its drop does not give the count back.
-            device.uncount_import();
-        }
-        buf
-    }
-
-    /// [`Buffer::import`] once the device counted the import.
-    fn import_counted(device: &Arc<TdrvDevice>, import: Import, channel: u32) -> Result<Arc<Self>> {
         let size = import.size();
         if size == 0 || size as u64 > MAX_BUFFER_SIZE {
             return Err(EINVAL);
@@ -697,10 +686,36 @@ impl Buffer {
         self.pieces.first().map_or(0, |p| p.dma)
     }
 
-    /// Bytes of the buffer's pieces (its page-rounded size).
     /// True for a buffer imported from a foreign dma-buf.
     pub(crate) fn is_foreign(&self) -> bool {
         self.foreign
+    }
+
+    /// Drops a reference from process context, with no lock held (FREE,
+    /// a file's close). When it is the last one and the buffer is an
+    /// import, the import is released here rather than by the release
+    /// queue ([`Backing::release`]): the dma-buf is unmapped and put
+    /// before FREE or close returns, so its exporter has its memory back
+    /// by then (a tdrv exporter's usage, fdinfo and debugfs show it). Sleeps.
+    pub(crate) fn drop_unlocked(this: Arc<Self>) {
+        if !this.foreign {
+            return;
+        }
+        let Some(me) = Arc::into_unique_or_drop(this) else {
+            // Not the last: a job, a mapping or a lookup still holds it.
+            return;
+        };
+        // Under an active guard: the import is mapped for the device, which
+        // unbind cannot take away until the guard goes. Without one, unbind
+        // is under way and releases the import itself.
+        let Ok(_active) = me.device.enter() else {
+            return;
+        };
+        let old = core::mem::replace(&mut *me.mem.lock(), MemState::Gone);
+        if let MemState::Live(backing) | MemState::Detached(backing) = old {
+            // Dropped, not `release`d: this is not a signalling path.
+            drop(backing);
+        }
     }
 
     /// What the buffer's channel is charged for it.
@@ -1059,9 +1074,6 @@ impl PinnedDrop for Buffer {
             }
         });
         self.device.channels.release(self.channel(), self.charged());
-        if self.foreign {
-            self.device.uncount_import();
-        }
         // Last: every dma-buf exported from the buffer, and every job
         // that used it, held a reference, so nothing uses the object now.
         // (This may run on a job's completion path: neither puts a lock

@@ -35,7 +35,8 @@ use crate::{
     channel::Channels,
     dmabuf::{
         Exports,
-        Import, //
+        Import,
+        ImportCount, //
     },
     engine::{
         Engine,
@@ -197,9 +198,9 @@ pub(crate) struct TdrvDevice {
     /// and memory, also those only jobs or mappings still hold.
     #[pin]
     buffers: Registry,
-    /// Live buffers imported from foreign dma-bufs (not charged to a
-    /// channel), at most `limits.device_imports`.
-    imports: Atomic<u32>,
+    /// Foreign dma-bufs imported (not charged to a channel) and not yet
+    /// released, at most `limits.device_imports`.
+    pub(crate) imports: Arc<ImportCount>,
     /// Completion events of all its files, at most `limits.device_events`.
     pub(crate) events: Arc<EventBudget>,
     /// Every open file, by client id, so that unbind can zap their mappings
@@ -233,7 +234,7 @@ impl TdrvDevice {
                 idle_lock <- new_mutex!((), "TdrvDevice::idle_lock"),
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- Registry::new(),
-                imports: Atomic::new(0),
+                imports: ImportCount::new(params.limits.device_imports)?,
                 events: EventBudget::new(params.limits.device_events)?,
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 exports <- Exports::new(),
@@ -333,28 +334,6 @@ impl TdrvDevice {
     /// or by unbind, never after unbind returned.
     pub(crate) fn unregister_buffer_with(&self, key: u64, free: impl FnOnce()) {
         self.buffers.remove(key, free);
-    }
-
-    /// Counts a new buffer imported from a foreign dma-buf: ENOSPC if the
-    /// device has `limits.device_imports` of them. Give it back with
-    /// [`TdrvDevice::uncount_import`].
-    pub(crate) fn count_import(&self) -> Result {
-        let max = self.limits.device_imports;
-        let mut n = self.imports.load(Relaxed);
-        loop {
-            if n >= max {
-                return Err(ENOSPC);
-            }
-            match self.imports.cmpxchg(n, n + 1, Relaxed) {
-                Ok(_) => return Ok(()),
-                Err(now) => n = now,
-            }
-        }
-    }
-
-    /// An imported buffer counted by [`TdrvDevice::count_import`] is gone.
-    pub(crate) fn uncount_import(&self) {
-        self.imports.fetch_sub(1, Relaxed);
     }
 
     /// Calls `f` on every registered buffer, under the registry's sweep

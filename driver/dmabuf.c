@@ -428,6 +428,8 @@ struct tdrv_import {
 	struct kref ref;
 	/* Queued by tdrv_import_release_later(). */
 	struct work_struct release_work;
+	/* Given back to Rust once the queued release ran (may be NULL). */
+	void *released;
 };
 
 /* Runs deferred import releases; unbind flushes it, module exit drains it. */
@@ -486,7 +488,13 @@ static bool tdrv_beyond_dma_mask(struct device *dev, const void *vaddr,
 
 static void tdrv_import_release_work(struct work_struct *work)
 {
-	tdrv_import_release(container_of(work, struct tdrv_import, release_work));
+	struct tdrv_import *imp =
+		container_of(work, struct tdrv_import, release_work);
+	void *released = imp->released;
+
+	tdrv_import_release(imp);
+	if (released)
+		tdrv_import_released(released);
 }
 
 static void tdrv_import_free(struct kref *ref)
@@ -736,8 +744,9 @@ void tdrv_import_release(struct tdrv_import *imp)
  * work item was allocated with the import, so queueing needs no
  * memory.
  */
-void tdrv_import_release_later(struct tdrv_import *imp)
+void tdrv_import_release_later(struct tdrv_import *imp, void *released)
 {
+	imp->released = released;
 	queue_work(tdrv_release_wq, &imp->release_work);
 }
 
@@ -929,5 +938,15 @@ void tdrv_test_importer_free(struct tdrv_test_importer *t)
 	dma_buf_put(t->dmabuf);
 	faux_device_destroy(t->fdev);
 	kfree(t);
+}
+
+void tdrv_test_resv_lock(struct dma_buf *dmabuf)
+{
+	dma_resv_lock(dmabuf->resv, NULL);
+}
+
+void tdrv_test_resv_unlock(struct dma_buf *dmabuf)
+{
+	dma_resv_unlock(dmabuf->resv);
 }
 #endif

@@ -107,8 +107,12 @@ void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages
  * buffers that hold a reference fail from here on). Sleeps. */
 void tdrv_import_release(struct tdrv_import *imp);
 /* The same, later, from the module's release queue; needs no memory and
- * takes no lock, so a dma-fence signalling path may call it. */
-void tdrv_import_release_later(struct tdrv_import *imp);
+ * takes no lock, so a dma-fence signalling path may call it. Once the
+ * release ran, @released (if not NULL) is handed to
+ * tdrv_import_released(). */
+void tdrv_import_release_later(struct tdrv_import *imp, void *released);
+/* Rust: the queued release of an import whose @released it was ran. */
+void tdrv_import_released(void *released);
 /* Returns once every release queued before the call has run. Sleeps. */
 void tdrv_import_flush_releases(void);
 /* Module init and exit: the release queue. */
@@ -127,6 +131,10 @@ int tdrv_test_importer_invalidated(struct tdrv_test_importer *t);
 /* A new reference to @dmabuf. */
 struct dma_buf *tdrv_test_dmabuf_get(struct dma_buf *dmabuf);
 void tdrv_test_importer_free(struct tdrv_test_importer *t);
+/* Holds and lets go of @dmabuf's reservation lock (which an import's
+ * release takes), to hold a queued release back. */
+void tdrv_test_resv_lock(struct dma_buf *dmabuf);
+void tdrv_test_resv_unlock(struct dma_buf *dmabuf);
 
 /* Implemented in Rust (dmabuf.rs). */
 void tdrv_dmabuf_release_buffer(const void *buf, struct dma_buf *dmabuf);

@@ -108,6 +108,10 @@ use kernel::{
         RBTreeNode, //
     },
     sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
         Arc,
         ArcBorrow,
         Mutex, //
@@ -170,7 +174,7 @@ mod ffi {
         pub(super) fn tdrv_import_vaddr(imp: *const core::ffi::c_void) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_import_dma_pages(imp: *const core::ffi::c_void, dma: *mut u64, pages: usize);
         pub(super) fn tdrv_import_release(imp: *mut core::ffi::c_void);
-        pub(super) fn tdrv_import_release_later(imp: *mut core::ffi::c_void);
+        pub(super) fn tdrv_import_release_later(imp: *mut core::ffi::c_void, released: *const core::ffi::c_void);
         pub(super) fn tdrv_import_flush_releases();
         pub(super) fn tdrv_dmabuf_module_init() -> core::ffi::c_int;
         pub(super) fn tdrv_dmabuf_module_exit();
@@ -463,9 +467,80 @@ pub(crate) fn log_no_p2p() {
     unsafe { ffi::tdrv_dmabuf_log_no_p2p() }
 }
 
+/// The foreign dma-bufs one device holds (`device_max_imports`).
+///
+/// An import is counted from IMPORT until its release has *run*, not until
+/// its buffer goes: a release queued by [`Import::release_later`] keeps the
+/// attachment, its mapping and the dma-buf reference until the queue gets
+/// to it, and those are what the limit bounds.
+pub(crate) struct ImportCount {
+    held: Atomic<u32>,
+    max: u32,
+}
+
+impl ImportCount {
+    /// A count of none, at most `max`.
+    pub(crate) fn new(max: u32) -> Result<Arc<Self>> {
+        Arc::new(
+            Self {
+                held: Atomic::new(0),
+                max,
+            },
+            GFP_KERNEL,
+        )
+        .map_err(Into::into)
+    }
+
+    /// Counts one more import; ENOSPC at the limit. A release queued
+    /// earlier may be about to give its slot back, so the queue is flushed
+    /// once before the limit is reported: freeing an import and importing
+    /// again right away must not fail. Sleeps.
+    pub(crate) fn reserve(self: &Arc<Self>) -> Result<ImportSlot> {
+        match self.try_reserve() {
+            Err(e) if e == ENOSPC => {
+                Import::flush_releases();
+                self.try_reserve()
+            }
+            r => r,
+        }
+    }
+
+    fn try_reserve(self: &Arc<Self>) -> Result<ImportSlot> {
+        let mut n = self.held.load(Relaxed);
+        loop {
+            if n >= self.max {
+                return Err(ENOSPC);
+            }
+            match self.held.cmpxchg(n, n + 1, Relaxed) {
+                Ok(_) => return Ok(ImportSlot(self.clone())),
+                Err(now) => n = now,
+            }
+        }
+    }
+
+    /// Imports counted now.
+    pub(crate) fn held(&self) -> u32 {
+        self.held.load(Relaxed)
+    }
+}
+
+/// One counted import (see [`ImportCount::reserve`]); dropping it gives
+/// the count back.
+pub(crate) struct ImportSlot(Arc<ImportCount>);
+
+impl Drop for ImportSlot {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Relaxed);
+    }
+}
+
 /// An imported foreign dma-buf: its kernel mapping and, for a DMA device,
-/// its attachment and mapping. Dropping it releases all of them.
-pub(crate) struct Import(*mut core::ffi::c_void);
+/// its attachment and mapping, and its slot in the device's
+/// [`ImportCount`]. Dropping it releases all of them, the slot last.
+pub(crate) struct Import {
+    raw: *mut core::ffi::c_void,
+    slot: ImportSlot,
+}
 
 // SAFETY: The C object is not tied to a thread; its accessors only read
 // fields fixed at creation, and release happens once, in `drop`.
@@ -484,22 +559,24 @@ impl Import {
     ///
     /// `dev` is a bound device that stays bound until the import is
     /// dropped or, after [`Import::release_later`], until
-    /// [`Import::flush_releases`] returned.
+    /// [`Import::flush_releases`] returned. `slot` is the import's place
+    /// in its device's count, given back with the import's release.
     pub(crate) unsafe fn new(
         dmabuf: DmaBufRef,
         dev: *mut Opaque,
         dma: bool,
         owner: Option<Arc<TdrvDevice>>,
+        slot: ImportSlot,
     ) -> Result<Self> {
-        let raw = core::mem::ManuallyDrop::new(dmabuf).0;
+        let dmabuf = core::mem::ManuallyDrop::new(dmabuf).0;
         let ctx = owner.map_or(core::ptr::null(), |d| Arc::into_raw(d).cast::<core::ffi::c_void>());
-        // SAFETY: `raw` is our reference, consumed by the call also on
+        // SAFETY: `dmabuf` is our reference, consumed by the call also on
         // failure; `dev` is bound (the caller's guarantee); `ctx` is null
         // or a device reference that the import gives back through
         // `tdrv_import_put_ctx`.
-        let imp = from_err_ptr(unsafe { ffi::tdrv_import_new(raw, dev, dma, ctx) });
-        match imp {
-            Ok(imp) => Ok(Self(imp)),
+        let raw = from_err_ptr(unsafe { ffi::tdrv_import_new(dmabuf, dev, dma, ctx) });
+        match raw {
+            Ok(raw) => Ok(Self { raw, slot }),
             Err(e) => {
                 if !ctx.is_null() {
                     // SAFETY: Not taken over on failure: ours again.
@@ -513,36 +590,44 @@ impl Import {
     /// A reference to the import's object, which outlives its mappings
     /// (the buffer's access gate and reservation object).
     pub(crate) fn get_ref(&self) -> ImportRef {
-        // SAFETY: `self.0` is a live import.
-        ImportRef(unsafe { ffi::tdrv_import_get(self.0) })
+        // SAFETY: `self.raw` is a live import.
+        ImportRef(unsafe { ffi::tdrv_import_get(self.raw) })
     }
 
     /// Size in bytes (a multiple of pages).
     pub(crate) fn size(&self) -> usize {
-        // SAFETY: `self.0` is a live import.
-        unsafe { ffi::tdrv_import_size(self.0) }
+        // SAFETY: `self.raw` is a live import.
+        unsafe { ffi::tdrv_import_size(self.raw) }
     }
 
     /// Kernel address of byte 0; the mapping is virtually contiguous.
     pub(crate) fn vaddr(&self) -> *mut u8 {
-        // SAFETY: `self.0` is a live import.
-        unsafe { ffi::tdrv_import_vaddr(self.0) }.cast()
+        // SAFETY: `self.raw` is a live import.
+        unsafe { ffi::tdrv_import_vaddr(self.raw) }.cast()
     }
 
     /// Bus address of every page (zeros without a device).
     pub(crate) fn dma_pages(&self, out: &mut [u64]) {
-        // SAFETY: `self.0` is a live import; `out` has room for `len` pages.
-        unsafe { ffi::tdrv_import_dma_pages(self.0, out.as_mut_ptr(), out.len()) }
+        // SAFETY: `self.raw` is a live import; `out` has room for `len` pages.
+        unsafe { ffi::tdrv_import_dma_pages(self.raw, out.as_mut_ptr(), out.len()) }
     }
 
     /// Releases the import from the module's release queue instead of
     /// here: allocates nothing and takes no lock. The device it was
     /// mapped for must stay bound until [`Import::flush_releases`].
     pub(crate) fn release_later(self) {
-        let imp = core::mem::ManuallyDrop::new(self).0;
+        let me = core::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is neither used nor dropped after this: its slot is
+        // moved out once, here.
+        let slot = core::mem::ManuallyDrop::new(unsafe { core::ptr::read(&me.slot) });
+        // The slot's count reference goes to the queue; the slot's drop,
+        // which would give the count back now, never runs.
+        // SAFETY: Read once out of `slot`, which is never dropped.
+        let count = Arc::into_raw(unsafe { core::ptr::read(&slot.0) });
         // SAFETY: The import is ours (not released: `drop` will not run)
-        // and is released once, by the queued work.
-        unsafe { ffi::tdrv_import_release_later(imp) }
+        // and is released once, by the queued work, which then hands
+        // `count` to `tdrv_import_released` once.
+        unsafe { ffi::tdrv_import_release_later(me.raw, count.cast()) }
     }
 
     /// Returns once every release queued with [`Import::release_later`]
@@ -666,9 +751,24 @@ impl Drop for DmabufModule {
 
 impl Drop for Import {
     fn drop(&mut self) {
-        // SAFETY: The import is ours and released once.
-        unsafe { ffi::tdrv_import_release(self.0) }
+        // SAFETY: The import is ours and released once. (`slot` is dropped
+        // after this, so the count covers the release.)
+        unsafe { ffi::tdrv_import_release(self.raw) }
     }
+}
+
+/// The queued release of an import ran: its slot in the device's count
+/// is free.
+///
+/// # Safety
+///
+/// `count` is what [`Import::release_later`] handed to the queue, given
+/// back once.
+#[no_mangle]
+unsafe extern "C" fn tdrv_import_released(count: *const core::ffi::c_void) {
+    // SAFETY: `Arc::into_raw` of the slot's reference, returned once (the
+    // caller's guarantee).
+    drop(ImportSlot(unsafe { Arc::from_raw(count.cast::<ImportCount>()) }));
 }
 
 /// `dma_buf_ops.release`: gives back the export's buffer reference.
@@ -799,6 +899,8 @@ mod tests {
         fn tdrv_test_importer_count_other(t: *mut Opaque, value: u8) -> core::ffi::c_long;
         fn tdrv_test_importer_invalidated(t: *mut Opaque) -> core::ffi::c_int;
         fn tdrv_test_importer_free(t: *mut Opaque);
+        fn tdrv_test_resv_lock(dmabuf: *mut Opaque);
+        fn tdrv_test_resv_unlock(dmabuf: *mut Opaque);
     }
 
     fn params() -> Params {
@@ -916,11 +1018,12 @@ mod tests {
         let imported = {
             let active = idev.enter()?;
             let dev = crate::device::raw_device(idev.bound_device(&active)).cast();
-            // SAFETY: `dmabuf` is a live export (our reference, given to
+            let slot = idev.imports.reserve()?;
+            // SAFETY: `dmabuf` is a live export (a new reference, given to
             // the import); `dev` is bound while `importer` lives, which
             // outlives the import (dropped below, before it).
             let import = unsafe {
-                super::Import::new(super::DmaBufRef(ffi_get(dmabuf)), dev, false, Some(idev.clone()))?
+                super::Import::new(super::DmaBufRef(ffi_get(dmabuf)), dev, false, Some(idev.clone()), slot)?
             };
             Buffer::import(&idev, &active, import, 0)?
         };
@@ -966,6 +1069,43 @@ mod tests {
         assert_eq!(kernel::error::from_err_ptr(t).err(), Some(ENODEV));
         // SAFETY: Our reference.
         unsafe { ffi::tdrv_dmabuf_put(dmabuf) };
+        drop(buf);
+        Ok(())
+    }
+
+    /// An import keeps its slot in the device's count until its queued
+    /// release has run, and the count's limit is ENOSPC.
+    #[test]
+    fn import_counted_until_released() -> Result {
+        let (soft, buf, dmabuf) = exported(1, 0x5a)?;
+        let count = super::ImportCount::new(2)?;
+        let a = count.reserve()?;
+        // Ours beyond the import's release.
+        let kept = ffi_get(dmabuf);
+        // SAFETY: A CPU-only import (no DMA, no owner: no device is
+        // needed), which takes over our reference to the live `dmabuf`.
+        let import = unsafe {
+            super::Import::new(super::DmaBufRef(dmabuf), core::ptr::null_mut(), false, None, a)?
+        };
+        let dmabuf = kept;
+        let b = count.reserve()?;
+        assert_eq!(count.held(), 2);
+        assert_eq!(count.try_reserve().err(), Some(ENOSPC));
+        drop(b);
+        assert_eq!(count.held(), 1);
+        // The release needs the reservation lock: held here, the queued
+        // release cannot finish, and the import still counts.
+        // SAFETY: `dmabuf` is live (our reference).
+        unsafe { tdrv_test_resv_lock(dmabuf) };
+        import.release_later();
+        assert_eq!(count.held(), 1);
+        // SAFETY: Locked above.
+        unsafe { tdrv_test_resv_unlock(dmabuf) };
+        super::Import::flush_releases();
+        assert_eq!(count.held(), 0);
+        // SAFETY: Our reference.
+        unsafe { ffi::tdrv_dmabuf_put(dmabuf) };
+        drop(soft);
         drop(buf);
         Ok(())
     }

@@ -81,8 +81,9 @@ pub(crate) struct FenceCounts {
     /// Jobs that finished writing the buffer since the last reset.
     pub(crate) completions: u64,
     /// Error latch: the negative errno of the last job that failed while
-    /// writing the buffer (its bytes are not what the job promised), or 0.
-    /// Cleared by the next successful write (job or CPU) or by
+    /// writing the buffer (its bytes are not what the job promised), or of
+    /// a synchronous write the device failed ([`Fence::latch_error`]), or
+    /// 0. Cleared by the next successful write (job or CPU) or by
     /// COMPLETION_RESET.
     pub(crate) error: i32,
     /// Set when the device is gone: waits end with ENODEV.
@@ -283,6 +284,16 @@ impl Fence {
     /// A synchronous CPU write of the buffer succeeded: clears the latch.
     pub(crate) fn clear_error(&self) {
         self.counts.lock().error = 0;
+    }
+
+    /// A synchronous write of the buffer (COPY_IN, MEMSET, COPY) that the
+    /// device's DMA failed part-way: its bytes are undefined, as after a
+    /// failed job, so the latch takes `errno` (negative) and waiters that
+    /// the latch ends are woken.
+    pub(crate) fn latch_error(&self, errno: i32) {
+        let mut c = self.counts.lock();
+        c.error = errno;
+        self.wq.wake_all(c);
     }
 
     /// EIO if a failed job left the buffer's bytes undefined (see

@@ -290,7 +290,11 @@ impl MiscDevice for TdrvFile {
                 let mut h = me.state.handles.lock();
                 me.state.table.remove_slot(&mut h.slots, slot)
             };
-            drop(buf);
+            if let Some(buf) = buf {
+                let arc = (*buf).clone();
+                drop(buf);
+                Buffer::drop_unlocked(arc);
+            }
         }
     }
 
@@ -347,6 +351,22 @@ impl MiscDevice for TdrvFile {
         // buffer (see `mmap.rs`).
         unsafe { (*vma.as_ptr()).vm_pgoff = 0 };
         mmap::map_buffer(buf, vma)
+    }
+}
+
+/// The end of a synchronous write of `len` bytes of `buf` (COPY_IN,
+/// MEMSET, COPY) with outcome `r`, under its `cpu_begin`: a write that
+/// wrote bytes clears the error latch (an empty one writes nothing); one
+/// the device's DMA failed part-way (TDRV_DEVICE_SIM: EIO for a failed
+/// descriptor, ETIMEDOUT from the watchdog) left the bytes undefined and
+/// latches its errno, as a failed job does, so that every user of the
+/// buffer (other files, importers) learns it. Other errors (EFAULT,
+/// EINTR, ENODEV) keep the latch as it was.
+fn end_sync_write(buf: &Buffer, r: &Result, len: usize) {
+    match r {
+        Ok(()) if len > 0 => buf.fence.clear_error(),
+        Err(e) if *e == EIO || *e == ETIMEDOUT => buf.fence.latch_error(e.to_errno()),
+        _ => {}
     }
 }
 
@@ -569,6 +589,9 @@ impl TdrvFile {
                 if self.state.handles.lock().imports >= self.device.limits.imports {
                     return Err(ENOSPC);
                 }
+                // Counted before the guard: at the limit, this waits for
+                // queued releases (which unbind also waits for).
+                let slot = self.device.imports.reserve()?;
                 let active = self.device.enter()?;
                 let dev = raw_device(self.device.bound_device(&active)).cast();
                 let engine = self.device.engine();
@@ -579,7 +602,7 @@ impl TdrvFile {
                 // it bound until the buffer is registered, and unbind
                 // releases every registered buffer's import before the
                 // device goes away.
-                let import = unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner)? };
+                let import = unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner, slot)? };
                 Buffer::import(&self.device, &active, import, a.channel)?
             }
         };
@@ -623,7 +646,9 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.remove_handle(a.handle).ok_or(ENOENT)?;
+        let arc = (*buf).clone();
         drop(buf);
+        Buffer::drop_unlocked(arc);
         Ok(())
     }
 
@@ -688,10 +713,7 @@ impl TdrvFile {
         // keep jobs off the buffer until the copy is done.
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize));
-        // A write clears the error latch; an empty one writes nothing.
-        if r.is_ok() && range.len > 0 {
-            buf.fence.clear_error();
-        }
+        end_sync_write(&buf, &r, range.len);
         buf.fence.cpu_end();
         r
     }
@@ -719,9 +741,7 @@ impl TdrvFile {
         let range = checked_range(a.offset, a.size, buf.size())?;
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.fill(range, a.value as u8);
-        if r.is_ok() && range.len > 0 {
-            buf.fence.clear_error();
-        }
+        end_sync_write(&buf, &r, range.len);
         buf.fence.cpu_end();
         r
     }
@@ -766,14 +786,13 @@ impl TdrvFile {
             t.src.fence.cpu_end();
             return Err(e);
         }
-        let r = t
-            .src
-            .fence
-            .check_error()
-            .and_then(|()| t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range));
-        if r.is_ok() {
-            t.dst.fence.clear_error();
-        }
+        // A latched source fails the copy before it writes anything: the
+        // destination keeps its bytes and its latch.
+        let r = t.src.fence.check_error().and_then(|()| {
+            let r = t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range);
+            end_sync_write(&t.dst, &r, t.src_range.len);
+            r
+        });
         t.dst.fence.cpu_end();
         t.src.fence.cpu_end();
         r

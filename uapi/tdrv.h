@@ -55,10 +55,14 @@
  *           kept
  *  EIO      (job status, or SUBMIT) the device failed and is recovering;
  *           (COPY_IN, COPY_OUT, MEMSET, COPY on TDRV_DEVICE_SIM) the
- *           device's DMA failed the transfer;
+ *           device's DMA failed the transfer: COPY_IN, MEMSET and COPY
+ *           then latch the error in the buffer they wrote (its bytes are
+ *           undefined; the same for ETIMEDOUT from the device's watchdog),
+ *           COPY_OUT leaves the buffer as it was;
  *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
- *           error latch is set: a job that wrote it failed, so its bytes are
- *           undefined, and no write that could still fix them is pending.
+ *           error latch is set: a job or synchronous write that wrote it
+ *           failed, so its bytes are undefined, and no write that could
+ *           still fix them is pending.
  *           tdrv_buf_info.error tells which errno the job ended with;
  *           (FENCE_WAIT, COMPLETION_WAIT, COPY_IN, COPY_OUT, MEMSET, COPY
  *           on TDRV_DEVICE_SIM) what the call waits for is held up only by
@@ -67,8 +71,12 @@
  *           access their buffers, which stay reserved until it lets go or
  *           the device is unbound.
  *  ECANCELED (job status) the job's file was closed before it ended
- *  ENODEV   the device was removed; its files only support close(2);
- *           or (also as a job status) an imported buffer of the call or
+ *  ENODEV   the device was removed (unbind, hot-unplug). Its open files
+ *           then support close(2), read(2) and poll(2) of completion
+ *           events (see struct tdrv_job_notify) and TDRV_IOC_VERSION,
+ *           which still describes the device it was; every other ioctl
+ *           (TDRV_IOC_CHANNEL_INFO included) and mmap(2) fail with ENODEV.
+ *           Also (as a job status too): an imported buffer of the call or
  *           job was revoked by its exporter (see struct tdrv_import)
  *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed
  *           between two DMA chunks
@@ -142,7 +150,12 @@
 /* Timeouts are in microseconds: 0 polls, negative waits without limit. */
 #define TDRV_TIMEOUT_INFINITE	(-1LL)
 
-/* TDRV_IOC_VERSION: ABI version, features and device description. */
+/*
+ * TDRV_IOC_VERSION: ABI version, features and device description. It is the
+ * one ioctl that still works after the device was removed: it then reports
+ * what it did before (the same kind, channels and features), so a caller
+ * can tell what its file was for.
+ */
 struct tdrv_version {
 	__u32 abi_major;	/* out: TDRV_ABI_MAJOR */
 	__u32 abi_minor;	/* out: TDRV_ABI_MINOR */
@@ -153,7 +166,8 @@ struct tdrv_version {
 	__u64 reserved[4];	/* out: zero */
 };
 
-/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. */
+/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. EINVAL for a
+ * channel >= num_channels; ENODEV once the device was removed. */
 struct tdrv_channel_info {
 	__u32 channel;		/* in */
 	__u32 pad;		/* in: zero */
@@ -196,7 +210,9 @@ struct tdrv_buf_info {
 	__u32 pad;		/* in: zero */
 	__s32 error;		/* out: the buffer's error latch (ABI 1.1): the
 				 * negative errno of the last job that failed
-				 * writing it, or 0. Cleared by a successful
+				 * writing it, or of a COPY_IN, MEMSET or COPY
+				 * into it that the device's DMA failed (EIO,
+				 * ETIMEDOUT; TDRV_DEVICE_SIM), or 0. Cleared by a successful
 				 * write (job, COPY_IN, MEMSET, COPY) and by
 				 * TDRV_IOC_COMPLETION_RESET. Ignored on input. */
 	__u32 pad2;		/* in: zero */
@@ -346,13 +362,48 @@ struct tdrv_submit {
 #define TDRV_JOB_PENDING	1 /* queued or running */
 #define TDRV_JOB_DONE		2 /* finished; see status */
 
-/* TDRV_IOC_JOB_WAIT: wait for a job of this file; timeout 0 queries. */
+/**
+ * struct tdrv_job_wait - TDRV_IOC_JOB_WAIT: wait until a job of this file
+ * has ended; a timeout of 0 only asks.
+ * @job_id: in: a job of this file (the id SUBMIT returned).
+ * @timeout_us: in: 0 asks without waiting, < 0 waits without limit.
+ * @state: out: TDRV_JOB_PENDING or TDRV_JOB_DONE; in: zero.
+ * @status: out: with TDRV_JOB_DONE, 0 or the job's negative errno; in: zero.
+ * @reserved: in: zero.
+ *
+ * A job has ended (TDRV_JOB_DONE) when it has its final status and the
+ * device has let go of its buffers: their pending reads and writes
+ * (struct tdrv_buf_info) no longer count it.
+ *
+ * One exception: a job the device gave up on while it may still be moving
+ * the job's bytes. That is a job the watchdog timed out (-ETIMEDOUT: edu,
+ * sim) or a job of a sim queue that stopped answering (-EIO). It ends at
+ * once, so that nobody waits on a device that may never answer; until the
+ * device lets go (edu: its transfer lands, or the device is removed; sim:
+ * its queue is reset, or the device is removed):
+ * - its buffers still count it in pending_reads and pending_writes, and
+ *   their memory is not freed, even after FREE and close;
+ * - its out-fence, and its fence in a dma-buf's reservation object,
+ *   signal only then: they always mean "let go";
+ * - each destination's error latch holds the job's error, so COPY_OUT and
+ *   COMPLETION_WAIT on it fail with EIO;
+ * - a wait for the buffer's device accesses (FENCE_WAIT, and COPY_IN,
+ *   COPY_OUT and MEMSET before they copy): on edu it lasts until the
+ *   transfer lands, then reports the latch (EIO); on sim, whose queue may
+ *   never answer, it fails at once with EIO when only such accesses keep
+ *   it from ending.
+ *
+ * Errors: EINVAL (job id 0 or not yet issued by this file; state, status
+ * or reserved not zero), ESTALE (older than this file's last
+ * TDRV_JOB_WINDOW jobs), ETIMEDOUT (@timeout_us > 0 passed with the job
+ * still pending), EINTR (see the list above), ENODEV (device removed).
+ */
 struct tdrv_job_wait {
-	__u64 job_id;		/* in */
-	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
-	__u32 state;		/* out: TDRV_JOB_* */
-	__s32 status;		/* out: 0, or the job's negative errno */
-	__u64 reserved[2];	/* in: zero */
+	__u64 job_id;
+	__s64 timeout_us;
+	__u32 state;
+	__s32 status;
+	__u64 reserved[2];
 };
 
 /* tdrv_fence_wait.kind */
@@ -379,9 +430,9 @@ struct tdrv_job_wait {
  *
  * Queues one struct tdrv_event on this file when the job has ended, at
  * once if it already has. "Ended" is what TDRV_IOC_JOB_WAIT reports as
- * TDRV_JOB_DONE: the job let go of its buffers, and JOB_WAIT gives the
- * same status. Each call queues one event, so two calls for one job give
- * two events.
+ * TDRV_JOB_DONE, with the same status: the job let go of its buffers,
+ * except a job the device gave up on (see struct tdrv_job_wait). Each
+ * call queues one event, so two calls for one job give two events.
  *
  * Events are read with read(2) from the tdrv file itself: each read
  * returns as many whole events as fit in the buffer (at least one), oldest
@@ -397,7 +448,8 @@ struct tdrv_job_wait {
  * children that inherit it). Closing it, also by exit or SIGKILL,
  * discards the requested and unread ones. When the device is removed,
  * every job ends with ENODEV and its events are queued; read and poll
- * keep working, while JOB_NOTIFY (like every ioctl) fails with ENODEV.
+ * keep working, while JOB_NOTIFY (like every ioctl but TDRV_IOC_VERSION)
+ * fails with ENODEV.
  *
  * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
  * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),
@@ -563,7 +615,13 @@ struct tdrv_export {
  * at most file_max_imports (default 4096) handles of foreign imports, and
  * a device at most device_max_imports (default 65536) such buffers
  * (module parameters); each IMPORT of a foreign dma-buf makes a new one,
- * alive until its handle is freed and no job uses it. Jobs on it take
+ * alive until its handle is freed and no job uses it. FREE of the handle,
+ * or close of the file, releases an import that no job or mapping uses
+ * before it returns: the dma-buf is unmapped and its reference dropped, so
+ * a tdrv exporter has its memory back by then. An import a job or mapping
+ * still uses is released shortly after the last of them lets go, and
+ * counts against device_max_imports until it is (IMPORT at the limit
+ * waits for such releases before it reports ENOSPC). Jobs on it take
  * part in the dma-buf's reservation object (ABI 1.5, see struct
  * tdrv_submit): they wait for the exporter's and other importers' fences
  * there and add their own. Unbind detaches and releases the import.

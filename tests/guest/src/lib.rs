@@ -10,6 +10,7 @@ pub mod inject;
 pub mod raw;
 pub mod sync;
 pub mod uffd;
+pub mod unbind;
 pub mod wait;
 
 pub use inject::{failure_injection, inject, Hold, SimWatchdog};

@@ -55,7 +55,7 @@ fn raise_foreign_irq(node: &str) -> R {
 
 fn main() {
     let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
-    let mut t = Tap::new(8);
+    let mut t = Tap::new(10);
 
     t.run("the interrupt counter grows with jobs", || -> R {
         let before = stat(&path, "irqs")?;
@@ -207,6 +207,8 @@ fn main() {
         "unbind ends a held job (hold_job) and the one behind it with ENODEV",
         unbind_while_held,
     );
+
+    tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_EDU, DRIVER_DIR);
 
     t.finish();
 }

@@ -1,7 +1,8 @@
 //! Completion events (ABI 1.4, `TDRV_FEAT_EVENTS`): `TDRV_IOC_JOB_NOTIFY`,
 //! `read(2)` and `poll(2)`/epoll of the device file, on every kernel (also
-//! without `CONFIG_SYNC_FILE`); and the library's futures awaiting
-//! thousands of jobs with them, on one thread.
+//! without `CONFIG_SYNC_FILE`), its errnos (ESTALE past the job window);
+//! and the library's futures awaiting thousands of jobs with them, on one
+//! thread.
 //!
 //! usage: events /dev/tdrvN
 
@@ -32,7 +33,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 15;
+const TESTS: usize = 16;
 /// Bound of every wait: only turns a hang into a failure.
 const HANG: Duration = Duration::from_secs(120);
 /// Jobs per file in the many-jobs checks (the default `file_max_jobs` is
@@ -945,6 +946,39 @@ fn main() {
                 e(&format!("job {i}"), r)?;
             }
             expect_eq("threads after", threads()?, before)
+        });
+    }
+
+    let name = "JOB_NOTIFY on an id older than TDRV_JOB_WINDOW is ESTALE and queues nothing";
+    if kind == TDRV_DEVICE_EDU {
+        t.skip(
+            name,
+            "the window is engine-independent (run on the other devices): 4096 edu jobs take minutes",
+        );
+    } else {
+        t.run(name, || -> R {
+            let f = ok("open", Dev::open(&path))?;
+            let d = pair(&f)?;
+            let first = ok("submit", f.submit(&d))?;
+            let mut last = first;
+            for i in 0..TDRV_JOB_WINDOW as u64 {
+                last = ok("submit", f.submit(&d))?;
+                // Below file_max_jobs unfinished jobs.
+                if i % 512 == 0 {
+                    wait_done(&f, last)?;
+                }
+            }
+            wait_done(&f, last)?;
+            expect_eq("ids", last - first, TDRV_JOB_WINDOW as u64)?;
+            expect_err("oldest id", f.job_notify(first, 1), libc::ESTALE)?;
+            expect_eq(
+                "readable after the refusal",
+                ok("poll", poll_in(f.fd(), 0))?,
+                false,
+            )?;
+            ok("notify the oldest kept id", f.job_notify(first + 1, 2))?;
+            expect_event(&read_one(&f)?, first + 1, 2, 0)?;
+            expect_err("never issued", f.job_notify(last + 1, 3), libc::EINVAL)
         });
     }
 

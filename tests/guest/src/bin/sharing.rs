@@ -150,6 +150,62 @@ fn cpu_across(a: &Side, b: &Side, len: usize) -> R {
     )
 }
 
+/// `side`'s channel 0: (bytes used, buffers).
+fn usage(side: &Side) -> Result<(u64, u64), String> {
+    let i = ok("CHANNEL_INFO", side.dev.channel_info(0))?;
+    Ok((i.used_bytes, i.buffers))
+}
+
+/// When `b` lets go of its import of `a`'s buffer, by FREE and by closing
+/// the file, `a` has the memory back as the call returns (the exporter's
+/// dma-buf was its last holder). The exporter's own handle and fd go
+/// first, so that only the import holds the buffer.
+fn release_across(a: &Side, b: &Side, len: usize) -> R {
+    let before = usage(a)?;
+    let imports = tdrv_guest_tests::stat(&b.node, "imports")?;
+    let p = pattern(len, 9);
+    let (ah, fd, i) = share(a, b, len, &p)?;
+    ok("exporter's FREE", a.dev.free(ah))?;
+    drop(fd);
+    expect_eq(
+        "exporter's usage while imported",
+        usage(a)?,
+        (before.0 + len as u64, before.1 + 1),
+    )?;
+    expect_eq(
+        "importer's count of imports (debugfs) while imported",
+        tdrv_guest_tests::stat(&b.node, "imports")?,
+        imports + 1,
+    )?;
+    ok("importer's FREE", b.dev.free(i.handle))?;
+    expect_eq(
+        "exporter's usage after the importer's FREE",
+        usage(a)?,
+        before,
+    )?;
+    expect_eq(
+        "importer's count of imports (debugfs) after its FREE",
+        tdrv_guest_tests::stat(&b.node, "imports")?,
+        imports,
+    )?;
+
+    let b2 = ok("second file", Side::open(&b.node))?;
+    let (ah, fd, _) = share(a, &b2, len, &p)?;
+    ok("exporter's FREE", a.dev.free(ah))?;
+    drop(fd);
+    drop(b2);
+    expect_eq(
+        "exporter's usage after the importer's close",
+        usage(a)?,
+        before,
+    )?;
+    expect_eq(
+        "importer's count of imports (debugfs) after its close",
+        tdrv_guest_tests::stat(&b.node, "imports")?,
+        imports,
+    )
+}
+
 /// DRM ioctls for vgem.
 const DRM_IOCTL_VERSION: u64 = 0xC040_6400;
 const DRM_IOCTL_GEM_CLOSE: u64 = 0x4008_6409;
@@ -296,7 +352,7 @@ fn main() {
     let pg = page_size();
     // Several pages; the edu engine moves 4 KiB per 100 ms of virtual time.
     let len = 4 * pg;
-    let mut t = Tap::new(1 + 3 * others.len().max(1));
+    let mut t = Tap::new(1 + 5 * others.len().max(1));
 
     let name = format!(
         "vgem PRIME-imports an export of {} and reads it back",
@@ -312,6 +368,8 @@ fn main() {
             "a job on another device uses this device's buffer",
             "a job here uses another device's buffer",
             "CPU access to another device's buffer",
+            "FREE and close of an import give its exporter the memory back",
+            "FREE and close of an import give its exporter the memory back (other way)",
         ] {
             t.skip(what, "only one tdrv device in this guest");
         }
@@ -320,7 +378,7 @@ fn main() {
         let other = match Side::open(o) {
             Ok(s) => s,
             Err(e) => {
-                for _ in 0..3 {
+                for _ in 0..5 {
                     t.check(
                         &format!("open {o}"),
                         Err::<(), String>(format!("errno {e}")),
@@ -361,6 +419,21 @@ fn main() {
                 continue;
             }
             t.run(&name, || jobs_across(a, b, len));
+        }
+        for (a, b) in [(&me, &other), (&other, &me)] {
+            let name = format!(
+                "FREE and close of {}'s import give {} its memory back at once",
+                b.name(),
+                a.name()
+            );
+            if a.kind == TDRV_DEVICE_SIM || b.kind == TDRV_DEVICE_SIM {
+                t.skip(
+                    &name,
+                    "sim device memory is not shared, nor host memory imported into it here",
+                );
+            } else {
+                t.run(&name, || release_across(a, b, len));
+            }
         }
         let (a, b) = (&other, &me);
         let name = format!(

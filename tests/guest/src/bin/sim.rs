@@ -10,6 +10,7 @@
 
 use std::{
     fs,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -21,7 +22,7 @@ use std::{
 use tdrv_guest_tests::{
     desc, expect_eq, expect_err, inject, ok, open_device_or_skip,
     raw::Dev,
-    stat,
+    stat, sync,
     wait::{until_asleep_in, HANG},
     MappedChild, Rng, SimWatchdog, Tap,
 };
@@ -401,6 +402,94 @@ fn hung_queue_job_wakes_every_waiter(dev: &Dev, path: &str) -> R {
     r
 }
 
+/// A job the device gave up on (its queue hangs and ignores its reset)
+/// ends at once, for JOB_WAIT and for its completion event, with
+/// ETIMEDOUT; but until the queue lets go, its source and destination
+/// still count it (pending_reads, pending_writes) and its out-fence is not
+/// signalled (tdrv.h, struct tdrv_job_wait). Once the queue resumes, the
+/// marks go and the out-fence signals with the job's error.
+fn gave_up_job_ends_but_holds_its_buffers(dev: &Dev, path: &str, fence_fd: bool) -> R {
+    let len = 64 << 10;
+    let s = ok("alloc", dev.alloc(len as u64, 0))?;
+    let d = ok("alloc", dev.alloc(len as u64, 0))?;
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    inject(path, "hang")?;
+    let descs = [desc(s.handle, 0, d.handle, 0, len as u64)];
+    let (id, fence) = if fence_fd {
+        ok("submit", dev.submit_fences(&descs, &[], true))?
+    } else {
+        (ok("submit", dev.submit(&descs))?, -1)
+    };
+    // SAFETY: SUBMIT gave us the fd (or -1: none).
+    let fence = (fence >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fence) });
+    let checks = (|| -> R {
+        ok("job_notify", dev.job_notify(id, 0x5eed))?;
+        expect_eq(
+            "JOB_WAIT of the job the queue ignores",
+            ok("job_wait", dev.job_wait(id, HANG_US))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        )?;
+        let mut ev = [tdrv_event::default(); 2];
+        let n = ok("read of events", dev.read_events(&mut ev))?;
+        expect_eq(
+            "its event (type, job, status, user data)",
+            (n, ev[0].type_, ev[0].job_id, ev[0].status, ev[0].user_data),
+            (1, TDRV_EVENT_JOB_DONE, id, -libc::ETIMEDOUT, 0x5eed),
+        )?;
+        let si = ok("buf_info", dev.buf_info(s.handle))?;
+        let di = ok("buf_info", dev.buf_info(d.handle))?;
+        expect_eq(
+            "source's pending reads and destination's pending writes after it ended",
+            (si.pending_reads, di.pending_writes),
+            (1, 1),
+        )?;
+        if let Some(f) = &fence {
+            expect_eq(
+                "out-fence signalled while the queue holds the job",
+                ok("poll", sync::poll_in(f.as_raw_fd(), 0))?,
+                false,
+            )?;
+        }
+        Ok(())
+    })();
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    checks?;
+    if let Some(f) = &fence {
+        expect_eq(
+            "out-fence signalled once the queue let go",
+            ok(
+                "poll",
+                sync::poll_in(f.as_raw_fd(), HANG.as_millis() as i32),
+            )?,
+            true,
+        )?;
+        expect_eq(
+            "out-fence status",
+            ok("SYNC_IOC_FILE_INFO", sync::file_info(f.as_raw_fd()))?.status,
+            -libc::ETIMEDOUT,
+        )?;
+    }
+    let t0 = Instant::now();
+    loop {
+        let si = ok("buf_info", dev.buf_info(s.handle))?;
+        let di = ok("buf_info", dev.buf_info(d.handle))?;
+        if (si.pending_reads, di.pending_writes) == (0, 0) {
+            break;
+        }
+        if t0.elapsed() > HANG {
+            return Err(format!(
+                "marks still there {HANG:?} after the queue resumed: {} reads, {} writes",
+                si.pending_reads, di.pending_writes
+            ));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    drop(watchdog);
+    ok("free", dev.free(s.handle))?;
+    ok("free", dev.free(d.handle))
+}
+
 /// A synchronous MEMSET whose queue hangs and ignores its reset times out,
 /// and its buffer is freed; the device runs the fill when it resumes. The
 /// freed HBM must not have gone to a new buffer meanwhile: the new one
@@ -476,7 +565,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(23);
+    let mut t = Tap::new(29);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -878,7 +967,7 @@ fn main() {
     );
 
     t.run(
-        "fail_desc: the job fails with EIO, its output is latched, the next works",
+        "fail_desc: the job or COPY_IN fails with EIO, its output is latched, the next works",
         || -> R {
             let a = ok("alloc", dev.alloc(64 << 10, 0))?;
             let b = ok("alloc", dev.alloc(64 << 10, 0))?;
@@ -903,9 +992,113 @@ fn main() {
                 dev.copy_in(a.handle, 0, &[1; 9000]),
                 libc::EIO,
             )?;
+            expect_eq(
+                "latch after the failed COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[2; 9000]))?;
+            expect_eq(
+                "latch after a good COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
             job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 9000)])?;
             expect_eq("data", read_all(&dev, b.handle, 9000)?, vec![2; 9000])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY_OUT: EIO, no latch, the buffer keeps its bytes",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 21);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT with a failed descriptor",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            // Only the caller's memory was being written: the buffer's
+            // bytes are what they were, and nothing is latched.
+            expect_eq("latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            expect_eq(
+                "data read again",
+                read_all(&dev, a.handle, len)? == data,
+                true,
+            )?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on MEMSET: EIO, the buffer's error latched (COPY_OUT EIO) until a good MEMSET",
+        || -> R {
+            let len = 64 << 10;
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &pattern(len, 22)))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "MEMSET with a failed descriptor",
+                dev.memset(a.handle, 0, len as u64, 0x77),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "latch",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined bytes",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("memset", dev.memset(a.handle, 0, len as u64, 0x77))?;
+            expect_eq(
+                "latch after a good MEMSET",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
+            expect_eq("data", read_all(&dev, a.handle, len)?, vec![0x77; len])?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY: EIO, the destination's error latched, the source's not; a good COPY clears it",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 23);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            let b = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "COPY with a failed descriptor",
+                dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "destination's latch",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                -libc::EIO,
+            )?;
+            expect_eq("source's latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined destination",
+                dev.copy_out(b.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("copy", dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)))?;
+            expect_eq("latch after a good COPY", ok("buf_info", dev.buf_info(b.handle))?.error, 0)?;
+            expect_eq("data", read_all(&dev, b.handle, len)? == data, true)?;
             ok("free", dev.free(a.handle))?;
             ok("free", dev.free(b.handle))
         },
@@ -1048,6 +1241,14 @@ fn main() {
         || hung_queue_job_wakes_every_waiter(&dev, &path),
     );
 
+    t.run(
+        "a job the queue gave up on ends at once but holds its buffers until the queue lets go",
+        || {
+            let fence_fd = v.features & u64::from(TDRV_FEAT_FENCE_FD) != 0;
+            gave_up_job_ends_but_holds_its_buffers(&dev, &path, fence_fd)
+        },
+    );
+
     t.run("inject rejects unknown commands and queues", || -> R {
         for bad in [
             "fail_jobs",
@@ -1159,6 +1360,7 @@ fn main() {
         "after a rebind, new buffers read as zero where the previous binding left bytes",
         rebind_zeroes,
     );
+    tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_SIM, DRIVER_DIR);
     t.finish();
 }
 

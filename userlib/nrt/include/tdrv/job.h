@@ -106,7 +106,10 @@ NRT_STATUS tdrv_job_get_fd(tdrv_job_t *job, int *fd);
  * the process (for example the address of the waiter's own state) and
  * pass on events that are not yours: an event read by someone else does
  * not come again (ask again with tdrv_job_notify, which answers at once
- * for a job that has ended).
+ * for a job that has ended). A child after fork shares its parent's
+ * device files and so their event streams, which stay the parent's: there
+ * both calls fail with NRT_FAILURE (the parent's events would otherwise
+ * go to whichever process read first).
  */
 NRT_STATUS tdrv_job_notify(tdrv_job_t *job, uint64_t user_data, int *fd);
 
