@@ -79,8 +79,8 @@ use kernel::{
 
 use crate::{
     dmabuf::{
-        self,
-        Import, //
+        Import,
+        ImportRef, //
     },
     device::{
         ActiveGuard,
@@ -282,8 +282,9 @@ pub(crate) struct Buffer {
     pub(crate) fence: Fence,
     /// Implicit synchronisation (`resv.rs`): for tdrv's own memory, the
     /// buffer's reservation object, made at its first export (null
-    /// before) and freed on drop; for a foreign import, a reference to
-    /// the imported dma-buf, whose object it is (dropped on drop).
+    /// before) and freed on drop; for a foreign import, an [`ImportRef`]
+    /// (the imported dma-buf, whose object it is, and the import's access
+    /// gate; dropped on drop).
     resv: Atomic<*mut c_void>,
 }
 
@@ -297,6 +298,18 @@ const _: () = assert!(
     core::mem::size_of::<u64>() + core::mem::size_of::<Buffer>() <= 256,
     "Buffer no longer fits the 256-byte kmalloc class"
 );
+
+/// A section touching a buffer's memory ([`Buffer::enter`]).
+pub(crate) struct MemGuard<'a> {
+    active: ActiveGuard<'a>,
+    buf: &'a Buffer,
+}
+
+impl Drop for MemGuard<'_> {
+    fn drop(&mut self) {
+        self.buf.end_access();
+    }
+}
 
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
@@ -495,7 +508,7 @@ impl Buffer {
         };
         let resv = match &backing {
             // Held from here: a failure below drops it again.
-            Backing::Imported { _import } => _import.get_dmabuf(),
+            Backing::Imported { _import } => _import.get_ref().into_raw(),
             _ => core::ptr::null_mut(),
         };
         let buf = Arc::pin_init(
@@ -526,7 +539,7 @@ impl Buffer {
                 // rest by hand.
                 if !resv.is_null() {
                     // SAFETY: The reference taken above, dropped once.
-                    unsafe { dmabuf::put_dmabuf(resv) };
+                    drop(unsafe { ImportRef::from_raw(resv) });
                 }
                 device.unregister_buffer(registry_key);
                 device.channels.release(channel, charged);
@@ -580,13 +593,54 @@ impl Buffer {
     /// null if the buffer takes no part in implicit synchronisation (tdrv
     /// memory never exported). Lives as long as the buffer.
     pub(crate) fn resv(&self) -> *mut c_void {
-        let p = self.resv.load(Acquire);
-        if self.foreign && !p.is_null() {
-            // SAFETY: For a foreign import `p` is our dma-buf reference.
-            unsafe { dmabuf::dmabuf_resv(p) }
-        } else {
-            p
+        match self.import_ref() {
+            Some(imp) => imp.resv(),
+            None => self.resv.load(Acquire),
         }
+    }
+
+    /// For a foreign import, its object (see [`ImportRef`]), borrowed.
+    fn import_ref(&self) -> Option<core::mem::ManuallyDrop<ImportRef>> {
+        if !self.foreign {
+            return None;
+        }
+        let p = self.resv.load(Acquire);
+        // SAFETY: A foreign buffer's `resv` holds its `ImportRef` from
+        // construction until drop; the borrow is never dropped.
+        Some(core::mem::ManuallyDrop::new(unsafe { ImportRef::from_raw(p) }))
+    }
+
+    /// Starts an access to the buffer's memory by a job of its device
+    /// (see [`Buffer::end_access`]): ENODEV once a foreign import was
+    /// revoked by its exporter. Other memory is reachable while the
+    /// device is bound.
+    pub(crate) fn begin_access(&self) -> Result {
+        match self.import_ref() {
+            Some(imp) => imp.begin_access(),
+            None => Ok(()),
+        }
+    }
+
+    /// True once the exporter of a foreign import revoked it.
+    pub(crate) fn revoked(&self) -> bool {
+        self.import_ref().is_some_and(|imp| imp.revoked())
+    }
+
+    /// Ends an access from [`Buffer::begin_access`]; no lock, no memory.
+    pub(crate) fn end_access(&self) {
+        if let Some(imp) = self.import_ref() {
+            imp.end_access();
+        }
+    }
+
+    /// Enters a section that touches the buffer's memory from an ioctl
+    /// or a fault: an active guard of the device, and for a foreign
+    /// import an access, so that its revocation waits for the section
+    /// (ENODEV after unbind or revocation).
+    pub(crate) fn enter(&self) -> Result<MemGuard<'_>> {
+        let active = self.device.enter()?;
+        self.begin_access()?;
+        Ok(MemGuard { active, buf: self })
     }
 
     /// The reservation object for an export of the buffer: made at the
@@ -773,8 +827,8 @@ impl Buffer {
         while done < range.len {
             let (cpu, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
             {
-                let guard = self.device.enter()?;
-                f(&guard, cpu, done, n)?;
+                let guard = self.enter()?;
+                f(&guard.active, cpu, done, n)?;
             }
             done += n;
             if done < range.len {
@@ -798,7 +852,7 @@ impl Buffer {
             // Fast path: copy straight in under a guard, without page
             // faults (resident user pages, the common case).
             let fast = {
-                let _guard = self.device.enter()?;
+                let _guard = self.enter()?;
                 let (cpu, _) = self.cpu_span(range.start + done, n);
                 // SAFETY: The guard keeps the memory live (type invariant)
                 // and the span lies inside it; `copy_from_user_nofault`
@@ -826,7 +880,7 @@ impl Buffer {
                     if left != 0 {
                         return Err(EFAULT);
                     }
-                    let _guard = self.device.enter()?;
+                    let _guard = self.enter()?;
                     let (cpu, _) = self.cpu_span(range.start + done + off, m);
                     // SAFETY: As in the fast path; `bounce` is ours.
                     unsafe { core::ptr::copy_nonoverlapping(bounce.as_ptr(), cpu, m) };
@@ -850,7 +904,7 @@ impl Buffer {
             let (_, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
             let user = dst.wrapping_byte_add(done);
             let fast = {
-                let _guard = self.device.enter()?;
+                let _guard = self.enter()?;
                 let (cpu, _) = self.cpu_span(range.start + done, n);
                 // SAFETY: As in `copy_from_user`, with the directions
                 // swapped.
@@ -864,7 +918,7 @@ impl Buffer {
                 while off < n {
                     let m = (n - off).min(PAGE_SIZE);
                     {
-                        let _guard = self.device.enter()?;
+                        let _guard = self.enter()?;
                         let (cpu, _) = self.cpu_span(range.start + done + off, m);
                         // SAFETY: The guard keeps the memory live and the
                         // span lies inside it; `bounce` holds `m` bytes.
@@ -924,9 +978,11 @@ impl Buffer {
         while done < src_range.len {
             let n = (src_range.len - done).min(CHUNK);
             {
-                let _guard = self.device.enter()?;
-                // SAFETY: The guard keeps both buffers' memory live: both
-                // belong to this device (same file, same channel).
+                let _guard = self.enter()?;
+                let _src = src.enter()?;
+                // SAFETY: The guards keep both buffers' memory live: both
+                // belong to this device (same file, same channel), and a
+                // foreign import is not unmapped while they last.
                 unsafe { self.copy_span(dst_offset + done, src, src_range.start + done, n) };
             }
             done += n;
@@ -1025,8 +1081,8 @@ impl PinnedDrop for Buffer {
         let resv = self.resv.load(Acquire);
         if !resv.is_null() {
             if self.foreign {
-                // SAFETY: Our dma-buf reference, dropped once.
-                unsafe { dmabuf::put_dmabuf(resv) };
+                // SAFETY: Our import reference, dropped once.
+                drop(unsafe { ImportRef::from_raw(resv) });
             } else {
                 // SAFETY: Made by `export_resv`, freed once, unused now.
                 unsafe { resv::free_own(resv) };

@@ -402,6 +402,15 @@ impl TdrvDevice {
         Import::flush_releases();
     }
 
+    /// Removes the pages of every user mapping of every open file (an
+    /// imported buffer was revoked: its pages must go; the others fault
+    /// back in).
+    pub(crate) fn zap_file_mappings(&self) {
+        for (_, file) in self.files.lock().iter() {
+            file.zap_mappings();
+        }
+    }
+
     /// Records an open file under its client id `key`.
     pub(crate) fn add_file(&self, key: u64, file: Arc<dyn Client>) -> Result {
         self.files.lock().push((key, file), GFP_KERNEL)?;

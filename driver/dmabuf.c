@@ -397,11 +397,35 @@ int tdrv_dmabuf_lookup(int fd, struct dma_buf **out, const void **own)
 	return 0;
 }
 
+/*
+ * An import's access word: the number of accesses in progress (a job
+ * running on the importing device, an ioctl's copy, a page fault), and
+ * TDRV_IMPORT_REVOKED once the exporter revoked the import.
+ */
+#define TDRV_IMPORT_REVOKED	BIT(30)
+
+/* How long a revocation waits for the importing device's accesses in
+ * progress (each is bounded: a job's next piece or chunk, an ioctl's
+ * 64 KiB copy, a fault) before it gives up and keeps the mappings. */
+#define TDRV_IMPORT_REVOKE_WAIT	(60 * HZ)
+
 struct tdrv_import {
 	struct dma_buf *dmabuf;
 	struct iosys_map map;
 	struct dma_buf_attachment *attach; /* NULL: CPU access only */
 	struct sg_table *sgt;
+	/* The owner's device (a Rust Arc<TdrvDevice> reference) for a
+	 * revocable import, whose attachment is dynamic and pinned; NULL for
+	 * a static one. */
+	const void *ctx;
+	/* The vmap (and sgt, pin) are held; under the reservation lock. */
+	bool mapped;
+	bool pinned;
+	atomic_t access;
+	wait_queue_head_t idle;
+	/* The import itself, and each buffer built on it (see
+	 * tdrv_import_get). */
+	struct kref ref;
 	/* Queued by tdrv_import_release_later(). */
 	struct work_struct release_work;
 	/* Given back to Rust once the queued release ran (may be NULL). */
@@ -473,7 +497,106 @@ static void tdrv_import_release_work(struct work_struct *work)
 		tdrv_import_released(released);
 }
 
-struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
+static void tdrv_import_free(struct kref *ref)
+{
+	struct tdrv_import *imp = container_of(ref, struct tdrv_import, ref);
+
+	dma_buf_put(imp->dmabuf);
+	kfree(imp);
+}
+
+struct tdrv_import *tdrv_import_get(struct tdrv_import *imp)
+{
+	kref_get(&imp->ref);
+	return imp;
+}
+
+void tdrv_import_put(struct tdrv_import *imp)
+{
+	kref_put(&imp->ref, tdrv_import_free);
+}
+
+bool tdrv_import_access_begin(struct tdrv_import *imp)
+{
+	/* Fully ordered, like the revocation's fetch_or: either this sees
+	 * the flag, or the revocation's wait sees this access. */
+	if (atomic_inc_return(&imp->access) & TDRV_IMPORT_REVOKED) {
+		tdrv_import_access_end(imp);
+		return false;
+	}
+	return true;
+}
+
+void tdrv_import_access_end(struct tdrv_import *imp)
+{
+	/* No allocation and no lock but the wait queue's: a job's
+	 * completion (a dma-fence signalling path) ends its accesses. */
+	if (atomic_dec_return(&imp->access) == TDRV_IMPORT_REVOKED)
+		wake_up_all(&imp->idle);
+}
+
+bool tdrv_import_revoked(const struct tdrv_import *imp)
+{
+	return atomic_read(&imp->access) & TDRV_IMPORT_REVOKED;
+}
+
+/* Drops the vmap, the DMA mapping and the pin; under the reservation
+ * lock. */
+static void tdrv_import_unmap_locked(struct tdrv_import *imp)
+{
+	dma_resv_assert_held(imp->dmabuf->resv);
+	if (!imp->mapped)
+		return;
+	if (imp->sgt)
+		dma_buf_unmap_attachment(imp->attach, imp->sgt,
+					 DMA_BIDIRECTIONAL);
+	imp->sgt = NULL;
+	if (imp->pinned)
+		dma_buf_unpin(imp->attach);
+	imp->pinned = false;
+	dma_buf_vunmap(imp->dmabuf, &imp->map);
+	imp->mapped = false;
+}
+
+/*
+ * The exporter revokes the buffer (it is being unbound, or it moves the
+ * memory although the attachment is pinned). Called under the dma-buf's
+ * reservation lock. From here on every access of the importing device
+ * fails with ENODEV; those in progress are waited for (each is bounded,
+ * and none takes a reservation lock), then the user mappings of the
+ * importing device are zapped and the import unmapped, so that the
+ * exporter may free the memory when this returns.
+ */
+static void tdrv_import_invalidate(struct dma_buf_attachment *attach)
+{
+	struct tdrv_import *imp = attach->importer_priv;
+
+	if (atomic_fetch_or(TDRV_IMPORT_REVOKED, &imp->access) &
+	    TDRV_IMPORT_REVOKED)
+		return;
+	if (!imp->mapped)
+		return;
+	if (!wait_event_timeout(imp->idle,
+				atomic_read(&imp->access) == TDRV_IMPORT_REVOKED,
+				TDRV_IMPORT_REVOKE_WAIT)) {
+		/* Never reached with working engines; the memory then stays
+		 * mapped (the exporter keeps it) rather than be freed under
+		 * a device that may still reach it. */
+		dev_warn(attach->dev,
+			 "tdrv: revoked dma-buf still in use after 60 s: its mapping is kept\n");
+		return;
+	}
+	tdrv_import_zap(imp->ctx);
+	tdrv_import_unmap_locked(imp);
+}
+
+static const struct dma_buf_attach_ops tdrv_import_ops = {
+	.allow_peer2peer = false,
+	.invalidate_mappings = tdrv_import_invalidate,
+};
+
+struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
+				    bool dma, const void *ctx)
 {
 	struct tdrv_import *imp;
 	int ret;
@@ -493,44 +616,70 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev)
 		goto err_put;
 	}
 	imp->dmabuf = dmabuf;
+	imp->ctx = ctx;
+	atomic_set(&imp->access, 0);
+	init_waitqueue_head(&imp->idle);
+	kref_init(&imp->ref);
 	INIT_WORK(&imp->release_work, tdrv_import_release_work);
-	ret = dma_buf_vmap_unlocked(dmabuf, &imp->map);
-	if (ret)
+	/* A revocable import attaches even without DMA: the attachment is
+	 * how the exporter tells it. */
+	if (ctx)
+		imp->attach = dma_buf_dynamic_attach(dmabuf, dev,
+						     &tdrv_import_ops, imp);
+	else if (dma)
+		imp->attach = dma_buf_attach(dmabuf, dev);
+	if (IS_ERR(imp->attach)) {
+		ret = PTR_ERR(imp->attach);
+		imp->attach = NULL;
 		goto err_free;
+	}
+	dma_resv_lock(dmabuf->resv, NULL);
+	ret = -ENODEV;
+	if (tdrv_import_revoked(imp))
+		goto err_unlock;
+	ret = dma_buf_vmap(dmabuf, &imp->map);
+	if (ret)
+		goto err_unlock;
+	imp->mapped = true;
 	if (imp->map.is_iomem) {
 		ret = -EOPNOTSUPP;
-		goto err_vunmap;
+		goto err_unmap;
 	}
-	if (dev) {
+	if (ctx) {
+		/* Pinned, so that only a revocation invalidates it (a
+		 * movable exporter's moves would end it for good). */
+		ret = dma_buf_pin(imp->attach);
+		if (ret)
+			goto err_unmap;
+		imp->pinned = true;
+	}
+	if (dma) {
+		struct sg_table *sgt;
+
 		if (tdrv_beyond_dma_mask(dev, imp->map.vaddr, dmabuf->size)) {
 			ret = -EIO;
-			goto err_vunmap;
+			goto err_unmap;
 		}
-		imp->attach = dma_buf_attach(dmabuf, dev);
-		if (IS_ERR(imp->attach)) {
-			ret = PTR_ERR(imp->attach);
-			goto err_vunmap;
+		sgt = dma_buf_map_attachment(imp->attach, DMA_BIDIRECTIONAL);
+		if (IS_ERR(sgt)) {
+			ret = PTR_ERR(sgt);
+			goto err_unmap;
 		}
-		imp->sgt = dma_buf_map_attachment_unlocked(imp->attach,
-							   DMA_BIDIRECTIONAL);
-		if (IS_ERR(imp->sgt)) {
-			ret = PTR_ERR(imp->sgt);
-			goto err_detach;
-		}
+		imp->sgt = sgt;
 		if (!tdrv_sgt_whole_pages(imp->sgt, dmabuf->size)) {
 			ret = -EINVAL;
 			goto err_unmap;
 		}
 	}
+	dma_resv_unlock(dmabuf->resv);
 	return imp;
 
 err_unmap:
-	dma_buf_unmap_attachment_unlocked(imp->attach, imp->sgt,
-					  DMA_BIDIRECTIONAL);
-err_detach:
-	dma_buf_detach(dmabuf, imp->attach);
-err_vunmap:
-	dma_buf_vunmap_unlocked(dmabuf, &imp->map);
+	tdrv_import_unmap_locked(imp);
+err_unlock:
+	dma_resv_unlock(dmabuf->resv);
+	if (imp->attach)
+		dma_buf_detach(dmabuf, imp->attach);
 err_free:
 	kfree(imp);
 err_put:
@@ -538,15 +687,9 @@ err_put:
 	return ERR_PTR(ret);
 }
 
-struct dma_buf *tdrv_import_get_dmabuf(const struct tdrv_import *imp)
+struct dma_resv *tdrv_import_resv(const struct tdrv_import *imp)
 {
-	get_dma_buf(imp->dmabuf);
-	return imp->dmabuf;
-}
-
-struct dma_resv *tdrv_dmabuf_resv(struct dma_buf *dmabuf)
-{
-	return dmabuf->resv;
+	return imp->dmabuf->resv;
 }
 
 size_t tdrv_import_size(const struct tdrv_import *imp)
@@ -580,14 +723,17 @@ void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages
 
 void tdrv_import_release(struct tdrv_import *imp)
 {
-	if (imp->attach) {
-		dma_buf_unmap_attachment_unlocked(imp->attach, imp->sgt,
-						  DMA_BIDIRECTIONAL);
+	dma_resv_lock(imp->dmabuf->resv, NULL);
+	/* Accesses through buffers that outlive the import fail. */
+	atomic_or(TDRV_IMPORT_REVOKED, &imp->access);
+	tdrv_import_unmap_locked(imp);
+	dma_resv_unlock(imp->dmabuf->resv);
+	if (imp->attach)
 		dma_buf_detach(imp->dmabuf, imp->attach);
-	}
-	dma_buf_vunmap_unlocked(imp->dmabuf, &imp->map);
-	dma_buf_put(imp->dmabuf);
-	kfree(imp);
+	if (imp->ctx)
+		tdrv_import_put_ctx(imp->ctx);
+	imp->ctx = NULL;
+	tdrv_import_put(imp);
 }
 
 /*
@@ -760,6 +906,12 @@ long tdrv_test_importer_count_other(struct tdrv_test_importer *t, u8 value)
 		}
 	}
 	return other;
+}
+
+struct dma_buf *tdrv_test_dmabuf_get(struct dma_buf *dmabuf)
+{
+	get_dma_buf(dmabuf);
+	return dmabuf;
 }
 
 int tdrv_test_importer_invalidated(struct tdrv_test_importer *t)

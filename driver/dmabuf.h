@@ -67,16 +67,35 @@ void tdrv_dmabuf_put(struct dma_buf *dmabuf);
 int tdrv_dmabuf_lookup(int fd, struct dma_buf **dmabuf, const void **own);
 
 /* Imports the foreign @dmabuf, consuming the caller's reference (also on
- * failure): vmaps it and, if @dev is not NULL, attaches and maps it for
- * DMA by @dev. -EOPNOTSUPP if it has no kernel mapping in system memory,
- * -EINVAL if its DMA segments are not whole pages, or the error of
- * dma_buf_vmap()/dma_buf_attach()/dma_buf_map_attachment(). */
-struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev);
-/* A new reference to the imported dma-buf (for its reservation object,
- * which the buffer uses beyond the import's release at unbind). */
-struct dma_buf *tdrv_import_get_dmabuf(const struct tdrv_import *imp);
-/* The reservation object of @dmabuf (the caller holds a reference). */
-struct dma_resv *tdrv_dmabuf_resv(struct dma_buf *dmabuf);
+ * failure): vmaps it and, if @dma, maps it for DMA by @dev. With @ctx
+ * (the owner's device, see tdrv_import_zap) the attachment is dynamic,
+ * pinned and revocable: when the exporter invalidates it, accesses in
+ * progress are waited for, tdrv_import_zap(@ctx) runs and the import is
+ * unmapped; later tdrv_import_access_begin() fails. Without @ctx it is a
+ * static attachment (only with @dma). -EOPNOTSUPP if it has no kernel
+ * mapping in system memory, -EINVAL if its DMA segments are not whole
+ * pages, -ENODEV if revoked meanwhile, or the error of
+ * dma_buf_vmap()/dma_buf_attach()/dma_buf_map_attachment(). The import
+ * holds one reference (see tdrv_import_get), which its release drops. */
+struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
+				    bool dma, const void *ctx);
+/* Takes a reference to the import's object (not its mappings): it and
+ * the dma-buf stay until the last tdrv_import_put(). */
+struct tdrv_import *tdrv_import_get(struct tdrv_import *imp);
+/* Drops one; takes no lock and allocates nothing. */
+void tdrv_import_put(struct tdrv_import *imp);
+/* The imported dma-buf's reservation object. */
+struct dma_resv *tdrv_import_resv(const struct tdrv_import *imp);
+/* Starts an access to the import's memory: false once it was revoked or
+ * released. End it with tdrv_import_access_end(); no lock, no memory. */
+bool tdrv_import_access_begin(struct tdrv_import *imp);
+void tdrv_import_access_end(struct tdrv_import *imp);
+/* True once revoked or released. */
+bool tdrv_import_revoked(const struct tdrv_import *imp);
+/* Rust callbacks: a revocable import's owner device zaps its files' user
+ * mappings; the import gives back its reference to it. */
+void tdrv_import_zap(const void *ctx);
+void tdrv_import_put_ctx(const void *ctx);
 /* The imported dma-buf's size in bytes (a multiple of pages). */
 size_t tdrv_import_size(const struct tdrv_import *imp);
 /* The kernel address of byte 0 of the import (virtually contiguous). */
@@ -84,7 +103,8 @@ void *tdrv_import_vaddr(const struct tdrv_import *imp);
 /* Writes the bus address of each of the first @pages pages of the import
  * to @dma (zeros without a device). */
 void tdrv_import_dma_pages(const struct tdrv_import *imp, u64 *dma, size_t pages);
-/* Unmaps, detaches, vunmaps and puts the import. Sleeps. */
+/* Unmaps, detaches, vunmaps and puts the import (accesses through
+ * buffers that hold a reference fail from here on). Sleeps. */
 void tdrv_import_release(struct tdrv_import *imp);
 /* The same, later, from the module's release queue; needs no memory and
  * takes no lock, so a dma-fence signalling path may call it. Once the
@@ -108,6 +128,8 @@ int tdrv_test_importer_map(struct tdrv_test_importer *t);
 long tdrv_test_importer_mapped_bytes(struct tdrv_test_importer *t);
 long tdrv_test_importer_count_other(struct tdrv_test_importer *t, u8 value);
 int tdrv_test_importer_invalidated(struct tdrv_test_importer *t);
+/* A new reference to @dmabuf. */
+struct dma_buf *tdrv_test_dmabuf_get(struct dma_buf *dmabuf);
 void tdrv_test_importer_free(struct tdrv_test_importer *t);
 /* Holds and lets go of @dmabuf's reservation lock (which an import's
  * release takes), to hold a queued release back. */

@@ -52,10 +52,26 @@
 //! most [`REVOKE_WAIT_MS`]) until revocable importers (those with an
 //! `invalidate_mappings` callback, `dma_buf_attach_revocable`) have
 //! unmapped. A buffer whose pages are still mapped or vmapped (static
-//! importers, tdrv's own imports) is not freed by unbind: its memory goes
+//! importers, a sim device's imports) is not freed by unbind: its memory goes
 //! with the buffer's last reference, which the dma-buf holds until every
 //! importer has let go. So no page returns to the allocator while a device
 //! may still reach it.
+//!
+//! # Revocation of imports
+//!
+//! tdrv's own imports are revocable where the engine ends its accesses in
+//! bounded time ([`crate::engine::Engine::revocable_imports`]: software,
+//! edu): a dynamic, pinned attachment whose `invalidate_mappings`
+//! (`dmabuf.c`) marks the import revoked, waits for the accesses in
+//! progress, zaps the importing device's user mappings and unmaps. Every
+//! access to an import's memory, by a job between [`Job::begin_access`]
+//! and its completion, by an ioctl or a fault ([`Buffer::enter`]), counts
+//! in the import's access word ([`ImportRef`]) and fails with ENODEV once
+//! it is revoked. The word outlives the import's mappings: the buffer
+//! holds a reference to the import object for it.
+//!
+//! [`Job::begin_access`]: crate::job::Job::begin_access
+//! [`Buffer::enter`]: crate::buffer::Buffer::enter
 //!
 //! # Import of foreign dma-bufs
 //!
@@ -105,6 +121,7 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     charge::Charge,
+    device::TdrvDevice,
     fence::Timeout,
     mmap,
     uapi::{
@@ -126,8 +143,12 @@ mod ffi {
             size: usize,
             resv: *mut Opaque,
         ) -> *mut Opaque;
-        pub(super) fn tdrv_import_get_dmabuf(imp: *const core::ffi::c_void) -> *mut Opaque;
-        pub(super) fn tdrv_dmabuf_resv(dmabuf: *mut Opaque) -> *mut Opaque;
+        pub(super) fn tdrv_import_get(imp: *mut core::ffi::c_void) -> *mut core::ffi::c_void;
+        pub(super) fn tdrv_import_put(imp: *mut core::ffi::c_void);
+        pub(super) fn tdrv_import_resv(imp: *const core::ffi::c_void) -> *mut Opaque;
+        pub(super) fn tdrv_import_access_begin(imp: *mut core::ffi::c_void) -> bool;
+        pub(super) fn tdrv_import_access_end(imp: *mut core::ffi::c_void);
+        pub(super) fn tdrv_import_revoked(imp: *const core::ffi::c_void) -> bool;
         pub(super) fn tdrv_dmabuf_hold_inode(dmabuf: *mut Opaque) -> *mut Opaque;
         pub(super) fn tdrv_dmabuf_zap(inode: *mut Opaque);
         pub(super) fn tdrv_dmabuf_put_inode(inode: *mut Opaque);
@@ -146,6 +167,8 @@ mod ffi {
         pub(super) fn tdrv_import_new(
             dmabuf: *mut Opaque,
             dev: *mut Opaque,
+            dma: bool,
+            ctx: *const core::ffi::c_void,
         ) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_import_size(imp: *const core::ffi::c_void) -> usize;
         pub(super) fn tdrv_import_vaddr(imp: *const core::ffi::c_void) -> *mut core::ffi::c_void;
@@ -526,27 +549,49 @@ unsafe impl Send for Import {}
 unsafe impl Sync for Import {}
 
 impl Import {
-    /// Maps `dmabuf` for the CPU and, with `dev`, for DMA by `dev`.
+    /// Maps `dmabuf` for the CPU and, with `dma`, for DMA by `dev`. With
+    /// `owner` (the importing device) the import is revocable: the
+    /// exporter's `invalidate_mappings` ends every access of the owner
+    /// to it (see [`ImportRef`]), zaps the owner's user mappings and
+    /// unmaps it.
     ///
     /// # Safety
     ///
-    /// `dev`, if not null, is a bound device that stays bound until the
-    /// import is dropped or, after [`Import::release_later`], until
+    /// `dev` is a bound device that stays bound until the import is
+    /// dropped or, after [`Import::release_later`], until
     /// [`Import::flush_releases`] returned. `slot` is the import's place
     /// in its device's count, given back with the import's release.
-    pub(crate) unsafe fn new(dmabuf: DmaBufRef, dev: *mut Opaque, slot: ImportSlot) -> Result<Self> {
+    pub(crate) unsafe fn new(
+        dmabuf: DmaBufRef,
+        dev: *mut Opaque,
+        dma: bool,
+        owner: Option<Arc<TdrvDevice>>,
+        slot: ImportSlot,
+    ) -> Result<Self> {
         let dmabuf = core::mem::ManuallyDrop::new(dmabuf).0;
+        let ctx = owner.map_or(core::ptr::null(), |d| Arc::into_raw(d).cast::<core::ffi::c_void>());
         // SAFETY: `dmabuf` is our reference, consumed by the call also on
-        // failure; `dev` is null or bound (the caller's guarantee).
-        let raw = from_err_ptr(unsafe { ffi::tdrv_import_new(dmabuf, dev) })?;
-        Ok(Self { raw, slot })
+        // failure; `dev` is bound (the caller's guarantee); `ctx` is null
+        // or a device reference that the import gives back through
+        // `tdrv_import_put_ctx`.
+        let raw = from_err_ptr(unsafe { ffi::tdrv_import_new(dmabuf, dev, dma, ctx) });
+        match raw {
+            Ok(raw) => Ok(Self { raw, slot }),
+            Err(e) => {
+                if !ctx.is_null() {
+                    // SAFETY: Not taken over on failure: ours again.
+                    drop(unsafe { Arc::from_raw(ctx.cast::<TdrvDevice>()) });
+                }
+                Err(e)
+            }
+        }
     }
 
-    /// A new reference to the imported dma-buf (give it back with
-    /// [`put_dmabuf`]).
-    pub(crate) fn get_dmabuf(&self) -> *mut Opaque {
-        // SAFETY: `self.raw` is a live import, which holds the dma-buf.
-        unsafe { ffi::tdrv_import_get_dmabuf(self.raw) }
+    /// A reference to the import's object, which outlives its mappings
+    /// (the buffer's access gate and reservation object).
+    pub(crate) fn get_ref(&self) -> ImportRef {
+        // SAFETY: `self.raw` is a live import.
+        ImportRef(unsafe { ffi::tdrv_import_get(self.raw) })
     }
 
     /// Size in bytes (a multiple of pages).
@@ -594,26 +639,94 @@ impl Import {
     }
 }
 
-/// The reservation object of `dmabuf`.
-///
-/// # Safety
-///
-/// The caller holds a reference to `dmabuf`; the object lives as long.
-pub(crate) unsafe fn dmabuf_resv(dmabuf: *mut Opaque) -> *mut Opaque {
-    // SAFETY: `dmabuf` is live (the caller's reference).
-    unsafe { ffi::tdrv_dmabuf_resv(dmabuf) }
+/// A reference to an import's object: the access gate of a buffer built
+/// on it and the imported dma-buf (for its reservation object). Dropping
+/// it takes no lock and allocates nothing, so a job's completion path may
+/// drop the buffer holding it.
+pub(crate) struct ImportRef(*mut core::ffi::c_void);
+
+// SAFETY: The object's fields used here are atomics or fixed at creation.
+unsafe impl Send for ImportRef {}
+// SAFETY: As above.
+unsafe impl Sync for ImportRef {}
+
+impl ImportRef {
+    /// The raw reference, to keep in a pointer-sized slot.
+    pub(crate) fn into_raw(self) -> *mut core::ffi::c_void {
+        core::mem::ManuallyDrop::new(self).0
+    }
+
+    /// Takes back a reference from [`ImportRef::into_raw`].
+    ///
+    /// # Safety
+    ///
+    /// `p` came from `into_raw` and is taken back once (or the result is
+    /// never dropped).
+    pub(crate) unsafe fn from_raw(p: *mut core::ffi::c_void) -> Self {
+        Self(p)
+    }
+
+    /// The imported dma-buf's reservation object; lives as long as `self`.
+    pub(crate) fn resv(&self) -> *mut Opaque {
+        // SAFETY: Our reference keeps the object and its dma-buf.
+        unsafe { ffi::tdrv_import_resv(self.0) }
+    }
+
+    /// Starts an access to the imported memory, which stays mapped until
+    /// [`ImportRef::end_access`]: ENODEV once the exporter revoked it (or
+    /// the import was released, at the importing device's unbind).
+    pub(crate) fn begin_access(&self) -> Result {
+        // SAFETY: Our reference keeps the object.
+        if unsafe { ffi::tdrv_import_access_begin(self.0) } {
+            Ok(())
+        } else {
+            Err(ENODEV)
+        }
+    }
+
+    /// True once revoked (or released).
+    pub(crate) fn revoked(&self) -> bool {
+        // SAFETY: Our reference keeps the object.
+        unsafe { ffi::tdrv_import_revoked(self.0) }
+    }
+
+    /// Ends an access begun with [`ImportRef::begin_access`]. Takes no
+    /// lock but a wait queue's and allocates nothing.
+    pub(crate) fn end_access(&self) {
+        // SAFETY: Our reference keeps the object; an access is ours.
+        unsafe { ffi::tdrv_import_access_end(self.0) }
+    }
 }
 
-/// Drops a dma-buf reference (from [`Import::get_dmabuf`]). Takes no lock
-/// and allocates nothing (the file's release is deferred by `fput`), so a
-/// job's completion path may call it.
+impl Drop for ImportRef {
+    fn drop(&mut self) {
+        // SAFETY: Our reference, given back once.
+        unsafe { ffi::tdrv_import_put(self.0) }
+    }
+}
+
+/// `tdrv_import_zap`: a revocable import of `ctx`'s device was revoked;
+/// its files' user mappings go (faults then find the import revoked).
 ///
 /// # Safety
 ///
-/// The reference is the caller's, given up here.
-pub(crate) unsafe fn put_dmabuf(dmabuf: *mut Opaque) {
-    // SAFETY: The caller's reference.
-    unsafe { ffi::tdrv_dmabuf_put(dmabuf) }
+/// `ctx` is the device reference given to `tdrv_import_new`, not yet put.
+#[no_mangle]
+unsafe extern "C" fn tdrv_import_zap(ctx: *const core::ffi::c_void) {
+    // SAFETY: The caller's guarantee.
+    let device = unsafe { &*ctx.cast::<TdrvDevice>() };
+    device.zap_file_mappings();
+}
+
+/// `tdrv_import_put_ctx`: the import gives back its device reference.
+///
+/// # Safety
+///
+/// As for [`tdrv_import_zap`]; called once.
+#[no_mangle]
+unsafe extern "C" fn tdrv_import_put_ctx(ctx: *const core::ffi::c_void) {
+    // SAFETY: The reference `Import::new` gave the import.
+    drop(unsafe { Arc::from_raw(ctx.cast::<TdrvDevice>()) });
 }
 
 /// Module init: creates the import release queue. Call before any device
@@ -893,6 +1006,57 @@ mod tests {
         Ok(())
     }
 
+    /// Another tdrv device imports the export (revocable, pinned); the
+    /// exporter is unbound: the import is revoked (accesses fail with
+    /// ENODEV) and unmapped, so the exporter frees its memory at unbind.
+    #[test]
+    fn tdrv_import_is_revoked_at_exporter_unbind() -> Result {
+        let pages = 3;
+        let (soft, buf, dmabuf) = exported(pages, 0x5c)?;
+        let importer = KBox::pin_init(SoftDevice::new(&params()), GFP_KERNEL)?;
+        let idev = importer.device().clone();
+        let imported = {
+            let active = idev.enter()?;
+            let dev = crate::device::raw_device(idev.bound_device(&active)).cast();
+            let slot = idev.imports.reserve()?;
+            // SAFETY: `dmabuf` is a live export (a new reference, given to
+            // the import); `dev` is bound while `importer` lives, which
+            // outlives the import (dropped below, before it).
+            let import = unsafe {
+                super::Import::new(super::DmaBufRef(ffi_get(dmabuf)), dev, false, Some(idev.clone()), slot)?
+            };
+            Buffer::import(&idev, &active, import, 0)?
+        };
+        // the import is reachable before the unbind
+        assert!(imported.fill(ByteRange { start: 0, len: PAGE_SIZE }, 1).is_ok());
+        // its mapping counts as the export's user
+        // SAFETY: `dmabuf` is live (our reference).
+        assert_eq!(unsafe { ffi::tdrv_dmabuf_users(dmabuf) }, 1);
+        drop(soft);
+        // the import was revoked: accesses fail
+        assert_eq!(imported.begin_access().err(), Some(ENODEV));
+        assert_eq!(imported.fill(ByteRange { start: 0, len: PAGE_SIZE }, 1).err(), Some(ENODEV));
+        // and unmapped, so the exporter freed its memory at unbind
+        // SAFETY: As above.
+        assert_eq!(unsafe { ffi::tdrv_dmabuf_users(dmabuf) }, 0);
+        assert!(!buf.holds_memory());
+        drop(imported);
+        drop(importer);
+        // SAFETY: Our reference.
+        unsafe { ffi::tdrv_dmabuf_put(dmabuf) };
+        drop(buf);
+        Ok(())
+    }
+
+    /// A new reference to `dmabuf`.
+    fn ffi_get(dmabuf: *mut Opaque) -> *mut Opaque {
+        extern "C" {
+            fn tdrv_test_dmabuf_get(dmabuf: *mut Opaque) -> *mut Opaque;
+        }
+        // SAFETY: The caller holds a reference.
+        unsafe { tdrv_test_dmabuf_get(dmabuf) }
+    }
+
     /// After unbind, new attachments and mappings are refused.
     #[test]
     fn attach_after_unbind_is_enodev() -> Result {
@@ -916,11 +1080,14 @@ mod tests {
         let (soft, buf, dmabuf) = exported(1, 0x5a)?;
         let count = super::ImportCount::new(2)?;
         let a = count.reserve()?;
-        // SAFETY: A CPU-only import (no device), which takes over our
-        // reference to the live `dmabuf`.
-        let import = unsafe { super::Import::new(super::DmaBufRef(dmabuf), core::ptr::null_mut(), a)? };
-        // Ours again, beyond the import's release.
-        let dmabuf = import.get_dmabuf();
+        // Ours beyond the import's release.
+        let kept = ffi_get(dmabuf);
+        // SAFETY: A CPU-only import (no DMA, no owner: no device is
+        // needed), which takes over our reference to the live `dmabuf`.
+        let import = unsafe {
+            super::Import::new(super::DmaBufRef(dmabuf), core::ptr::null_mut(), false, None, a)?
+        };
+        let dmabuf = kept;
         let b = count.reserve()?;
         assert_eq!(count.held(), 2);
         assert_eq!(count.try_reserve().err(), Some(ENOSPC));

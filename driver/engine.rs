@@ -155,6 +155,15 @@ pub(crate) trait Engine: Send + Sync {
         false
     }
 
+    /// True if the engine ends each job's accesses to its buffers in
+    /// bounded time and starts them with [`Job::begin_access`]: imports
+    /// of foreign dma-bufs are then revocable (the exporter's
+    /// `invalidate_mappings` waits for them). Others attach statically,
+    /// and the exporter keeps the memory until the import is freed.
+    fn revocable_imports(&self) -> bool {
+        false
+    }
+
     /// Counters for debugfs.
     fn counters(&self) -> EngineCounters {
         EngineCounters::default()

@@ -593,16 +593,16 @@ impl TdrvFile {
                 // queued releases (which unbind also waits for).
                 let slot = self.device.imports.reserve()?;
                 let active = self.device.enter()?;
-                let dev = if self.device.engine().does_dma() {
-                    raw_device(self.device.bound_device(&active)).cast()
-                } else {
-                    core::ptr::null_mut()
-                };
-                // SAFETY: `dev` is null or the bound device; the active
-                // guard keeps it bound until the buffer is registered, and
-                // unbind releases every registered buffer's import before
-                // the device goes away.
-                let import = unsafe { dmabuf::Import::new(foreign, dev, slot)? };
+                let dev = raw_device(self.device.bound_device(&active)).cast();
+                let engine = self.device.engine();
+                // Revocable where the engine ends its accesses in bounded
+                // time (see `dmabuf.rs`, "Revocation of imports").
+                let owner = engine.revocable_imports().then(|| self.device.clone());
+                // SAFETY: `dev` is the bound device; the active guard keeps
+                // it bound until the buffer is registered, and unbind
+                // releases every registered buffer's import before the
+                // device goes away.
+                let import = unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner, slot)? };
                 Buffer::import(&self.device, &active, import, a.channel)?
             }
         };

@@ -271,6 +271,9 @@ pub(crate) struct Job {
     reported: Atomic<bool>,
     /// Set by [`Job::abandon`]: its fence marks are abandoned ones.
     abandoned: Atomic<bool>,
+    /// Set by [`Job::begin_access`]: the job holds an access to each of
+    /// its buffers, which [`Job::release_fences`] ends.
+    accessing: Atomic<bool>,
     /// The `sync_file`s the job waits for before it may reach the engine.
     in_fences: Option<InFences>,
     /// Set once every in-fence signalled (at once without in-fences).
@@ -350,6 +353,7 @@ impl Job {
             outcome: Atomic::new(NO_OUTCOME),
             reported: Atomic::new(false),
             abandoned: Atomic::new(false),
+            accessing: Atomic::new(false),
             in_fences,
             deps_ready: Atomic::new(ready),
             out_fence,
@@ -386,6 +390,45 @@ impl Job {
         self.started_ns.store(now_ns().max(1), Relaxed);
     }
 
+    /// Before the engine touches the job's buffers: starts an access to
+    /// each (see [`Buffer::begin_access`](crate::buffer::Buffer::begin_access)),
+    /// which [`Job::release_fences`] ends. ENODEV, with none held, if a
+    /// foreign import among them was revoked by its exporter: the engine
+    /// then completes the job with it without running it. No lock (but a
+    /// wait queue's on failure), no memory: engines call it on their
+    /// dispatch paths. An engine whose imports are revocable
+    /// ([`Engine::revocable_imports`](crate::engine::Engine::revocable_imports))
+    /// must call it.
+    pub(crate) fn begin_access(&self) -> Result {
+        let bufs = self.transfers.iter().flat_map(|t| [&t.src, &t.dst]);
+        for (i, b) in bufs.clone().enumerate() {
+            if let Err(e) = b.begin_access() {
+                for held in bufs.take(i) {
+                    held.end_access();
+                }
+                return Err(e);
+            }
+        }
+        self.accessing.store(true, Relaxed);
+        Ok(())
+    }
+
+    /// True once a foreign import among the job's buffers was revoked by
+    /// its exporter: an engine stops at its next piece or chunk (ENODEV).
+    pub(crate) fn revoked(&self) -> bool {
+        self.transfers.iter().any(|t| t.src.revoked() || t.dst.revoked())
+    }
+
+    /// Ends the accesses of [`Job::begin_access`], if any.
+    fn end_access(&self) {
+        if self.accessing.xchg(false, Relaxed) {
+            for t in self.transfers.iter() {
+                t.src.end_access();
+                t.dst.end_access();
+            }
+        }
+    }
+
     /// The completion path, shared by every engine. Call exactly once (or
     /// [`Job::report`] and then [`Job::release_fences`], once each).
     ///
@@ -406,6 +449,9 @@ impl Job {
     /// [`Job::report`] for a job whose DMA may still run after it failed:
     /// its destinations stay marked busy until the device lets go.
     pub(crate) fn release_fences(&self, result: Result) {
+        // The engine no longer touches the buffers: a revocation waiting
+        // for them may unmap them.
+        self.end_access();
         if self.abandoned.load(Relaxed) {
             let errno = match result {
                 Ok(()) => EIO.to_errno(),
@@ -493,6 +539,9 @@ impl PinnedDrop for Job {
         // In-fence callbacks first: this waits for one that is running,
         // which may still look at the job.
         drop(self.as_mut().project().in_fences.take());
+        // An engine that began accesses ended them with `release_fences`;
+        // this only guards against one that did not.
+        self.end_access();
         // Buffers next (this may free their memory and give back their
         // channel bytes), then the outcome, then the out-fence.
         drop(core::mem::take(self.as_mut().project().transfers));
@@ -689,6 +738,11 @@ impl JobTracker {
         // again under the lock.
         if self.queued_hint.load(Relaxed) >= limits.jobs {
             return Err(EAGAIN);
+        }
+        // A revoked import has no memory behind it. (One revoked from here
+        // on makes the job end with ENODEV instead, see `begin_access`.)
+        if transfers.iter().any(|t| t.src.revoked() || t.dst.revoked()) {
+            return Err(ENODEV);
         }
         // Implicit synchronisation (see `resv.rs`): a job whose buffers
         // have reservation objects gets a fence there and waits for the

@@ -135,6 +135,15 @@ class Tensor:
     def to_bytes(self) -> bytes: ...
     def write(self, data: Any, offset: int = 0) -> None: ...
     def memset(self, value: int, offset: int = 0, size: Optional[int] = None) -> None: ...
+    def to(
+        self,
+        device: Optional[_DeviceLike],
+        *,
+        channel: int = 0,
+        copy: Optional[bool] = None,
+    ) -> Tensor:
+        """This tensor on `device` (None: host memory): the same bytes where
+        the memory can be shared, else a copy; `copy` as numpy's."""
     def copy_from(
         self,
         src: Tensor,

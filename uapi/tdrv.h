@@ -75,7 +75,9 @@
  *           then support close(2), read(2) and poll(2) of completion
  *           events (see struct tdrv_job_notify) and TDRV_IOC_VERSION,
  *           which still describes the device it was; every other ioctl
- *           (TDRV_IOC_CHANNEL_INFO included) and mmap(2) fail with ENODEV
+ *           (TDRV_IOC_CHANNEL_INFO included) and mmap(2) fail with ENODEV.
+ *           Also (as a job status too): an imported buffer of the call or
+ *           job was revoked by its exporter (see struct tdrv_import)
  *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed
  *           between two DMA chunks
  *
@@ -288,7 +290,8 @@ struct tdrv_copy {
  * buffers, after TDRV_IOC_JOB_WAIT reports it done. The job's outcome is
  * the fence's error: 0 on success, else -ECANCELED (its file was closed),
  * -EIO (device failure or recovery), -ETIMEDOUT (watchdog), -ENODEV
- * (device removed), or an in-fence's error (below). poll(2)/epoll report
+ * (device removed, or an imported buffer of the job revoked by its
+ * exporter), or an in-fence's error (below). poll(2)/epoll report
  * POLLIN once it signalled; SYNC_IOC_FILE_INFO gives the status. The fd
  * works after the tdrv file is closed and after the module is unloaded.
  *
@@ -598,9 +601,8 @@ struct tdrv_export {
  * software (TDRV_DEVICE_SOFT) and edu (TDRV_DEVICE_EDU) devices import
  * each other's buffers in every direction. A sim (TDRV_DEVICE_SIM)
  * buffer is device memory behind a BAR with no peer-to-peer path to
- * other devices: its IMPORT into another device is EOPNOTSUPP. If the
- * exporter is unbound, the import keeps the memory it maps (freed when
- * the import goes) and stays usable. Like any import it lives on the channel named here: SUBMIT
+ * other devices: its IMPORT into another device is EOPNOTSUPP. Like any
+ * import it lives on the channel named here: SUBMIT
  * and COPY need it on the same channel as the other buffers of a job
  * (the channel is the importer's accounting, not where the memory is).
  *
@@ -624,6 +626,21 @@ struct tdrv_export {
  * tdrv_submit): they wait for the exporter's and other importers' fences
  * there and add their own. Unbind detaches and releases the import.
  *
+ * Revocation: on software and edu devices an import (of another tdrv
+ * device's buffer or any foreign dma-buf) is a dynamic, pinned attachment
+ * that the exporter can revoke (dma_buf_invalidate_mappings, as a tdrv
+ * exporter does when it is unbound). The importing device then stops
+ * using the memory: a job running on the buffer stops at its next piece
+ * or chunk and ends with ENODEV (TDRV_IOC_JOB_WAIT status), jobs that
+ * have not started end with ENODEV without running, and the exporter's
+ * revocation waits for those running before it takes the memory back.
+ * Afterwards COPY_IN, COPY_OUT, MEMSET, COPY and SUBMIT with the handle
+ * fail with ENODEV (a job submitted while the revocation runs ends with
+ * ENODEV instead), and its user mappings fault with SIGBUS;
+ * FREE still works (the handle is an empty shell). On a sim device an
+ * import is a static attachment: the exporter keeps the memory until the
+ * import is freed, and the import stays usable.
+ *
  * Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;
  * flags, pad or reserved not zero, out fields not zero; @channel out of
  * range for a foreign dma-buf; its size is zero, not whole pages, above
@@ -633,7 +650,8 @@ struct tdrv_export {
  * limit, or for a foreign dma-buf file_max_imports or device_max_imports),
  * ENOMEM (also when the exporter cannot map the dma-buf into the
  * kernel; the dma-buf core then logs a warning once), ENODEV (device
- * removed), or the exporter's error when mapping the dma-buf for the
+ * removed, or the exporter revoked the dma-buf during the IMPORT), or the
+ * exporter's error when mapping the dma-buf for the
  * device (EIO when its pages are beyond the device's DMA mask: edu's
  * default mask is 28 bits, so load tdrv with edu_dma_bits=32 for QEMU's
  * -device edu,dma_mask=0xffffffff).

@@ -153,6 +153,9 @@ fn kind_of(e: &tdrv::Error) -> Option<Kind> {
         _ => match e.raw_os_error() {
             Some(libc::EACCES | libc::EPERM) => Kind::Permission,
             Some(libc::EINTR) => Kind::Interrupted,
+            // The driver refuses the operation for this memory or device
+            // (e.g. sharing a sim device's HBM).
+            Some(libc::EOPNOTSUPP) => Kind::Unsupported,
             _ => return None,
         },
     })

@@ -600,6 +600,72 @@ impl PyTensor {
             .map_err(to_py)
     }
 
+    /// This tensor on `device` (a `Device`, a device path, or None for host
+    /// memory), with the same dtype and shape, without a copy where the
+    /// memory can be shared: the same bytes if the tensor is already there
+    /// (`channel` is then ignored), and on another tdrv device a view of
+    /// this tensor's memory imported through a dma-buf (`Tensor.share_to`
+    /// of the crate; docs/sharing.md says which devices share). Writes
+    /// through either side are then seen by the other, and jobs there use
+    /// the memory. Otherwise the bytes are copied into a new tensor, on
+    /// HBM `channel` of a device. As numpy's `copy`: `copy=True` always
+    /// copies, `copy=False` never does and raises a `ValueError` (an
+    /// `UnsupportedError` where the driver refuses the share) where a copy
+    /// would be needed.
+    #[pyo3(signature = (device, *, channel = 0, copy = None))]
+    fn to(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        channel: u32,
+        copy: Option<bool>,
+    ) -> PyResult<PyTensor> {
+        let dev = target_device(device)?;
+        let here = self.t.device();
+        let same = match (&dev, here) {
+            (None, None) => true,
+            (Some(d), Some(h)) => d.path() == h.path(),
+            _ => false,
+        };
+        if copy != Some(true) {
+            if same {
+                return Ok(self.with(self.t.clone(), self.dtype, self.shape.clone()));
+            }
+            match (&dev, here) {
+                (Some(d), Some(_)) => match py.detach(|| self.t.share_to(d, channel)) {
+                    Ok(t) => return Ok(self.with(t, self.dtype, self.shape.clone())),
+                    // Memory another device cannot reach: copy, if allowed.
+                    Err(e) if copy.is_none() && e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                    Err(e) => return Err(to_py(e)),
+                },
+                _ if copy == Some(false) => {
+                    return Err(PyValueError::new_err(
+                        "moving a tensor between host memory and a device needs a copy, \
+                         and copy=False forbids it",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let size = self.t.size();
+        let name = Some(self.t.name());
+        let new = py
+            .detach(|| match &dev {
+                None => tdrv::Tensor::allocate_host(size, name),
+                Some(d) => tdrv::Tensor::allocate_on(d, channel, size, name),
+            })
+            .map_err(to_py)?;
+        idle_before(py, &self.t, tdrv::Access::Read)?;
+        py.detach(|| tdrv::Tensor::copy(&self.t, 0, &new, 0, size))
+            .map_err(to_py)?;
+        Ok(PyTensor {
+            t: new,
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            keep: None,
+        })
+    }
+
     /// Waits until no device job writes the tensor (`write=False`: safe to
     /// read) or touches it (`write=True`: safe to write). `timeout` in
     /// seconds, None without limit.

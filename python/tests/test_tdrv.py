@@ -494,6 +494,74 @@ def test_device_tensors_jobs_and_views(path):
     assert np.frombuffer(dst.read(), np.float32).tolist() == [1.0] * 256
 
 
+def test_to_host_is_the_same_bytes_unless_a_copy_is_asked_for():
+    t = tdrv.from_buffer(np.arange(8, dtype=np.int32))
+    same = t.to(None)
+    assert same.shares_storage_with(t)
+    assert (same.dtype, same.shape) == (t.dtype, t.shape)
+    c = t.to(None, copy=True)
+    assert not c.shares_storage_with(t)
+    assert np.frombuffer(c.read(), np.int32).tolist() == list(range(8))
+    with pytest.raises(TypeError):
+        t.to(3)
+
+
+@pytest.mark.parametrize("path", tdrv.devices())
+def test_to_between_host_and_a_device_copies(path):
+    dev = tdrv.Device(path)
+    t = tdrv.from_buffer(np.arange(64, dtype=np.float32))
+    with pytest.raises(ValueError):
+        t.to(dev, copy=False)
+    d = t.to(dev)
+    assert (d.kind, d.device.path, d.shape, d.dtype) == ("dma", path, t.shape, t.dtype)
+    assert d.to(dev).shares_storage_with(d)
+    back = d.to(None)
+    assert back.kind != "dma"
+    assert np.frombuffer(back.read(), np.float32).tolist() == list(range(64))
+
+
+def _device_pairs():
+    paths = tdrv.devices()
+    return [(a, b) for a in paths for b in paths if a != b]
+
+
+# Every ordered pair of devices of the guest (none on the host).
+@pytest.mark.parametrize("a,b", _device_pairs())
+def test_to_another_device_shares_memory_where_it_can(a, b):
+    da, db = tdrv.Device(a), tdrv.Device(b)
+    t = tdrv.from_buffer(np.arange(4096, dtype=np.uint8), device=da)
+    if da.kind == "sim":
+        # Sim HBM has no peer-to-peer path: refused without a copy ...
+        with pytest.raises(tdrv.UnsupportedError) as e:
+            t.to(db, copy=False)
+        assert e.value.errno == errno.EOPNOTSUPP
+        assert isinstance(e.value, ValueError)
+        # ... and copied by default.
+        u = t.to(db)
+        assert u.device.path == b
+        assert np.frombuffer(u.read(), np.uint8).tolist() == list(range(256)) * 16
+        u.memset(7)
+        assert t.read()[:2] == bytes([0, 1])
+        return
+    u = t.to(db, copy=False)
+    assert (u.device.path, u.kind, u.channel, u.shape) == (b, "dma", 0, t.shape)
+    assert np.frombuffer(u.read(), np.uint8).tolist() == list(range(256)) * 16
+    # One memory: a write on either side is seen on the other.
+    u.write(b"\xaa" * 16)
+    assert t.read()[:16] == b"\xaa" * 16
+    # A job of the other device reads it and writes it.
+    out = db.empty(4096, "uint8")
+    tdrv.Job().copy(u, out).submit().wait(timeout=60)
+    assert out.read()[:17] == b"\xaa" * 16 + bytes([16])
+    out.memset(0x55)
+    tdrv.Job().copy(out, u).submit().wait(timeout=60)
+    assert t.read() == b"\x55" * 4096
+    # A copy, when asked for, is separate memory.
+    c = t.to(db, copy=True)
+    c.memset(1)
+    assert t.read()[:1] == b"\x55"
+
+
 def _threads():
     with open("/proc/self/status") as f:
         for line in f:

@@ -1046,6 +1046,36 @@ mod tests {
     }
 
     #[test]
+    fn share_to_keeps_the_view_and_on_its_own_device_is_the_same_storage() {
+        let (dev, fake) = Device::fake();
+        let t = Tensor::allocate_on(&dev, 0, 256, Some("t")).unwrap();
+        t.write(0, &(0..=255).collect::<Vec<u8>>()).unwrap();
+        let part = t.slice(16, 32, None).unwrap();
+        let shared = part.share_to(&dev, 1).unwrap();
+        // Same device: a view of the same storage, at the same place (the
+        // channel is the storage's own, not the one asked for).
+        assert!(shared.shares_storage_with(&t));
+        assert_eq!(
+            (shared.offset(), shared.size(), shared.channel()),
+            (16, 32, Some(0))
+        );
+        assert_eq!(shared.to_vec().unwrap(), (16..48).collect::<Vec<u8>>());
+        assert_eq!(fake.live_handles(), 1);
+        // From now on the buffer is shared: the safe guards refuse it.
+        assert!(matches!(t.map_read(..), Err(Error::SharedBuffer { .. })));
+        let host = Tensor::allocate_host(64, None).unwrap();
+        assert!(matches!(
+            host.share_to(&dev, 0),
+            Err(Error::Unsupported {
+                op: "export_dmabuf",
+                ..
+            })
+        ));
+        drop((t, part, shared));
+        assert_eq!(fake.live_handles(), 0);
+    }
+
+    #[test]
     fn host_waits_on_a_device_that_never_finishes_time_out() {
         let (dev, fake) = Device::fake();
         let t = Tensor::allocate_on(&dev, 0, 64, Some("stuck")).unwrap();
