@@ -14,7 +14,11 @@
 #                   BENCH_KERNEL=debug for the test kernel; see README)
 #   make deb        Debian packages (tdrv-dkms, libnrt1, libnrt-dev,
 #                   tdrv-tools, python3-tdrv) and the abi3 wheel in
-#                   build/deb/ (docs/install.md)
+#                   build/deb/: dpkg-buildpackage of debian/ in a Debian
+#                   sid chroot, then lintian (scripts/deb; needs root;
+#                   docs/install.md)
+#   make deb-repro  make deb, then a second build that must give
+#                   byte-identical packages
 #   make test-install  those packages installed on a Debian sid system
 #                   booted under QEMU (scripts/test-install; needs root)
 #   make install-tests [DESTDIR=dir]  the guest test programs, tdrv-smi and
@@ -34,7 +38,7 @@ TIMEOUT ?= 900
 
 export TDRV_BUILD := $(CURDIR)/build
 
-.PHONY: all module distro-module setup kernel userspace deb test-install install-tests run test test-full bench uapi clean
+.PHONY: all module distro-module setup kernel userspace deb deb-repro test-install install-tests run test test-full bench uapi clean
 
 all: module
 
@@ -63,6 +67,10 @@ userspace: setup
 
 deb: setup
 	@scripts/deb
+
+# make deb, then a second build that must give byte-identical packages.
+deb-repro: setup
+	@scripts/deb --repro
 
 test-install: deb
 	@scripts/test-install

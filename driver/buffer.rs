@@ -52,6 +52,8 @@
 //! faulted in while a guard is held (a page fault may block for ever, on
 //! userfaultfd or FUSE, and unbind waits for every guard).
 
+use core::ffi::c_void;
+
 use kernel::{
     alloc::KVVec,
     bindings,
@@ -64,6 +66,11 @@ use kernel::{
     page::PAGE_SIZE,
     prelude::*,
     sync::{
+        atomic::{
+            Acquire,
+            Atomic,
+            Full, //
+        },
         Arc,
         Mutex, //
     },
@@ -72,7 +79,8 @@ use kernel::{
 
 use crate::{
     dmabuf::{
-        Import, //
+        Import,
+        ImportRef, //
     },
     device::{
         ActiveGuard,
@@ -84,6 +92,7 @@ use crate::{
         Pages, //
     },
     range::ByteRange,
+    resv,
     uapi::MAX_BUFFER_SIZE, //
 };
 
@@ -252,14 +261,13 @@ pub(crate) struct Buffer {
     mem: Mutex<MemState>,
     pieces: Pieces,
     /// Every piece but the last is `1 << shift` bytes.
-    shift: u32,
+    shift: u8,
     size: usize,
-    /// Bytes of the pieces: the size rounded up to pages.
+    /// Bytes of the pieces: the size rounded up to pages. What the channel
+    /// is charged is `span` for tdrv's own memory, 0 for imports (see
+    /// [`Buffer::charged`]; not stored, to keep the buffer small).
     span: usize,
-    /// What the channel is charged: `span` for tdrv's own memory, 0 for
-    /// imports.
-    charged: u64,
-    channel: u32,
+    channel: u16,
     device: Arc<TdrvDevice>,
     /// This buffer's key in the device's buffer registry; also its
     /// `tdrv_buf_info.buf_id` (unique among the device's live buffers,
@@ -272,6 +280,12 @@ pub(crate) struct Buffer {
     /// Pending device reads/writes and the completion count.
     #[pin]
     pub(crate) fence: Fence,
+    /// Implicit synchronisation (`resv.rs`): for tdrv's own memory, the
+    /// buffer's reservation object, made at its first export (null
+    /// before) and freed on drop; for a foreign import, an [`ImportRef`]
+    /// (the imported dma-buf, whose object it is, and the import's access
+    /// gate; dropped on drop).
+    resv: Atomic<*mut c_void>,
 }
 
 // Every buffer is one `Arc` allocation: a refcount, padded to 8 bytes,
@@ -284,6 +298,18 @@ const _: () = assert!(
     core::mem::size_of::<u64>() + core::mem::size_of::<Buffer>() <= 256,
     "Buffer no longer fits the 256-byte kmalloc class"
 );
+
+/// A section touching a buffer's memory ([`Buffer::enter`]).
+pub(crate) struct MemGuard<'a> {
+    active: ActiveGuard<'a>,
+    buf: &'a Buffer,
+}
+
+impl Drop for MemGuard<'_> {
+    fn drop(&mut self) {
+        self.buf.end_access();
+    }
+}
 
 /// How a backing's memory is laid out, for [`Buffer::from_backing`].
 struct Layout {
@@ -462,6 +488,17 @@ impl Buffer {
         } = layout;
         let on_device = matches!(backing, Backing::Device(_));
         let foreign = matches!(backing, Backing::Imported { .. });
+        // Stored narrow (see the size assertion below the struct).
+        let (Ok(narrow_shift), Ok(narrow_channel)) = (u8::try_from(shift), u16::try_from(channel))
+        else {
+            device.channels.release(channel, charged);
+            return Err(EINVAL);
+        };
+        // `Buffer::charged` derives the charge from these two.
+        if charged != if foreign { 0 } else { span as u64 } {
+            device.channels.release(channel, charged);
+            return Err(EINVAL);
+        }
         let registry_key = match device.register_buffer() {
             Ok(key) => key,
             Err(e) => {
@@ -469,20 +506,25 @@ impl Buffer {
                 return Err(e);
             }
         };
+        let resv = match &backing {
+            // Held from here: a failure below drops it again.
+            Backing::Imported { _import } => _import.get_ref().into_raw(),
+            _ => core::ptr::null_mut(),
+        };
         let buf = Arc::pin_init(
             try_pin_init!(Self {
                 mem <- new_mutex!(MemState::Live(backing), "Buffer::mem"),
                 pieces,
-                shift,
+                shift: narrow_shift,
                 size,
                 span,
-                charged,
-                channel,
+                channel: narrow_channel,
                 device: device.clone(),
                 registry_key,
                 on_device,
                 foreign,
                 fence <- Fence::new(),
+                resv: Atomic::new(resv),
             }),
             GFP_KERNEL_ACCOUNT,
         );
@@ -495,6 +537,10 @@ impl Buffer {
                 // The backing was dropped by the initializer, but
                 // `PinnedDrop` never runs for an unbuilt value: undo the
                 // rest by hand.
+                if !resv.is_null() {
+                    // SAFETY: The reference taken above, dropped once.
+                    drop(unsafe { ImportRef::from_raw(resv) });
+                }
                 device.unregister_buffer(registry_key);
                 device.channels.release(channel, charged);
                 Err(e)
@@ -511,17 +557,6 @@ impl Buffer {
         import: Import,
         channel: u32,
     ) -> Result<Arc<Self>> {
-        device.count_import()?;
-        let buf = Self::import_counted(device, import, channel);
-        if buf.is_err() {
-            // Never built: its drop does not give the count back.
-            device.uncount_import();
-        }
-        buf
-    }
-
-    /// [`Buffer::import`] once the device counted the import.
-    fn import_counted(device: &Arc<TdrvDevice>, import: Import, channel: u32) -> Result<Arc<Self>> {
         let size = import.size();
         if size == 0 || size as u64 > MAX_BUFFER_SIZE {
             return Err(EINVAL);
@@ -554,6 +589,80 @@ impl Buffer {
         Self::from_backing(device, Backing::Imported { _import: import }, layout)
     }
 
+    /// The reservation object jobs of this buffer use (see `resv.rs`), or
+    /// null if the buffer takes no part in implicit synchronisation (tdrv
+    /// memory never exported). Lives as long as the buffer.
+    pub(crate) fn resv(&self) -> *mut c_void {
+        match self.import_ref() {
+            Some(imp) => imp.resv(),
+            None => self.resv.load(Acquire),
+        }
+    }
+
+    /// For a foreign import, its object (see [`ImportRef`]), borrowed.
+    fn import_ref(&self) -> Option<core::mem::ManuallyDrop<ImportRef>> {
+        if !self.foreign {
+            return None;
+        }
+        let p = self.resv.load(Acquire);
+        // SAFETY: A foreign buffer's `resv` holds its `ImportRef` from
+        // construction until drop; the borrow is never dropped.
+        Some(core::mem::ManuallyDrop::new(unsafe { ImportRef::from_raw(p) }))
+    }
+
+    /// Starts an access to the buffer's memory by a job of its device
+    /// (see [`Buffer::end_access`]): ENODEV once a foreign import was
+    /// revoked by its exporter. Other memory is reachable while the
+    /// device is bound.
+    pub(crate) fn begin_access(&self) -> Result {
+        match self.import_ref() {
+            Some(imp) => imp.begin_access(),
+            None => Ok(()),
+        }
+    }
+
+    /// True once the exporter of a foreign import revoked it.
+    pub(crate) fn revoked(&self) -> bool {
+        self.import_ref().is_some_and(|imp| imp.revoked())
+    }
+
+    /// Ends an access from [`Buffer::begin_access`]; no lock, no memory.
+    pub(crate) fn end_access(&self) {
+        if let Some(imp) = self.import_ref() {
+            imp.end_access();
+        }
+    }
+
+    /// Enters a section that touches the buffer's memory from an ioctl
+    /// or a fault: an active guard of the device, and for a foreign
+    /// import an access, so that its revocation waits for the section
+    /// (ENODEV after unbind or revocation).
+    pub(crate) fn enter(&self) -> Result<MemGuard<'_>> {
+        let active = self.device.enter()?;
+        self.begin_access()?;
+        Ok(MemGuard { active, buf: self })
+    }
+
+    /// The reservation object for an export of the buffer: made at the
+    /// first export of tdrv memory (ENOMEM), the imported dma-buf's for a
+    /// foreign import.
+    pub(crate) fn export_resv(&self) -> Result<*mut c_void> {
+        let cur = self.resv();
+        if !cur.is_null() || self.foreign {
+            return Ok(cur);
+        }
+        let new = resv::new_own()?;
+        match self.resv.cmpxchg(core::ptr::null_mut(), new, Full) {
+            Ok(_) => Ok(new),
+            Err(won) => {
+                // Another export made one first.
+                // SAFETY: `new` was never published.
+                unsafe { resv::free_own(new) };
+                Ok(won)
+            }
+        }
+    }
+
     /// The device the buffer belongs to.
     pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
         &self.device
@@ -564,7 +673,7 @@ impl Buffer {
     }
 
     pub(crate) fn channel(&self) -> u32 {
-        self.channel
+        u32::from(self.channel)
     }
 
     /// The buffer's identity on its device (`tdrv_buf_info.buf_id`).
@@ -577,14 +686,45 @@ impl Buffer {
         self.pieces.first().map_or(0, |p| p.dma)
     }
 
-    /// Bytes of the buffer's pieces (its page-rounded size).
     /// True for a buffer imported from a foreign dma-buf.
     pub(crate) fn is_foreign(&self) -> bool {
         self.foreign
     }
 
+    /// Drops a reference from process context, with no lock held (FREE,
+    /// a file's close). When it is the last one and the buffer is an
+    /// import, the import is released here rather than by the release
+    /// queue ([`Backing::release`]): the dma-buf is unmapped and put
+    /// before FREE or close returns, so its exporter has its memory back
+    /// by then (a tdrv exporter's usage, fdinfo and debugfs show it). Sleeps.
+    pub(crate) fn drop_unlocked(this: Arc<Self>) {
+        if !this.foreign {
+            return;
+        }
+        let Some(me) = Arc::into_unique_or_drop(this) else {
+            // Not the last: a job, a mapping or a lookup still holds it.
+            return;
+        };
+        // Under an active guard: the import is mapped for the device, which
+        // unbind cannot take away until the guard goes. Without one, unbind
+        // is under way and releases the import itself.
+        let Ok(_active) = me.device.enter() else {
+            return;
+        };
+        let old = core::mem::replace(&mut *me.mem.lock(), MemState::Gone);
+        if let MemState::Live(backing) | MemState::Detached(backing) = old {
+            // Dropped, not `release`d: this is not a signalling path.
+            drop(backing);
+        }
+    }
+
+    /// What the buffer's channel is charged for it.
     pub(crate) fn charged(&self) -> u64 {
-        self.charged
+        if self.foreign {
+            0
+        } else {
+            self.span as u64
+        }
     }
 
     /// The piece holding `offset` and the bytes left in it from there.
@@ -640,6 +780,13 @@ impl Buffer {
         (n > 0).then_some(n)
     }
 
+    /// True while the buffer still holds its memory (live or detached), for
+    /// KUnit tests of unbind.
+    #[cfg(CONFIG_KUNIT)]
+    pub(crate) fn holds_memory(&self) -> bool {
+        !matches!(*self.mem.lock(), MemState::Gone)
+    }
+
     /// First step of unbind's memory release: [`Buffer::page_pfns`] finds
     /// no more page frames of the buffer. Pages mapped before are zapped by
     /// the caller next.
@@ -680,8 +827,8 @@ impl Buffer {
         while done < range.len {
             let (cpu, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
             {
-                let guard = self.device.enter()?;
-                f(&guard, cpu, done, n)?;
+                let guard = self.enter()?;
+                f(&guard.active, cpu, done, n)?;
             }
             done += n;
             if done < range.len {
@@ -705,7 +852,7 @@ impl Buffer {
             // Fast path: copy straight in under a guard, without page
             // faults (resident user pages, the common case).
             let fast = {
-                let _guard = self.device.enter()?;
+                let _guard = self.enter()?;
                 let (cpu, _) = self.cpu_span(range.start + done, n);
                 // SAFETY: The guard keeps the memory live (type invariant)
                 // and the span lies inside it; `copy_from_user_nofault`
@@ -733,7 +880,7 @@ impl Buffer {
                     if left != 0 {
                         return Err(EFAULT);
                     }
-                    let _guard = self.device.enter()?;
+                    let _guard = self.enter()?;
                     let (cpu, _) = self.cpu_span(range.start + done + off, m);
                     // SAFETY: As in the fast path; `bounce` is ours.
                     unsafe { core::ptr::copy_nonoverlapping(bounce.as_ptr(), cpu, m) };
@@ -757,7 +904,7 @@ impl Buffer {
             let (_, n) = self.cpu_span(range.start + done, (range.len - done).min(CHUNK));
             let user = dst.wrapping_byte_add(done);
             let fast = {
-                let _guard = self.device.enter()?;
+                let _guard = self.enter()?;
                 let (cpu, _) = self.cpu_span(range.start + done, n);
                 // SAFETY: As in `copy_from_user`, with the directions
                 // swapped.
@@ -771,7 +918,7 @@ impl Buffer {
                 while off < n {
                     let m = (n - off).min(PAGE_SIZE);
                     {
-                        let _guard = self.device.enter()?;
+                        let _guard = self.enter()?;
                         let (cpu, _) = self.cpu_span(range.start + done + off, m);
                         // SAFETY: The guard keeps the memory live and the
                         // span lies inside it; `bounce` holds `m` bytes.
@@ -831,9 +978,11 @@ impl Buffer {
         while done < src_range.len {
             let n = (src_range.len - done).min(CHUNK);
             {
-                let _guard = self.device.enter()?;
-                // SAFETY: The guard keeps both buffers' memory live: both
-                // belong to this device (same file, same channel).
+                let _guard = self.enter()?;
+                let _src = src.enter()?;
+                // SAFETY: The guards keep both buffers' memory live: both
+                // belong to this device (same file, same channel), and a
+                // foreign import is not unmapped while they last.
                 unsafe { self.copy_span(dst_offset + done, src, src_range.start + done, n) };
             }
             done += n;
@@ -924,9 +1073,20 @@ impl PinnedDrop for Buffer {
                 backing.release();
             }
         });
-        self.device.channels.release(self.channel, self.charged);
-        if self.foreign {
-            self.device.uncount_import();
+        self.device.channels.release(self.channel(), self.charged());
+        // Last: every dma-buf exported from the buffer, and every job
+        // that used it, held a reference, so nothing uses the object now.
+        // (This may run on a job's completion path: neither puts a lock
+        // or memory the signalling rules forbid, see `resv.rs`.)
+        let resv = self.resv.load(Acquire);
+        if !resv.is_null() {
+            if self.foreign {
+                // SAFETY: Our import reference, dropped once.
+                drop(unsafe { ImportRef::from_raw(resv) });
+            } else {
+                // SAFETY: Made by `export_resv`, freed once, unused now.
+                unsafe { resv::free_own(resv) };
+            }
         }
     }
 }

@@ -35,12 +35,14 @@ use crate::{
     channel::Channels,
     dmabuf::{
         Exports,
-        Import, //
+        Import,
+        ImportCount, //
     },
     engine::{
         Engine,
         EngineCounters, //
     },
+    event::EventBudget,
     registry::Registry, //
 };
 /// Most tdrv devices at once (software and hardware together).
@@ -135,6 +137,10 @@ pub(crate) struct Limits {
     pub(crate) imports: usize,
     /// Live buffers imported from foreign dma-bufs on the whole device.
     pub(crate) device_imports: u32,
+    /// Completion events queued and not yet read.
+    pub(crate) events: u32,
+    /// The same on the whole device.
+    pub(crate) device_events: u32,
 }
 
 /// The raw `struct device` behind `dev`, for the C calls 7.2 does not wrap.
@@ -192,9 +198,11 @@ pub(crate) struct TdrvDevice {
     /// and memory, also those only jobs or mappings still hold.
     #[pin]
     buffers: Registry,
-    /// Live buffers imported from foreign dma-bufs (not charged to a
-    /// channel), at most `limits.device_imports`.
-    imports: Atomic<u32>,
+    /// Foreign dma-bufs imported (not charged to a channel) and not yet
+    /// released, at most `limits.device_imports`.
+    pub(crate) imports: Arc<ImportCount>,
+    /// Completion events of all its files, at most `limits.device_events`.
+    pub(crate) events: Arc<EventBudget>,
     /// Every open file, by client id, so that unbind can zap their mappings
     /// and debugfs can show who holds what.
     #[pin]
@@ -226,7 +234,8 @@ impl TdrvDevice {
                 idle_lock <- new_mutex!((), "TdrvDevice::idle_lock"),
                 idle <- new_condvar!("TdrvDevice::idle"),
                 buffers <- Registry::new(),
-                imports: Atomic::new(0),
+                imports: ImportCount::new(params.limits.device_imports)?,
+                events: EventBudget::new(params.limits.device_events)?,
                 files <- new_mutex!(KVec::new(), "TdrvDevice::files"),
                 exports <- Exports::new(),
                 stats: DeviceStats::new(),
@@ -327,28 +336,6 @@ impl TdrvDevice {
         self.buffers.remove(key, free);
     }
 
-    /// Counts a new buffer imported from a foreign dma-buf: ENOSPC if the
-    /// device has `limits.device_imports` of them. Give it back with
-    /// [`TdrvDevice::uncount_import`].
-    pub(crate) fn count_import(&self) -> Result {
-        let max = self.limits.device_imports;
-        let mut n = self.imports.load(Relaxed);
-        loop {
-            if n >= max {
-                return Err(ENOSPC);
-            }
-            match self.imports.cmpxchg(n, n + 1, Relaxed) {
-                Ok(_) => return Ok(()),
-                Err(now) => n = now,
-            }
-        }
-    }
-
-    /// An imported buffer counted by [`TdrvDevice::count_import`] is gone.
-    pub(crate) fn uncount_import(&self) {
-        self.imports.fetch_sub(1, Relaxed);
-    }
-
     /// Calls `f` on every registered buffer, under the registry's sweep
     /// lock.
     fn for_each_buffer(&self, f: impl Fn(&Buffer)) {
@@ -387,7 +374,19 @@ impl TdrvDevice {
             file.zap_mappings();
         }
         self.exports.zap_all();
+        // Importers on other devices drop their mappings of exported
+        // memory; what a non-revocable importer still maps is freed with
+        // the buffer's last reference instead (the dma-buf's release, after
+        // the importer let go), never while it is mapped.
+        self.exports.revoke_all();
+        // Without the list (no memory), every buffer keeps its memory until
+        // its last reference: late, but never while something maps it.
+        let in_use = self.exports.in_use_keys();
         self.for_each_buffer(|buf| {
+            match &in_use {
+                Ok(keys) if !keys.contains(&Exports::key_of(buf)) => {}
+                _ => return,
+            }
             // SAFETY: The device is unbound, its engine stopped (above), no
             // active guard exists (drained) or can be taken (`bound` is
             // false), the buffer was detached and then every mapping of
@@ -401,6 +400,15 @@ impl TdrvDevice {
         // still be mapped for this device: their releases were queued
         // under the sweep lock, so before this flush.
         Import::flush_releases();
+    }
+
+    /// Removes the pages of every user mapping of every open file (an
+    /// imported buffer was revoked: its pages must go; the others fault
+    /// back in).
+    pub(crate) fn zap_file_mappings(&self) {
+        for (_, file) in self.files.lock().iter() {
+            file.zap_mappings();
+        }
     }
 
     /// Records an open file under its client id `key`.

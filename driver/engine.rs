@@ -15,7 +15,6 @@
 use core::any::Any;
 
 use kernel::{
-    bindings,
     list::{
         List,
         ListArc, //
@@ -46,13 +45,14 @@ use crate::{
     range::ByteRange, //
 };
 
-/// The workqueue every tdrv work item runs on: the unbound default queue
-/// (`system_dfl_wq`). 7.2's Rust API only names the per-CPU `system_wq`,
-/// which distribution kernels flag as deprecated at run time.
+/// The workqueue the engines' work runs on (the soft engine's copies, the
+/// sim device's deferred work and watchdog, edu's watchdog): the module's
+/// unbound `tdrv-engine` queue with WQ_MEM_RECLAIM. That work signals
+/// out-fences that reclaim may wait on, so it must not depend on a new
+/// kworker being created (which can wait on reclaim): the queue's rescuer
+/// thread runs it then.
 pub(crate) fn queue() -> &'static workqueue::Queue {
-    // SAFETY: `system_dfl_wq` is a C global, set up before any module loads
-    // and never destroyed.
-    unsafe { workqueue::Queue::from_raw(bindings::system_dfl_wq) }
+    crate::fence_fd::engine_queue()
 }
 
 /// Counters an engine reports in debugfs.
@@ -152,6 +152,15 @@ pub(crate) trait Engine: Send + Sync {
     /// an imported dma-buf must be mapped for the device; false if it
     /// copies with the CPU.
     fn does_dma(&self) -> bool {
+        false
+    }
+
+    /// True if the engine ends each job's accesses to its buffers in
+    /// bounded time and starts them with [`Job::begin_access`]: imports
+    /// of foreign dma-bufs are then revocable (the exporter's
+    /// `invalidate_mappings` waits for them). Others attach statically,
+    /// and the exporter keeps the memory until the import is freed.
+    fn revocable_imports(&self) -> bool {
         false
     }
 

@@ -5,13 +5,21 @@
 //! kernel (no `sync_file` needed).
 //!
 //! A JOB_NOTIFY allocates its event (in the caller's context, charged to
-//! its memory cgroup) and parks it at its job's slot (`id % JOB_WINDOW`);
+//! its memory cgroup) and parks it at its job's slot (`id % EVENT_SLOTS`);
 //! the job's end moves it to the ready list, from which `read(2)` takes
 //! it. The move is the only thing the completion path does: it allocates
 //! nothing and takes no lock but the file's job tracker lock it already
 //! holds (a dma-fence signalling path, see `docs/fence-fds.md`). The
 //! table of slots (8 bytes per slot) is allocated at the file's first
 //! JOB_NOTIFY, so files that never ask pay nothing.
+//!
+//! Events are kernel memory a caller can ask for without doing any work
+//! (any number of JOB_NOTIFYs of one ended job), and a memory cgroup
+//! bounds them only where `memory.max` is set. So they are bounded twice:
+//! per file (`file_max_events`, by default `TDRV_JOB_WINDOW`: an event for
+//! each job whose status a file can still ask for) and per device
+//! (`device_max_events`, an [`EventBudget`] shared by its files), so that
+//! many files cannot add up to more than the device's budget.
 //!
 //! [`EventQueue`] is the bookkeeping, kept under the tracker lock by
 //! `job.rs`; it never sleeps or allocates except in
@@ -27,18 +35,70 @@ use kernel::{
         ListLinks, //
     },
     prelude::*,
-    sync::atomic::{
-        Atomic,
-        Relaxed, //
+    sync::{
+        atomic::{
+            Atomic,
+            Relaxed, //
+        },
+        Arc,
     },
 };
 
 use crate::uapi::{
     self,
-    EVENT_JOB_DONE,
-    JOB_WINDOW,
-    MAX_EVENTS, //
+    EVENT_JOB_DONE, //
 };
+
+/// Slots of a file's table of parked events: a parked event waits in
+/// slot `job_id % EVENT_SLOTS`, whose list the job's end scans.
+pub(crate) const EVENT_SLOTS: u64 = 256;
+
+/// The events all files of one device may have queued and not yet read
+/// (`device_max_events`).
+pub(crate) struct EventBudget {
+    used: Atomic<u32>,
+    max: u32,
+}
+
+impl EventBudget {
+    /// A budget of `max` events.
+    pub(crate) fn new(max: u32) -> Result<Arc<Self>> {
+        Ok(Arc::new(
+            EventBudget {
+                used: Atomic::new(0),
+                max,
+            },
+            GFP_KERNEL,
+        )?)
+    }
+
+    /// Takes one event from the budget: ENOSPC if none is left.
+    fn take(&self) -> Result {
+        let mut n = self.used.load(Relaxed);
+        loop {
+            if n >= self.max {
+                return Err(ENOSPC);
+            }
+            match self.used.cmpxchg(n, n + 1, Relaxed) {
+                Ok(_) => return Ok(()),
+                Err(now) => n = now,
+            }
+        }
+    }
+
+    /// Gives back `n` events taken with [`EventBudget::take`].
+    fn give_back(&self, n: u32) {
+        if n > 0 {
+            self.used.fetch_sub(n, Relaxed);
+        }
+    }
+
+    /// Events taken and not given back (for KUnit tests).
+    #[cfg(CONFIG_KUNIT)]
+    pub(crate) fn used(&self) -> u32 {
+        self.used.load(Relaxed)
+    }
+}
 
 /// One requested completion event.
 #[pin_data]
@@ -91,21 +151,31 @@ pub(crate) type EventTable = KVVec<List<JobEvent>>;
 /// # Invariants
 ///
 /// `count` is the number of events in `ready` and in `table`, at most
-/// `MAX_EVENTS`; every event in `table[i]` has a job id `i` modulo
-/// `JOB_WINDOW` whose job has not ended.
+/// `max`, and taken from `budget`; every event in `table[i]` has a job id
+/// `i` modulo `EVENT_SLOTS` whose job has not ended.
 pub(crate) struct EventQueue {
     table: Option<EventTable>,
     ready: List<JobEvent>,
     count: u32,
+    max: u32,
+    budget: Arc<EventBudget>,
+    /// A reader took events and copies them out: other readers wait until
+    /// it puts back what it could not copy, so that no one reads a later
+    /// event before those (oldest first).
+    reading: bool,
 }
 
 impl EventQueue {
-    /// An empty queue; allocates nothing.
-    pub(crate) fn new() -> Self {
+    /// An empty queue of at most `max` events, taken from `budget`;
+    /// allocates nothing.
+    pub(crate) fn new(max: u32, budget: Arc<EventBudget>) -> Self {
         Self {
             table: None,
             ready: List::new(),
             count: 0,
+            max,
+            budget,
+            reading: false,
         }
     }
 
@@ -116,8 +186,8 @@ impl EventQueue {
 
     /// The table of slots. Allocates (call without the tracker lock).
     pub(crate) fn new_table() -> Result<EventTable> {
-        let mut t = KVVec::with_capacity(JOB_WINDOW as usize, GFP_KERNEL_ACCOUNT)?;
-        for _ in 0..JOB_WINDOW {
+        let mut t = KVVec::with_capacity(EVENT_SLOTS as usize, GFP_KERNEL_ACCOUNT)?;
+        for _ in 0..EVENT_SLOTS {
             t.push(List::new(), GFP_KERNEL_ACCOUNT)?;
         }
         Ok(t)
@@ -136,19 +206,24 @@ impl EventQueue {
 
     /// Queues `ev`: ready at once with the job's `status` if it ended
     /// (`Some`), else parked until [`EventQueue::deliver`]. ENOSPC when
-    /// `MAX_EVENTS` are queued; EINVAL without a table for a parked event
-    /// (a caller bug). The event is dropped on error.
+    /// the file has `max` queued or the device's budget is used up;
+    /// EINVAL without a table for a parked event (a caller bug). The event
+    /// is dropped on error.
     pub(crate) fn queue(&mut self, ev: ListArc<JobEvent>, status: Option<i32>) -> Result {
-        if self.count >= MAX_EVENTS {
+        if self.count >= self.max {
             return Err(ENOSPC);
         }
+        if status.is_none() && self.table.is_none() {
+            return Err(EINVAL);
+        }
+        self.budget.take()?;
         match status {
             Some(s) => {
                 ev.status.store(s, Relaxed);
                 self.ready.push_back(ev);
             }
             None => {
-                let slot = (ev.job_id % JOB_WINDOW) as usize;
+                let slot = (ev.job_id % EVENT_SLOTS) as usize;
                 let table = self.table.as_mut().ok_or(EINVAL)?;
                 table[slot].push_back(ev);
             }
@@ -163,7 +238,7 @@ impl EventQueue {
         let Some(table) = self.table.as_mut() else {
             return false;
         };
-        let list = &mut table[(id % JOB_WINDOW) as usize];
+        let list = &mut table[(id % EVENT_SLOTS) as usize];
         let mut moved = false;
         let mut cursor = list.cursor_front();
         while let Some(next) = cursor.peek_next() {
@@ -184,9 +259,17 @@ impl EventQueue {
         !self.ready.is_empty()
     }
 
+    /// Whether a reader may take events now: one is ready and no other
+    /// reader is between [`EventQueue::take`] and [`EventQueue::end_read`].
+    pub(crate) fn readable(&self) -> bool {
+        self.has_ready() && !self.reading
+    }
+
     /// Takes up to `max` ready events, oldest first. They still count
-    /// until [`EventQueue::consumed`] or [`EventQueue::put_back`].
+    /// until [`EventQueue::consumed`] or [`EventQueue::put_back`], and no
+    /// other reader takes any until [`EventQueue::end_read`].
     pub(crate) fn take(&mut self, max: usize) -> List<JobEvent> {
+        self.reading = true;
         let mut out = List::new();
         for _ in 0..max {
             let Some(ev) = self.ready.pop_front() else {
@@ -199,7 +282,9 @@ impl EventQueue {
 
     /// `n` taken events reached userspace.
     pub(crate) fn consumed(&mut self, n: u32) {
-        self.count = self.count.saturating_sub(n);
+        let n = n.min(self.count);
+        self.count -= n;
+        self.budget.give_back(n);
     }
 
     /// Returns taken events that did not reach userspace to the front of
@@ -208,6 +293,22 @@ impl EventQueue {
         while let Some(ev) = taken.pop_back() {
             self.ready.push_front(ev);
         }
+    }
+
+    /// The reader that took events is done: `copied` of them reached
+    /// userspace, `left` go back to the front. Other readers may take
+    /// events again.
+    pub(crate) fn end_read(&mut self, copied: u32, left: List<JobEvent>) {
+        self.consumed(copied);
+        self.put_back(left);
+        self.reading = false;
+    }
+}
+
+impl Drop for EventQueue {
+    fn drop(&mut self) {
+        // The file's unread and unended events go with it.
+        self.budget.give_back(self.count);
     }
 }
 
@@ -225,22 +326,22 @@ mod tests {
 
     #[test]
     fn an_event_waits_for_its_job_not_for_the_job_sharing_its_slot() -> Result {
-        let mut q = EventQueue::new();
+        let mut q = EventQueue::new(16, EventBudget::new(16)?);
         let _ = q.install_table(Some(EventQueue::new_table()?));
-        // Job 1 and job 1 + JOB_WINDOW share a slot.
+        // Job 1 and job 1 + EVENT_SLOTS share a slot.
         q.queue(JobEvent::new(1, 10)?, None)?;
-        q.queue(JobEvent::new(1 + JOB_WINDOW, 11)?, None)?;
+        q.queue(JobEvent::new(1 + EVENT_SLOTS, 11)?, None)?;
         q.queue(JobEvent::new(1, 12)?, None)?;
         assert!(!q.has_ready());
-        assert!(q.deliver(1 + JOB_WINDOW, -5));
+        assert!(q.deliver(1 + EVENT_SLOTS, -5));
         assert!(!q.deliver(2, 0));
         assert!(q.deliver(1, 0));
         assert!(!q.deliver(1, 0));
         let mut all = q.take(8);
-        assert_eq!(&ids(&mut all)[..], &[(1 + JOB_WINDOW, -5), (1, 0), (1, 0)]);
+        assert_eq!(&ids(&mut all)[..], &[(1 + EVENT_SLOTS, -5), (1, 0), (1, 0)]);
         q.put_back(all);
         let mut two = q.take(2);
-        assert_eq!(&ids(&mut two)[..], &[(1 + JOB_WINDOW, -5), (1, 0)]);
+        assert_eq!(&ids(&mut two)[..], &[(1 + EVENT_SLOTS, -5), (1, 0)]);
         q.consumed(2);
         let last = q.take(8);
         assert_eq!(last.iter().map(|e| e.user_data).next(), Some(12));
@@ -250,22 +351,56 @@ mod tests {
     }
 
     #[test]
-    fn the_queue_holds_at_most_max_events() -> Result {
-        let mut q = EventQueue::new();
-        for i in 0..MAX_EVENTS {
-            q.queue(JobEvent::new(u64::from(i) + 1, 0)?, Some(0))?;
-            if i % 1024 == 0 {
-                crate::glue::cond_resched();
-            }
+    fn a_file_holds_at_most_its_max_events() -> Result {
+        let budget = EventBudget::new(100)?;
+        let mut q = EventQueue::new(8, budget.clone());
+        for i in 0..8 {
+            q.queue(JobEvent::new(i + 1, 0)?, Some(0))?;
         }
         assert_eq!(
             q.queue(JobEvent::new(1, 0)?, Some(0)).err(),
             Some(ENOSPC)
         );
+        assert_eq!(budget.used(), 8);
         let taken = q.take(1);
-        q.consumed(1);
+        q.end_read(1, List::new());
         drop(taken);
+        assert_eq!(budget.used(), 7);
         q.queue(JobEvent::new(1, 0)?, Some(0))?;
+        Ok(())
+    }
+
+    #[test]
+    fn the_files_of_a_device_share_its_budget_and_give_it_back() -> Result {
+        let budget = EventBudget::new(3)?;
+        let mut a = EventQueue::new(8, budget.clone());
+        let mut b = EventQueue::new(8, budget.clone());
+        let _ = b.install_table(Some(EventQueue::new_table()?));
+        a.queue(JobEvent::new(1, 0)?, Some(0))?;
+        a.queue(JobEvent::new(2, 0)?, Some(0))?;
+        // Parked events count as well.
+        b.queue(JobEvent::new(1, 0)?, None)?;
+        assert_eq!(
+            b.queue(JobEvent::new(2, 0)?, Some(0)).err(),
+            Some(ENOSPC)
+        );
+        // A refused event takes nothing from the budget.
+        assert_eq!(budget.used(), 3);
+        // A read gives back what reached userspace, not what was put back.
+        let mut taken = a.take(2);
+        let mut left = List::new();
+        if let Some(ev) = taken.pop_back() {
+            left.push_back(ev);
+        }
+        a.end_read(1, left);
+        drop(taken);
+        assert_eq!(budget.used(), 2);
+        b.queue(JobEvent::new(3, 0)?, Some(0))?;
+        // A closed file gives back its unread and parked events.
+        drop(b);
+        assert_eq!(budget.used(), 1);
+        drop(a);
+        assert_eq!(budget.used(), 0);
         Ok(())
     }
 }

@@ -81,12 +81,20 @@ pub(crate) struct FenceCounts {
     /// Jobs that finished writing the buffer since the last reset.
     pub(crate) completions: u64,
     /// Error latch: the negative errno of the last job that failed while
-    /// writing the buffer (its bytes are not what the job promised), or 0.
-    /// Cleared by the next successful write (job or CPU) or by
+    /// writing the buffer (its bytes are not what the job promised), or of
+    /// a synchronous write the device failed ([`Fence::latch_error`]), or
+    /// 0. Cleared by the next successful write (job or CPU) or by
     /// COMPLETION_RESET.
     pub(crate) error: i32,
     /// Set when the device is gone: waits end with ENODEV.
     pub(crate) dead: bool,
+    /// Of `reads` and `writes`, those of jobs the device abandoned: they
+    /// failed, but stay marked because the device may still run them
+    /// (the sim device's dead queue). None of them ends before the device
+    /// lets go, so a wait that only they keep from ending fails (EIO).
+    /// (16 bits: bounded by the descriptors a device's rings hold.)
+    lost_reads: u16,
+    lost_writes: u16,
 }
 
 impl Sleepers for FenceCounts {
@@ -100,6 +108,17 @@ impl FenceCounts {
     pub(crate) fn idle(&self, kind: u32) -> bool {
         (kind & FENCE_READS == 0 || self.reads == 0)
             && (kind & FENCE_WRITES == 0 || self.writes == 0)
+    }
+
+    /// True when something selected by `kind` is pending and all of it
+    /// belongs to abandoned jobs: it will not end while the device is
+    /// dead.
+    fn stuck(&self, kind: u32) -> bool {
+        let r = kind & FENCE_READS != 0 && self.reads != 0;
+        let w = kind & FENCE_WRITES != 0 && self.writes != 0;
+        (r || w)
+            && (!r || self.reads == u64::from(self.lost_reads))
+            && (!w || self.writes == u64::from(self.lost_writes))
     }
 }
 
@@ -173,6 +192,10 @@ impl Fence {
                 c.cpu += 1;
                 return Ok(());
             }
+            if c.stuck(kind) {
+                // The device abandoned the access it would wait for.
+                return Err(EIO);
+            }
             if self.wq.wait_interruptible(&mut c) {
                 return Err(ERESTARTSYS);
             }
@@ -201,6 +224,36 @@ impl Fence {
     /// critical section, so a waiter woken by the drain sees it).
     pub(crate) fn end_failed_write(&self, errno: i32) {
         self.end_write_with(true, false, errno);
+    }
+
+    /// A job that reads (`write == false`) or writes the buffer failed
+    /// with `errno`, but the device may still run it: its mark stays
+    /// until [`Fence::end_abandoned`], a write latches `errno` now, and
+    /// waits that only abandoned accesses keep from ending fail (see
+    /// [`FenceCounts::lost_writes`]).
+    pub(crate) fn abandon(&self, write: bool, errno: i32) {
+        let mut c = self.counts.lock();
+        if write {
+            c.lost_writes = c.lost_writes.saturating_add(1);
+            c.error = errno;
+        } else {
+            c.lost_reads = c.lost_reads.saturating_add(1);
+        }
+        self.wq.wake_all(c);
+    }
+
+    /// The device let go of an access [`Fence::abandon`]ed: ends it as a
+    /// failed one.
+    pub(crate) fn end_abandoned(&self, write: bool, errno: i32) {
+        {
+            let mut c = self.counts.lock();
+            if write {
+                c.lost_writes = c.lost_writes.saturating_sub(1);
+            } else {
+                c.lost_reads = c.lost_reads.saturating_sub(1);
+            }
+        }
+        self.end_write_with(write, false, if write { errno } else { 0 });
     }
 
     fn end_write_with(&self, write: bool, completed: bool, errno: i32) {
@@ -233,6 +286,16 @@ impl Fence {
         self.counts.lock().error = 0;
     }
 
+    /// A synchronous write of the buffer (COPY_IN, MEMSET, COPY) that the
+    /// device's DMA failed part-way: its bytes are undefined, as after a
+    /// failed job, so the latch takes `errno` (negative) and waiters that
+    /// the latch ends are woken.
+    pub(crate) fn latch_error(&self, errno: i32) {
+        let mut c = self.counts.lock();
+        c.error = errno;
+        self.wq.wake_all(c);
+    }
+
     /// EIO if a failed job left the buffer's bytes undefined (see
     /// [`FenceCounts::error`]).
     pub(crate) fn check_error(&self) -> Result {
@@ -262,16 +325,19 @@ impl Fence {
         timeout: Timeout,
         done: impl Fn(&FenceCounts) -> bool,
     ) -> core::result::Result<FenceCounts, (Error, FenceCounts)> {
-        self.wait_for(timeout, done, true)
+        self.wait_for(timeout, done, true, 0)
     }
 
     /// [`Fence::wait_until`]; `latch` selects whether a set error latch
-    /// with no write pending ends the wait.
+    /// with no write pending (other than abandoned ones) ends the wait;
+    /// `stuck` selects the counters whose abandoned accesses end it (see
+    /// [`FenceCounts::stuck`]).
     fn wait_for(
         &self,
         timeout: Timeout,
         done: impl Fn(&FenceCounts) -> bool,
         latch: bool,
+        stuck: u32,
     ) -> core::result::Result<FenceCounts, (Error, FenceCounts)> {
         let mut c = self.counts.lock();
         let mut left = match timeout {
@@ -285,7 +351,7 @@ impl Fence {
             if c.dead {
                 return Err((ENODEV, *c));
             }
-            if latch && c.error != 0 && c.idle(FENCE_WRITES) {
+            if latch && c.error != 0 && c.writes == u64::from(c.lost_writes) {
                 // What the caller waits for depends on a write that failed
                 // and none is pending that could still deliver it. A write
                 // that failed because the device went away says so, as
@@ -293,6 +359,9 @@ impl Fence {
                 // would.
                 let e = if c.error == ENODEV.to_errno() { ENODEV } else { EIO };
                 return Err((e, *c));
+            }
+            if c.stuck(stuck) {
+                return Err((EIO, *c));
             }
             match timeout {
                 Timeout::Poll => return Err((ETIMEDOUT, *c)),
@@ -322,7 +391,7 @@ impl Fence {
     /// earlier write failed. (The caller checks the latch afterwards if
     /// it cares.)
     pub(crate) fn wait_idle(&self, kind: u32, timeout: Timeout) -> Result {
-        self.wait_for(timeout, |c| c.idle(kind), false)
+        self.wait_for(timeout, |c| c.idle(kind), false, kind)
             .map(drop)
             .map_err(|(e, _)| e)
     }

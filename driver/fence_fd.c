@@ -8,8 +8,10 @@
  * driver/fence_fd.rs.
  *
  * Without CONFIG_SYNC_FILE (e.g. Debian's cloud kernel) the module still
- * builds and loads: tdrv_fence_fd_supported() is false and every
- * constructor returns -EOPNOTSUPP.
+ * builds and loads: tdrv_fence_fd_supported() is false and the fd
+ * functions return -EOPNOTSUPP. Job fences and dependency sets exist on
+ * every kernel: implicit synchronisation through dma-buf reservation
+ * objects (resv.c) needs no sync_file.
  */
 
 #include <linux/dma-fence.h>
@@ -22,11 +24,9 @@
 
 #include "fence_fd.h"
 
-#if IS_ENABLED(CONFIG_SYNC_FILE)
-
 bool tdrv_fence_fd_supported(void)
 {
-	return true;
+	return IS_ENABLED(CONFIG_SYNC_FILE);
 }
 
 /*
@@ -63,7 +63,8 @@ bool tdrv_fence_fd_supported(void)
  *    - Every later user of the ops checks for NULL under RCU:
  *      dma_fence_release, dma-fence.c:607-611 (NULL ops: dma_fence_free,
  *      i.e. kfree_rcu in the core, dma-fence.c:623-626: the kzalloc'd
- *      fence needs no module code to be freed); __dma_fence_enable_signaling,
+ *      fence needs no module code to be freed; struct tdrv_fence starts
+ *      with it, so that frees the whole allocation); __dma_fence_enable_signaling,
  *      dma-fence.c:642-644 (sync_file_poll's dma_fence_add_callback);
  *      dma_fence_wait_timeout, dma-fence.c:540-551; dma_fence_is_signaled,
  *      include/linux/dma-fence.h:555-563 (sync_file_poll, FILE_INFO);
@@ -99,16 +100,58 @@ static const struct dma_fence_ops tdrv_fence_ops = {
 	.get_timeline_name = tdrv_fence_timeline_name,
 };
 
-/* A new unsignalled fence with its own context (see fence_fd.rs: jobs of
- * one file may end out of order), its own lock, and one reference. */
-struct dma_fence *tdrv_fence_new(void)
-{
-	struct dma_fence *fence = kzalloc(sizeof(*fence), GFP_KERNEL_ACCOUNT);
+/*
+ * A job's fence, and what implicit synchronisation (resv.c) needs to know
+ * about it: the engine that runs the job and whether the job has reached
+ * that engine's queue.
+ */
+struct tdrv_fence {
+	/* First: a signalled fence has no ops and the core frees it with
+	 * kfree_rcu() of this member, which must be the allocation. */
+	struct dma_fence base;
+	/* The device (engine) the job runs on; only compared. */
+	const void *engine;
+	/* Set (release) once the job is in its engine's queue. */
+	bool queued;
+};
 
-	if (!fence)
+static_assert(offsetof(struct tdrv_fence, base) == 0);
+
+/* A new unsignalled fence of a job on @engine, with its own context (see
+ * fence_fd.rs: jobs of one file may end out of order), its own lock, and
+ * one reference. */
+struct dma_fence *tdrv_fence_new(const void *engine)
+{
+	struct tdrv_fence *f = kzalloc(sizeof(*f), GFP_KERNEL_ACCOUNT);
+
+	if (!f)
 		return NULL;
-	dma_fence_init(fence, &tdrv_fence_ops, NULL, dma_fence_context_alloc(1), 1);
-	return fence;
+	f->engine = engine;
+	dma_fence_init(&f->base, &tdrv_fence_ops, NULL, dma_fence_context_alloc(1), 1);
+	return &f->base;
+}
+
+/* The job of @fence is in its engine's queue: jobs of the same engine
+ * queued later run after it, so they need not wait for its fence. */
+void tdrv_fence_set_queued(struct dma_fence *fence)
+{
+	smp_store_release(&container_of(fence, struct tdrv_fence, base)->queued, true);
+}
+
+/*
+ * True if @fence is the fence of a tdrv job that runs on @engine and is in
+ * its queue already. The caller holds a reference to @fence. A signalled
+ * tdrv fence has no ops any more (and is not ours by this test), which
+ * the callers treat as done anyway.
+ */
+bool tdrv_fence_queued_on(struct dma_fence *fence, const void *engine)
+{
+	struct tdrv_fence *f;
+
+	if (rcu_access_pointer(fence->ops) != &tdrv_fence_ops)
+		return false;
+	f = container_of(fence, struct tdrv_fence, base);
+	return f->engine == engine && smp_load_acquire(&f->queued);
 }
 
 /* Signals the fence, with error (a negative errno) or 0. Call once. */
@@ -126,6 +169,67 @@ void tdrv_fence_put(struct dma_fence *fence)
 {
 	dma_fence_put(fence);
 }
+
+/* One dependency of a job: the callback node lives as long as the set. */
+struct tdrv_dep {
+	struct dma_fence_cb cb;
+	struct dma_fence *fence;
+	struct tdrv_deps *deps;
+	/* From a reservation object (resv.c), not an in-fence fd: it orders
+	 * the job, its error does not fail it. */
+	bool implicit;
+};
+
+struct tdrv_deps {
+	/* Fences not yet signalled, plus one while arming. */
+	atomic_t pending;
+	void *ctx;
+	u32 count;
+	struct tdrv_dep dep[] __counted_by(count);
+};
+
+static struct tdrv_deps *tdrv_deps_alloc(u32 count)
+{
+	struct tdrv_deps *deps;
+	u32 i;
+
+	deps = kzalloc(struct_size(deps, dep, count), GFP_KERNEL_ACCOUNT);
+	if (!deps)
+		return NULL;
+	deps->count = count;
+	for (i = 0; i < count; i++) {
+		INIT_LIST_HEAD(&deps->dep[i].cb.node);
+		deps->dep[i].deps = deps;
+	}
+	return deps;
+}
+
+/*
+ * A set holding the fences of @old (may be NULL; not armed) followed by
+ * the @n implicit dependencies @fences, whose references it takes over.
+ * Allocates (GFP_KERNEL); returns NULL, changing nothing, if that fails.
+ * On success @old's container is freed (its references moved).
+ */
+struct tdrv_deps *tdrv_deps_with_implicit(struct tdrv_deps *old,
+					  struct dma_fence **fences, u32 n)
+{
+	u32 have = old ? old->count : 0;
+	struct tdrv_deps *deps = tdrv_deps_alloc(have + n);
+	u32 i;
+
+	if (!deps)
+		return NULL;
+	for (i = 0; i < have; i++)
+		deps->dep[i].fence = old->dep[i].fence;
+	for (i = 0; i < n; i++) {
+		deps->dep[have + i].fence = fences[i];
+		deps->dep[have + i].implicit = true;
+	}
+	kfree(old);
+	return deps;
+}
+
+#if IS_ENABLED(CONFIG_SYNC_FILE)
 
 /*
  * Creates a sync_file holding its own reference to fence and reserves an
@@ -160,20 +264,6 @@ void tdrv_fence_fd_discard(int fd, struct file *file)
 	put_unused_fd(fd);
 }
 
-/* One in-fence: the callback node lives as long as the set. */
-struct tdrv_dep {
-	struct dma_fence_cb cb;
-	struct dma_fence *fence;
-	struct tdrv_deps *deps;
-};
-
-struct tdrv_deps {
-	/* Fences not yet signalled, plus one while arming. */
-	atomic_t pending;
-	void *ctx;
-	u32 count;
-	struct tdrv_dep dep[] __counted_by(count);
-};
 
 /*
  * Takes a reference to the fence of each sync_file fd. -EBADF for a
@@ -185,16 +275,13 @@ int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
 	struct tdrv_deps *deps;
 	u32 i;
 
-	deps = kzalloc(struct_size(deps, dep, count), GFP_KERNEL_ACCOUNT);
+	deps = tdrv_deps_alloc(count);
 	if (!deps)
 		return -ENOMEM;
-	deps->count = count;
 	for (i = 0; i < count; i++) {
 		struct tdrv_dep *dep = &deps->dep[i];
 		struct file *file = fds[i] >= 0 ? fget(fds[i]) : NULL;
 
-		INIT_LIST_HEAD(&dep->cb.node);
-		dep->deps = deps;
 		if (!file) {
 			tdrv_deps_free(deps);
 			return -EBADF;
@@ -209,6 +296,28 @@ int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
 	*depsp = deps;
 	return 0;
 }
+
+#else /* !CONFIG_SYNC_FILE */
+
+int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep)
+{
+	return -EOPNOTSUPP;
+}
+
+void tdrv_fence_fd_install(int fd, struct file *file)
+{
+}
+
+void tdrv_fence_fd_discard(int fd, struct file *file)
+{
+}
+
+int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
+{
+	return -EOPNOTSUPP;
+}
+
+#endif /* CONFIG_SYNC_FILE */
 
 static void tdrv_dep_signalled(struct dma_fence *fence, struct dma_fence_cb *cb)
 {
@@ -250,7 +359,13 @@ int tdrv_deps_error(struct tdrv_deps *deps)
 	u32 i;
 
 	for (i = 0; i < deps->count; i++) {
-		int status = dma_fence_get_status(deps->dep[i].fence);
+		int status;
+
+		/* An implicit dependency orders the job, nothing more (see
+		 * resv.c). */
+		if (deps->dep[i].implicit)
+			continue;
+		status = dma_fence_get_status(deps->dep[i].fence);
 
 		if (status < 0)
 			return status;
@@ -279,59 +394,6 @@ void tdrv_deps_free(struct tdrv_deps *deps)
 	kfree(deps);
 }
 
-#else /* !CONFIG_SYNC_FILE */
-
-bool tdrv_fence_fd_supported(void)
-{
-	return false;
-}
-
-struct dma_fence *tdrv_fence_new(void)
-{
-	return NULL;
-}
-
-void tdrv_fence_signal(struct dma_fence *fence, int error)
-{
-}
-
-void tdrv_fence_put(struct dma_fence *fence)
-{
-}
-
-int tdrv_fence_fd_reserve(struct dma_fence *fence, struct file **filep)
-{
-	return -EOPNOTSUPP;
-}
-
-void tdrv_fence_fd_install(int fd, struct file *file)
-{
-}
-
-void tdrv_fence_fd_discard(int fd, struct file *file)
-{
-}
-
-int tdrv_deps_new(const s32 *fds, u32 count, struct tdrv_deps **depsp)
-{
-	return -EOPNOTSUPP;
-}
-
-bool tdrv_deps_arm(struct tdrv_deps *deps, void *ctx)
-{
-	return true;
-}
-
-int tdrv_deps_error(struct tdrv_deps *deps)
-{
-	return -EOPNOTSUPP;
-}
-
-void tdrv_deps_free(struct tdrv_deps *deps)
-{
-}
-
-#endif /* CONFIG_SYNC_FILE */
 
 /*
  * Lockdep annotation of a dma-fence signalling critical section (see
@@ -354,15 +416,42 @@ void tdrv_fence_end_signalling(bool cookie)
  * callbacks), owned by the module so that exit can drain it. */
 static struct workqueue_struct *tdrv_dispatch_wq;
 
+/* The queue of the engines' work: the soft engine's copies, the sim
+ * device's deferred work and watchdog, edu's watchdog. */
+static struct workqueue_struct *tdrv_engine_wq;
+
+/*
+ * Both queues signal out-fences (dispatch queues a job or ends it with an
+ * error, the engine work completes it), and reclaim may wait on those
+ * fences. A queue without WQ_MEM_RECLAIM may need a new kworker to make
+ * progress, and creating one can wait on that same reclaim: so each has
+ * a rescuer thread (kworker/R-tdrv-dispatch, kworker/R-tdrv-engine), as
+ * drm_sched's queues do.
+ */
 int tdrv_fence_module_init(void)
 {
-	tdrv_dispatch_wq = alloc_workqueue("tdrv-dispatch", WQ_UNBOUND, 0);
-	return tdrv_dispatch_wq ? 0 : -ENOMEM;
+	tdrv_dispatch_wq = alloc_workqueue("tdrv-dispatch",
+					   WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+	if (!tdrv_dispatch_wq)
+		return -ENOMEM;
+	tdrv_engine_wq = alloc_workqueue("tdrv-engine",
+					 WQ_UNBOUND | WQ_MEM_RECLAIM, 0);
+	if (!tdrv_engine_wq) {
+		destroy_workqueue(tdrv_dispatch_wq);
+		tdrv_dispatch_wq = NULL;
+		return -ENOMEM;
+	}
+	return 0;
 }
 
 struct workqueue_struct *tdrv_dispatch_queue(void)
 {
 	return tdrv_dispatch_wq;
+}
+
+struct workqueue_struct *tdrv_engine_queue(void)
+{
+	return tdrv_engine_wq;
 }
 
 /*
@@ -378,5 +467,8 @@ void tdrv_fence_module_exit(void)
 	if (tdrv_dispatch_wq)
 		destroy_workqueue(tdrv_dispatch_wq);
 	tdrv_dispatch_wq = NULL;
+	if (tdrv_engine_wq)
+		destroy_workqueue(tdrv_engine_wq);
+	tdrv_engine_wq = NULL;
 	synchronize_rcu();
 }

@@ -64,7 +64,10 @@
 //!
 //! Kernels without `CONFIG_SYNC_FILE` (Debian's cloud kernel) build and
 //! load the module: [`supported`] is false, `TDRV_FEAT_FENCE_FD` is not
-//! reported, and SUBMIT with fence fds fails with `EOPNOTSUPP`.
+//! reported, and SUBMIT with fence fds fails with `EOPNOTSUPP`. Job fences
+//! and dependency sets exist there too: implicit synchronisation
+//! (`resv.rs`) gives a job a fence, and implicit dependencies, without
+//! any fd.
 
 use core::{
     ffi::c_void,
@@ -76,10 +79,7 @@ use kernel::{
     prelude::*, //
 };
 
-use crate::uapi::{
-    ecanceled,
-    eopnotsupp, //
-};
+use crate::uapi::ecanceled;
 
 mod ffi {
     use core::ffi::{
@@ -89,7 +89,8 @@ mod ffi {
 
     extern "C" {
         pub(super) fn tdrv_fence_fd_supported() -> bool;
-        pub(super) fn tdrv_fence_new() -> *mut c_void;
+        pub(super) fn tdrv_fence_new(engine: *const c_void) -> *mut c_void;
+        pub(super) fn tdrv_fence_set_queued(fence: *mut c_void);
         pub(super) fn tdrv_fence_signal(fence: *mut c_void, error: c_int);
         pub(super) fn tdrv_fence_put(fence: *mut c_void);
         pub(super) fn tdrv_fence_fd_reserve(fence: *mut c_void, filep: *mut *mut c_void) -> c_int;
@@ -97,6 +98,7 @@ mod ffi {
         pub(super) fn tdrv_fence_fd_discard(fd: c_int, file: *mut c_void);
         pub(super) fn tdrv_fence_module_init() -> c_int;
         pub(super) fn tdrv_dispatch_queue() -> *mut kernel::bindings::workqueue_struct;
+        pub(super) fn tdrv_engine_queue() -> *mut kernel::bindings::workqueue_struct;
         pub(super) fn tdrv_fence_module_exit();
         pub(super) fn tdrv_deps_new(fds: *const i32, count: u32, depsp: *mut *mut c_void) -> c_int;
         pub(super) fn tdrv_deps_arm(deps: *mut c_void, ctx: *mut c_void) -> bool;
@@ -173,6 +175,15 @@ pub(crate) fn dispatch_queue() -> &'static kernel::workqueue::Queue {
     unsafe { kernel::workqueue::Queue::from_raw(ffi::tdrv_dispatch_queue()) }
 }
 
+/// The queue of the engines' work (see `engine::queue`): module-owned and
+/// WQ_MEM_RECLAIM, like the dispatch queue.
+pub(crate) fn engine_queue() -> &'static kernel::workqueue::Queue {
+    // SAFETY: The queue exists from module init (`FenceModule::init`,
+    // before any device) until module exit (after every device, and so
+    // every engine, is gone), which covers every user.
+    unsafe { kernel::workqueue::Queue::from_raw(ffi::tdrv_engine_queue()) }
+}
+
 /// The out-fence of a job: one reference to an unsignalled tdrv
 /// `dma_fence`. [`OutFence::signal`] signals it; dropping it unsignalled
 /// signals `ECANCELED`, so that nobody waits for ever.
@@ -187,15 +198,27 @@ unsafe impl Send for OutFence {}
 unsafe impl Sync for OutFence {}
 
 impl OutFence {
-    /// A new unsignalled fence; EOPNOTSUPP without `sync_file`.
-    pub(crate) fn new() -> Result<Self> {
-        if !supported() {
-            return Err(eopnotsupp());
-        }
+    /// A new unsignalled fence of a job that runs on `engine` (the
+    /// device, only compared: see `resv.rs`). Exists on every kernel; only
+    /// its fd ([`OutFence::reserve_fd`]) needs `sync_file`.
+    pub(crate) fn new(engine: *const c_void) -> Result<Self> {
         // SAFETY: Allocates and initialises a fence; no precondition.
-        NonNull::new(unsafe { ffi::tdrv_fence_new() })
+        NonNull::new(unsafe { ffi::tdrv_fence_new(engine) })
             .map(Self)
             .ok_or(ENOMEM)
+    }
+
+    /// The `struct dma_fence`, for the C side; valid while `self` is.
+    pub(crate) fn as_raw(&self) -> *mut c_void {
+        self.0.as_ptr()
+    }
+
+    /// The job reached its engine's queue (see `resv.rs`): later jobs of
+    /// the same engine need not wait for this fence.
+    pub(crate) fn set_queued(&self) {
+        // SAFETY: The fence is live (we hold a reference); the flag is a
+        // release store, safe from any context.
+        unsafe { ffi::tdrv_fence_set_queued(self.0.as_ptr()) }
     }
 
     /// Signals the fence with `errno` (0, or the job's negative errno) and
@@ -310,7 +333,25 @@ impl InFences {
         unsafe { ffi::tdrv_deps_arm(self.0.as_ptr(), ctx.cast_mut()) }
     }
 
-    /// The first in-fence error, once all have signalled.
+    /// Gives up the set for the C side ([`InFences::from_raw`] takes it
+    /// back).
+    pub(crate) fn into_raw(self) -> *mut c_void {
+        let me = core::mem::ManuallyDrop::new(self);
+        me.0.as_ptr()
+    }
+
+    /// Takes back a set from [`InFences::into_raw`] (or one the C side
+    /// built from it); `None` for null.
+    ///
+    /// # Safety
+    ///
+    /// `raw` is null or a set nobody else owns.
+    pub(crate) unsafe fn from_raw(raw: *mut c_void) -> Option<Self> {
+        NonNull::new(raw).map(Self)
+    }
+
+    /// The first in-fence error, once all have signalled (implicit
+    /// dependencies, see `resv.rs`, do not count).
     pub(crate) fn error(&self) -> Result {
         // SAFETY: A live set; reading fence states is safe at any time.
         to_result(unsafe { ffi::tdrv_deps_error(self.0.as_ptr()) })

@@ -220,6 +220,7 @@ impl MiscDevice for TdrvFile {
             return Err(ENODEV);
         }
         let account = Account::new(device.channels.count())?;
+        let jobs = JobTracker::new(device.limits.events, device.events.clone())?;
         let key = client_id();
         let state = Arc::pin_init(
             try_pin_init!(FileState {
@@ -233,7 +234,7 @@ impl MiscDevice for TdrvFile {
                     },
                     "FileState::handles"
                 ),
-                jobs: JobTracker::new()?,
+                jobs,
                 // SAFETY: `file` is a valid file being opened; `f_mapping`
                 // is set before `open` is called.
                 mapping: FileMapping(unsafe { (*file.as_ptr()).f_mapping }),
@@ -263,8 +264,8 @@ impl MiscDevice for TdrvFile {
     /// Completion events (`TDRV_IOC_JOB_NOTIFY`): see `event.rs`.
     fn read_iter(kiocb: Kiocb<'_, Self::Ptr>, iov: &mut IovIterDest<'_>) -> Result<usize> {
         // SAFETY: `kiocb` is the valid kiocb of this read.
-        let nowait = unsafe { glue::kiocb_nowait(kiocb.as_raw()) };
-        kiocb.file().state.jobs.read_events(iov, nowait)
+        let wait = unsafe { glue::kiocb_wait(kiocb.as_raw()) };
+        kiocb.file().state.jobs.read_events(iov, wait)
     }
 
     fn release(me: Pin<KBox<TdrvFile>>, _file: &File) {
@@ -289,7 +290,11 @@ impl MiscDevice for TdrvFile {
                 let mut h = me.state.handles.lock();
                 me.state.table.remove_slot(&mut h.slots, slot)
             };
-            drop(buf);
+            if let Some(buf) = buf {
+                let arc = (*buf).clone();
+                drop(buf);
+                Buffer::drop_unlocked(arc);
+            }
         }
     }
 
@@ -349,6 +354,22 @@ impl MiscDevice for TdrvFile {
     }
 }
 
+/// The end of a synchronous write of `len` bytes of `buf` (COPY_IN,
+/// MEMSET, COPY) with outcome `r`, under its `cpu_begin`: a write that
+/// wrote bytes clears the error latch (an empty one writes nothing); one
+/// the device's DMA failed part-way (TDRV_DEVICE_SIM: EIO for a failed
+/// descriptor, ETIMEDOUT from the watchdog) left the bytes undefined and
+/// latches its errno, as a failed job does, so that every user of the
+/// buffer (other files, importers) learns it. Other errors (EFAULT,
+/// EINTR, ENODEV) keep the latch as it was.
+fn end_sync_write(buf: &Buffer, r: &Result, len: usize) {
+    match r {
+        Ok(()) if len > 0 => buf.fence.clear_error(),
+        Err(e) if *e == EIO || *e == ETIMEDOUT => buf.fence.latch_error(e.to_errno()),
+        _ => {}
+    }
+}
+
 impl TdrvFile {
     /// Looks up a buffer of this file: ENOENT for anything else. Takes no
     /// lock.
@@ -386,6 +407,7 @@ impl TdrvFile {
                 | FEAT_DMABUF
                 | FEAT_BUF_ID
                 | FEAT_EVENTS
+                | FEAT_IMPLICIT_SYNC
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -547,13 +569,18 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = match dmabuf::lookup(a.fd)? {
-            dmabuf::Lookup::Own(buf) => {
-                if !Arc::ptr_eq(buf.device(), &self.device) {
-                    return Err(EXDEV);
-                }
-                buf
+            dmabuf::Lookup::Own(buf, _) if Arc::ptr_eq(buf.device(), &self.device) => buf,
+            dmabuf::Lookup::Own(buf, _) if buf.on_device() => {
+                // Another device's memory behind its BAR: no peer-to-peer
+                // path (refused before vmap, whose failure the dma-buf core
+                // would WARN about).
+                dmabuf::log_no_p2p();
+                return Err(crate::uapi::eopnotsupp());
             }
-            dmabuf::Lookup::Foreign(foreign) => {
+            dmabuf::Lookup::Own(buf, _) if !buf.device().is_bound() => return Err(ENODEV),
+            // Another tdrv device's export in host memory: mapped like a
+            // foreign dma-buf (zero-copy, see `dmabuf.rs`).
+            dmabuf::Lookup::Own(_, foreign) | dmabuf::Lookup::Foreign(foreign) => {
                 if a.channel >= self.device.channels.count() {
                     return Err(EINVAL);
                 }
@@ -562,17 +589,20 @@ impl TdrvFile {
                 if self.state.handles.lock().imports >= self.device.limits.imports {
                     return Err(ENOSPC);
                 }
+                // Counted before the guard: at the limit, this waits for
+                // queued releases (which unbind also waits for).
+                let slot = self.device.imports.reserve()?;
                 let active = self.device.enter()?;
-                let dev = if self.device.engine().does_dma() {
-                    raw_device(self.device.bound_device(&active)).cast()
-                } else {
-                    core::ptr::null_mut()
-                };
-                // SAFETY: `dev` is null or the bound device; the active
-                // guard keeps it bound until the buffer is registered, and
-                // unbind releases every registered buffer's import before
-                // the device goes away.
-                let import = unsafe { dmabuf::Import::new(foreign, dev)? };
+                let dev = raw_device(self.device.bound_device(&active)).cast();
+                let engine = self.device.engine();
+                // Revocable where the engine ends its accesses in bounded
+                // time (see `dmabuf.rs`, "Revocation of imports").
+                let owner = engine.revocable_imports().then(|| self.device.clone());
+                // SAFETY: `dev` is the bound device; the active guard keeps
+                // it bound until the buffer is registered, and unbind
+                // releases every registered buffer's import before the
+                // device goes away.
+                let import = unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner, slot)? };
                 Buffer::import(&self.device, &active, import, a.channel)?
             }
         };
@@ -616,7 +646,9 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.remove_handle(a.handle).ok_or(ENOENT)?;
+        let arc = (*buf).clone();
         drop(buf);
+        Buffer::drop_unlocked(arc);
         Ok(())
     }
 
@@ -681,10 +713,7 @@ impl TdrvFile {
         // keep jobs off the buffer until the copy is done.
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.copy_from_user(range, UserPtr::from_addr(a.user_ptr as usize));
-        // A write clears the error latch; an empty one writes nothing.
-        if r.is_ok() && range.len > 0 {
-            buf.fence.clear_error();
-        }
+        end_sync_write(&buf, &r, range.len);
         buf.fence.cpu_end();
         r
     }
@@ -712,9 +741,7 @@ impl TdrvFile {
         let range = checked_range(a.offset, a.size, buf.size())?;
         buf.fence.cpu_begin(FENCE_ALL)?;
         let r = buf.fill(range, a.value as u8);
-        if r.is_ok() && range.len > 0 {
-            buf.fence.clear_error();
-        }
+        end_sync_write(&buf, &r, range.len);
         buf.fence.cpu_end();
         r
     }
@@ -759,14 +786,13 @@ impl TdrvFile {
             t.src.fence.cpu_end();
             return Err(e);
         }
-        let r = t
-            .src
-            .fence
-            .check_error()
-            .and_then(|()| t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range));
-        if r.is_ok() {
-            t.dst.fence.clear_error();
-        }
+        // A latched source fails the copy before it writes anything: the
+        // destination keeps its bytes and its latch.
+        let r = t.src.fence.check_error().and_then(|()| {
+            let r = t.dst.copy_from_ioctl(t.dst_offset, &t.src, t.src_range);
+            end_sync_write(&t.dst, &r, t.src_range.len);
+            r
+        });
         t.dst.fence.cpu_end();
         t.src.fence.cpu_end();
         r
@@ -856,7 +882,7 @@ impl TdrvFile {
         // the job is queued, so that nothing can fail after it, except
         // writing the result back.
         let (out_fence, fd) = if want_out {
-            let fence = OutFence::new()?;
+            let fence = OutFence::new(Arc::as_ptr(&self.device).cast())?;
             let fd = fence.reserve_fd()?;
             (Some(fence), Some(fd))
         } else {

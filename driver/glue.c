@@ -282,10 +282,11 @@ __poll_t tdrv_poll_readable(void)
 }
 
 /* A read that must not sleep: O_NONBLOCK on the file, or RWF_NOWAIT. */
-bool tdrv_kiocb_nowait(const struct kiocb *iocb)
+int tdrv_kiocb_wait_mode(const struct kiocb *iocb)
 {
-	return (iocb->ki_flags & IOCB_NOWAIT) ||
-	       (iocb->ki_filp->f_flags & O_NONBLOCK);
+	if (iocb->ki_flags & IOCB_NOWAIT)
+		return 2;
+	return (iocb->ki_filp->f_flags & O_NONBLOCK) ? 1 : 0;
 }
 
 /* read(2) of the file honours RWF_NOWAIT (preadv2), which the VFS refuses
@@ -334,6 +335,12 @@ MODULE_PARM_DESC(device_max_imports, "Most live buffers imported from foreign dm
 static unsigned int tdrv_param_file_max_mib = 4096;
 module_param_named(file_max_mib, tdrv_param_file_max_mib, uint, 0444);
 MODULE_PARM_DESC(file_max_mib, "Most MiB of buffers one open file may hold, page-rounded (1-1048576); more is ENOSPC");
+static unsigned int tdrv_param_file_max_events = 4096;
+module_param_named(file_max_events, tdrv_param_file_max_events, uint, 0444);
+MODULE_PARM_DESC(file_max_events, "Most completion events one open file may have asked for and not read (1-65536); more is ENOSPC");
+static unsigned int tdrv_param_device_max_events = 65536;
+module_param_named(device_max_events, tdrv_param_device_max_events, uint, 0444);
+MODULE_PARM_DESC(device_max_events, "Most completion events all open files of a device may have asked for and not read (1-16777216); more is ENOSPC");
 static unsigned int tdrv_param_file_max_jobs = 1024;
 module_param_named(file_max_jobs, tdrv_param_file_max_jobs, uint, 0444);
 MODULE_PARM_DESC(file_max_jobs, "Most unfinished jobs one open file may have (1-4095); more is EAGAIN");
@@ -353,6 +360,8 @@ void tdrv_params_get(struct tdrv_params *p)
 	p->file_max_imports = tdrv_param_file_max_imports;
 	p->device_max_imports = tdrv_param_device_max_imports;
 	p->file_max_mib = tdrv_param_file_max_mib;
+	p->file_max_events = tdrv_param_file_max_events;
+	p->device_max_events = tdrv_param_device_max_events;
 	p->file_max_jobs = tdrv_param_file_max_jobs;
 	p->file_max_inflight_mib = tdrv_param_file_max_inflight_mib;
 }

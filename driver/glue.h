@@ -30,7 +30,7 @@ void tdrv_poll_wait(struct file *file, struct wait_queue_head *wq,
 		    struct poll_table_struct *pt);
 void tdrv_poll_wake(struct wait_queue_head *wq);
 __poll_t tdrv_poll_readable(void);
-bool tdrv_kiocb_nowait(const struct kiocb *iocb);
+int tdrv_kiocb_wait_mode(const struct kiocb *iocb);
 void tdrv_file_allow_nowait(struct file *file);
 const struct attribute_group **tdrv_node_groups_get(void);
 int tdrv_get_user_words(u64 *dst, const u64 __user *src, unsigned int words);
@@ -48,6 +48,8 @@ struct tdrv_params {
 	u32 file_max_imports;
 	u32 device_max_imports;
 	u32 file_max_mib;
+	u32 file_max_events;
+	u32 device_max_events;
 	u32 file_max_jobs;
 	u32 file_max_inflight_mib;
 };

@@ -38,7 +38,7 @@ mod ffi {
         );
         pub(super) fn tdrv_poll_wake(wq: *mut kernel::bindings::wait_queue_head);
         pub(super) fn tdrv_poll_readable() -> kernel::bindings::__poll_t;
-        pub(super) fn tdrv_kiocb_nowait(iocb: *const core::ffi::c_void) -> bool;
+        pub(super) fn tdrv_kiocb_wait_mode(iocb: *const core::ffi::c_void) -> core::ffi::c_int;
         pub(super) fn tdrv_file_allow_nowait(file: *mut core::ffi::c_void);
         pub(super) fn tdrv_node_groups_get() -> *mut *const kernel::bindings::attribute_group;
         pub(super) fn tdrv_get_user_words(
@@ -71,6 +71,8 @@ pub(crate) struct ModParams {
     pub(crate) file_max_imports: u32,
     pub(crate) device_max_imports: u32,
     pub(crate) file_max_mib: u32,
+    pub(crate) file_max_events: u32,
+    pub(crate) device_max_events: u32,
     pub(crate) file_max_jobs: u32,
     pub(crate) file_max_inflight_mib: u32,
 }
@@ -279,14 +281,33 @@ pub(crate) fn poll_readable() -> bindings::__poll_t {
     unsafe { ffi::tdrv_poll_readable() }
 }
 
-/// Whether a read must not sleep (O_NONBLOCK or RWF_NOWAIT).
+/// How far a read may wait.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadWait {
+    /// A blocking read: sleeps until there is something to read.
+    Block,
+    /// O_NONBLOCK: EAGAIN instead of waiting for data, but may sleep on a
+    /// lock held briefly (an EPOLLET reader must not see a spurious
+    /// EAGAIN while data is ready, or it waits for an edge that never
+    /// comes).
+    NonBlock,
+    /// IOCB_NOWAIT (RWF_NOWAIT, io_uring's first try): EAGAIN instead of
+    /// any sleep, locks included; io_uring retries from a worker.
+    NoWait,
+}
+
+/// How far the read of `iocb` may wait.
 ///
 /// # Safety
 ///
 /// `iocb` is the valid kiocb of a read in progress.
-pub(crate) unsafe fn kiocb_nowait(iocb: *const bindings::kiocb) -> bool {
+pub(crate) unsafe fn kiocb_wait(iocb: *const bindings::kiocb) -> ReadWait {
     // SAFETY: The caller's guarantee.
-    unsafe { ffi::tdrv_kiocb_nowait(iocb.cast()) }
+    match unsafe { ffi::tdrv_kiocb_wait_mode(iocb.cast()) } {
+        0 => ReadWait::Block,
+        1 => ReadWait::NonBlock,
+        _ => ReadWait::NoWait,
+    }
 }
 
 /// Lets `read(2)` of `file` take RWF_NOWAIT.

@@ -72,6 +72,7 @@ use kernel::{
 use crate::{
     buffer::Buffer,
     event::{
+        EventBudget,
         EventQueue,
         JobEvent, //
     },
@@ -92,9 +93,11 @@ use crate::{
     },
     glue::{
         self,
-        PollQueue, //
+        PollQueue,
+        ReadWait, //
     },
     range::ByteRange,
+    resv::ResvUses,
     uapi::{
         self,
         ecanceled,
@@ -266,6 +269,11 @@ pub(crate) struct Job {
     outcome: Atomic<i32>,
     /// Set once the outcome was reported (early, for a timed-out job).
     reported: Atomic<bool>,
+    /// Set by [`Job::abandon`]: its fence marks are abandoned ones.
+    abandoned: Atomic<bool>,
+    /// Set by [`Job::begin_access`]: the job holds an access to each of
+    /// its buffers, which [`Job::release_fences`] ends.
+    accessing: Atomic<bool>,
     /// The `sync_file`s the job waits for before it may reach the engine.
     in_fences: Option<InFences>,
     /// Set once every in-fence signalled (at once without in-fences).
@@ -344,6 +352,8 @@ impl Job {
             started_ns: Atomic::new(0),
             outcome: Atomic::new(NO_OUTCOME),
             reported: Atomic::new(false),
+            abandoned: Atomic::new(false),
+            accessing: Atomic::new(false),
             in_fences,
             deps_ready: Atomic::new(ready),
             out_fence,
@@ -380,6 +390,45 @@ impl Job {
         self.started_ns.store(now_ns().max(1), Relaxed);
     }
 
+    /// Before the engine touches the job's buffers: starts an access to
+    /// each (see [`Buffer::begin_access`](crate::buffer::Buffer::begin_access)),
+    /// which [`Job::release_fences`] ends. ENODEV, with none held, if a
+    /// foreign import among them was revoked by its exporter: the engine
+    /// then completes the job with it without running it. No lock (but a
+    /// wait queue's on failure), no memory: engines call it on their
+    /// dispatch paths. An engine whose imports are revocable
+    /// ([`Engine::revocable_imports`](crate::engine::Engine::revocable_imports))
+    /// must call it.
+    pub(crate) fn begin_access(&self) -> Result {
+        let bufs = self.transfers.iter().flat_map(|t| [&t.src, &t.dst]);
+        for (i, b) in bufs.clone().enumerate() {
+            if let Err(e) = b.begin_access() {
+                for held in bufs.take(i) {
+                    held.end_access();
+                }
+                return Err(e);
+            }
+        }
+        self.accessing.store(true, Relaxed);
+        Ok(())
+    }
+
+    /// True once a foreign import among the job's buffers was revoked by
+    /// its exporter: an engine stops at its next piece or chunk (ENODEV).
+    pub(crate) fn revoked(&self) -> bool {
+        self.transfers.iter().any(|t| t.src.revoked() || t.dst.revoked())
+    }
+
+    /// Ends the accesses of [`Job::begin_access`], if any.
+    fn end_access(&self) {
+        if self.accessing.xchg(false, Relaxed) {
+            for t in self.transfers.iter() {
+                t.src.end_access();
+                t.dst.end_access();
+            }
+        }
+    }
+
     /// The completion path, shared by every engine. Call exactly once (or
     /// [`Job::report`] and then [`Job::release_fences`], once each).
     ///
@@ -400,6 +449,20 @@ impl Job {
     /// [`Job::report`] for a job whose DMA may still run after it failed:
     /// its destinations stay marked busy until the device lets go.
     pub(crate) fn release_fences(&self, result: Result) {
+        // The engine no longer touches the buffers: a revocation waiting
+        // for them may unmap them.
+        self.end_access();
+        if self.abandoned.load(Relaxed) {
+            let errno = match result {
+                Ok(()) => EIO.to_errno(),
+                Err(e) => e.to_errno(),
+            };
+            for t in self.transfers.iter() {
+                t.src.fence.end_abandoned(false, 0);
+                t.dst.fence.end_abandoned(true, errno);
+            }
+            return;
+        }
         for (i, t) in self.transfers.iter().enumerate() {
             t.src.fence.end(false, false);
             // A job counts one completion per distinct destination buffer,
@@ -431,6 +494,26 @@ impl Job {
         self.report_now(result);
     }
 
+    /// The job failed with `result` but the device may still run it (a
+    /// dead queue keeps it): reports the outcome now, and marks its fence
+    /// marks abandoned, so that waits only they would hold up fail
+    /// instead of sleeping until the device lets go (see
+    /// `Fence::abandon`). [`Job::release_fences`] ends them later.
+    pub(crate) fn abandon(&self, result: Result) {
+        self.report(result);
+        if self.abandoned.xchg(true, Relaxed) {
+            return;
+        }
+        let errno = match result {
+            Ok(()) => EIO.to_errno(),
+            Err(e) => e.to_errno(),
+        };
+        for t in self.transfers.iter() {
+            t.src.fence.abandon(false, 0);
+            t.dst.fence.abandon(true, errno);
+        }
+    }
+
     fn report_now(&self, result: Result) {
         let stats = &self.device.stats;
         let started = self.started_ns.load(Relaxed);
@@ -456,6 +539,9 @@ impl PinnedDrop for Job {
         // In-fence callbacks first: this waits for one that is running,
         // which may still look at the job.
         drop(self.as_mut().project().in_fences.take());
+        // An engine that began accesses ended them with `release_fences`;
+        // this only guards against one that did not.
+        self.end_access();
         // Buffers next (this may free their memory and give back their
         // channel bytes), then the outcome, then the out-fence.
         drop(core::mem::take(self.as_mut().project().transfers));
@@ -479,6 +565,13 @@ impl PinnedDrop for Job {
 }
 
 impl Job {
+    /// The job is in its engine's queue (or claimed by it): see `resv.rs`.
+    fn reached_engine(&self) {
+        if let Some(f) = &self.out_fence {
+            f.set_queued();
+        }
+    }
+
     /// Whether every in-fence of the job has signalled.
     fn deps_ready(&self) -> bool {
         self.deps_ready.load(Acquire)
@@ -551,6 +644,10 @@ pub(crate) struct JobTracker {
     /// Hands held jobs to the engine once their in-fences signalled.
     #[pin]
     dispatch: Work<JobTracker>,
+    /// Held by SUBMIT from a job's implicit synchronisation until it has
+    /// its id (see `resv.rs`). Never taken on a completion path.
+    #[pin]
+    submit_lock: Mutex<()>,
     /// `poll(2)` and epoll of the file's completion events.
     #[pin]
     poll: PollQueue,
@@ -579,7 +676,9 @@ pub(crate) enum JobStatus {
 }
 
 impl JobTracker {
-    pub(crate) fn new() -> Result<Arc<Self>> {
+    /// The tracker of a new file, which may have `max_events` events
+    /// queued, from the device's `budget`.
+    pub(crate) fn new(max_events: u32, budget: Arc<EventBudget>) -> Result<Arc<Self>> {
         let ring = StatusRing::new()?;
         Arc::pin_init(
             pin_init!(Self {
@@ -591,7 +690,7 @@ impl JobTracker {
                         inflight_bytes: 0,
                         held: List::new(),
                         sleepers: 0,
-                        events: EventQueue::new(),
+                        events: EventQueue::new(max_events, budget),
                     },
                     "JobTracker::state"
                 ),
@@ -600,6 +699,7 @@ impl JobTracker {
                 queued_hint: Atomic::new(0),
                 busy_ns: Atomic::new(0),
                 dispatch <- new_work!("JobTracker::dispatch"),
+                submit_lock <- new_mutex!((), "JobTracker::submit_lock"),
                 poll <- PollQueue::new(),
                 events_ready: Atomic::new(false),
             }),
@@ -638,6 +738,29 @@ impl JobTracker {
         // again under the lock.
         if self.queued_hint.load(Relaxed) >= limits.jobs {
             return Err(EAGAIN);
+        }
+        // A revoked import has no memory behind it. (One revoked from here
+        // on makes the job end with ENODEV instead, see `begin_access`.)
+        if transfers.iter().any(|t| t.src.revoked() || t.dst.revoked()) {
+            return Err(ENODEV);
+        }
+        // Implicit synchronisation (see `resv.rs`): a job whose buffers
+        // have reservation objects gets a fence there and waits for the
+        // fences it finds, before it takes its id.
+        let uses = ResvUses::of(&transfers)?;
+        let mut in_fences = in_fences;
+        let mut out_fence = out_fence;
+        let mut order = None;
+        if let Some(uses) = uses {
+            let engine = Arc::as_ptr(device).cast::<core::ffi::c_void>();
+            let fence = match out_fence.take() {
+                Some(f) => f,
+                None => OutFence::new(engine)?,
+            };
+            // Held until the job has its id: see `resv.rs`.
+            order = Some(self.submit_lock.lock());
+            in_fences = uses.attach(&fence, engine, in_fences)?;
+            out_fence = Some(fence);
         }
         if in_fences.is_none()
             && out_fence.is_none()
@@ -715,10 +838,13 @@ impl JobTracker {
                 && device.engine().may_claim(bytes, job.transfers.len())
                 && device.engine().claim(&job)
             {
+                job.reached_engine();
                 claimed = Some(job);
                 return Ok(());
             }
-            device.engine().submit(job)
+            device.engine().submit(job)?;
+            undo.reached_engine();
+            Ok(())
         });
         if let Err(e) = queued {
             // Never queued: undo the marks without counting anything.
@@ -728,6 +854,7 @@ impl JobTracker {
         }
         self.issue(&mut state, bytes, device);
         drop(state);
+        drop(order);
         if let Some(e) = failed {
             undo.complete(Err(e));
         }
@@ -789,6 +916,9 @@ impl JobTracker {
                     }
                     let keep = job.clone_arc();
                     let r = keep.device.engine().submit(job);
+                    if r.is_ok() {
+                        keep.reached_engine();
+                    }
                     handed = Some((keep, r));
                     break;
                 }
@@ -854,7 +984,8 @@ impl JobTracker {
 
     /// `TDRV_IOC_JOB_NOTIFY`: queues an event for job `id` when it ends
     /// (now if it has). EINVAL for an id this file never issued, ESTALE
-    /// for one older than the last `JOB_WINDOW`, ENOSPC past `MAX_EVENTS`.
+    /// for one older than the last `JOB_WINDOW`, ENOSPC past the file's
+    /// `file_max_events` or the device's `device_max_events`.
     pub(crate) fn notify(&self, id: u64, user_data: u64) -> Result {
         // Allocated before the lock, which the completion path takes.
         let ev = JobEvent::new(id, user_data)?;
@@ -890,18 +1021,27 @@ impl JobTracker {
     }
 
     /// `read(2)` of the file: copies whole ready events to `out`, oldest
-    /// first, sleeping until one is ready unless `nowait` (EAGAIN).
-    /// EINVAL if `out` cannot hold one; EFAULT (losing nothing) if none
-    /// could be copied; a signal ends the sleep (ERESTARTSYS).
-    pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, nowait: bool) -> Result<usize> {
+    /// first, sleeping until one is ready unless `wait` forbids it
+    /// (EAGAIN). EINVAL if `out` cannot hold one; EFAULT (losing nothing)
+    /// if none could be copied; a signal ends the sleep (ERESTARTSYS).
+    ///
+    /// One reader at a time copies (the others wait, interruptibly): the
+    /// copy runs unlocked and may fault, and what it could not copy goes
+    /// back to the front, so a second reader must not take later events
+    /// meanwhile. Whatever the copy left, and whatever completed during
+    /// it, wakes the sleepers and poll() again.
+    pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, wait: ReadWait) -> Result<usize> {
         const SIZE: usize = core::mem::size_of::<uapi::Event>();
         let max = out.len() / SIZE;
         if max == 0 {
             return Err(EINVAL);
         }
-        let mut state = self.state.lock();
-        while !state.events.has_ready() {
-            if nowait {
+        let mut state = match wait {
+            ReadWait::NoWait => self.state.try_lock().ok_or(EAGAIN)?,
+            ReadWait::Block | ReadWait::NonBlock => self.state.lock(),
+        };
+        while !state.events.readable() {
+            if wait != ReadWait::Block {
                 return Err(EAGAIN);
             }
             if self.wq.wait_interruptible(&mut state) {
@@ -922,10 +1062,16 @@ impl JobTracker {
             }
         }
         let mut state = self.state.lock();
-        state.events.consumed(copied);
-        state.events.put_back(left);
-        self.events_ready.store(state.events.has_ready(), Release);
-        drop(state);
+        state.events.end_read(copied, left);
+        let ready = state.events.has_ready();
+        self.events_ready.store(ready, Release);
+        // Readers that waited for this one, and ready events: the ones put
+        // back and the ones delivered during the copy, which another
+        // reader could not take then (an EPOLLET waiter needs a new edge).
+        self.wq.wake_all(state);
+        if ready {
+            self.poll.wake();
+        }
         if copied == 0 {
             return Err(EFAULT);
         }

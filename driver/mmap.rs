@@ -120,9 +120,11 @@ unsafe extern "C" fn vma_fault(vmf: *mut bindings::vm_fault) -> bindings::vm_fau
     // fence. What keeps the frames valid meanwhile is the active guard:
     // unbind frees the memory only after the guards in progress are gone
     // and every mapping was zapped, and no guard can be taken once unbind
-    // has begun. A fault never waits for userspace under the guard.
+    // has begun. A fault never waits for userspace under the guard. For
+    // a foreign import the guard is also an access, which the exporter's
+    // revocation waits for before it zaps and unmaps (SIGBUS after).
     let sigbus = bindings::vm_fault_reason_VM_FAULT_SIGBUS as bindings::vm_fault_t;
-    let Ok(_active) = buf.device().enter() else {
+    let Ok(_active) = buf.enter() else {
         return sigbus;
     };
     let around = ((vm_end - address) / PAGE_SIZE).clamp(1, FAULT_AROUND);

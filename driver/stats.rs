@@ -119,6 +119,7 @@ fn write_stats(d: &Arc<TdrvDevice>, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             )?;
         }
     }
+    writeln!(f, "imports: {}", d.imports.held())?;
     writeln!(f, "jobs_submitted: {}", s.jobs_submitted.load(Relaxed))?;
     writeln!(f, "jobs_completed: {}", s.jobs_completed.load(Relaxed))?;
     writeln!(f, "jobs_failed: {}", s.jobs_failed.load(Relaxed))?;

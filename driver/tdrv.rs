@@ -56,6 +56,7 @@ mod mmap;
 mod node;
 mod range;
 mod registry;
+mod resv;
 mod stats;
 mod uapi;
 mod waitqueue;
@@ -157,6 +158,18 @@ pub(crate) fn params() -> Result<Params> {
         1,
         handle::MAX_HANDLES as u32,
     );
+    let file_max_events = check_param(
+        "file_max_events",
+        m.file_max_events,
+        1,
+        uapi::MAX_EVENTS,
+    );
+    let device_max_events = check_param(
+        "device_max_events",
+        m.device_max_events,
+        1,
+        1 << 24,
+    );
     Ok(Params {
         soft_devices: soft_devices?,
         channels: channels?,
@@ -171,6 +184,8 @@ pub(crate) fn params() -> Result<Params> {
             inflight_bytes: u64::from(file_max_inflight_mib?) << 20,
             imports: file_max_imports? as usize,
             device_imports: device_max_imports?,
+            events: file_max_events?,
+            device_events: device_max_events?,
         },
     })
 }

@@ -35,7 +35,7 @@ use kernel::{
 use crate::glue;
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 4;
+pub(crate) const ABI_MINOR: u32 = 5;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
@@ -46,6 +46,7 @@ pub(crate) const FEAT_DMABUF: u64 = 1 << 5;
 pub(crate) const FEAT_FENCE_FD: u64 = 1 << 6;
 pub(crate) const FEAT_BUF_ID: u64 = 1 << 7;
 pub(crate) const FEAT_EVENTS: u64 = 1 << 8;
+pub(crate) const FEAT_IMPLICIT_SYNC: u64 = 1 << 9;
 
 /// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
 /// `TDRV_JOB_WINDOW`. Older ids get ESTALE.

@@ -13,13 +13,40 @@ from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any, Final, Literal, Optional, Union, final
 
+__all__ = [
+    "__version__",
+    "DTYPES",
+    "Device",
+    "Tensor",
+    "Mapping",
+    "Job",
+    "JobHandle",
+    "empty",
+    "from_buffer",
+    "from_dlpack",
+    "devices",
+    "Error",
+    "BusyError",
+    "TimeoutError",
+    "JobFailedError",
+    "DeviceWriteFailedError",
+    "RangeError",
+    "UnsupportedError",
+    "OutOfMemoryError",
+    "CrossChannelError",
+    "InvalidArgumentError",
+    "PermissionError",
+    "DeviceNotFoundError",
+    "InterruptedError",
+]
+
 __version__: Final[str]
 DTYPES: Final[list[str]]
 
 # A dtype: a name of DTYPES, or anything numpy.dtype() accepts for one.
-DTypeLike = Any
-Shape = Union[int, Sequence[int]]
-DeviceLike = Union["Device", str]
+_DTypeLike = Any
+_Shape = Union[int, Sequence[int]]
+_DeviceLike = Union["Device", str]
 
 class Error(builtins.OSError):
     """A tdrv error: an OSError whose errno is the crate's errno for it."""
@@ -41,7 +68,7 @@ class InterruptedError(Error, builtins.InterruptedError): ...
 class Device:
     """An open tdrv device node."""
 
-    def __init__(self, path: str = "/dev/tdrv0") -> None: ...
+    def __new__(cls, path: str = "/dev/tdrv0") -> Device: ...
     @property
     def path(self) -> str: ...
     @property
@@ -56,8 +83,8 @@ class Device:
     def fileno(self) -> int: ...
     def empty(
         self,
-        shape: Shape,
-        dtype: Optional[DTypeLike] = None,
+        shape: _Shape,
+        dtype: Optional[_DTypeLike] = None,
         *,
         channel: int = 0,
         name: Optional[str] = None,
@@ -93,7 +120,7 @@ class Tensor:
     def address(self) -> Optional[int]: ...
     def shares_storage_with(self, other: Tensor) -> bool: ...
     def view(
-        self, dtype: Optional[DTypeLike] = None, shape: Optional[Shape] = None
+        self, dtype: Optional[_DTypeLike] = None, shape: Optional[_Shape] = None
     ) -> Tensor: ...
     def byte_slice(
         self,
@@ -102,12 +129,21 @@ class Tensor:
         *,
         name: Optional[str] = None,
     ) -> Tensor: ...
-    def __getitem__(self, key: Union[int, slice]) -> Tensor: ...
+    def __getitem__(self, key: Union[int, slice], /) -> Tensor: ...
     def __len__(self) -> int: ...
     def read(self, offset: int = 0, size: Optional[int] = None) -> bytes: ...
     def to_bytes(self) -> bytes: ...
     def write(self, data: Any, offset: int = 0) -> None: ...
     def memset(self, value: int, offset: int = 0, size: Optional[int] = None) -> None: ...
+    def to(
+        self,
+        device: Optional[_DeviceLike],
+        *,
+        channel: int = 0,
+        copy: Optional[bool] = None,
+    ) -> Tensor:
+        """This tensor on `device` (None: host memory): the same bytes where
+        the memory can be shared, else a copy; `copy` as numpy's."""
     def copy_from(
         self,
         src: Tensor,
@@ -122,7 +158,7 @@ class Tensor:
     def map_read(self) -> Mapping: ...
     def map_write(self) -> Mapping: ...
     def numpy(self, *, writable: bool = False) -> Any: ...
-    def __array__(self, dtype: Optional[DTypeLike] = None, copy: Optional[bool] = None) -> Any: ...
+    def __array__(self, dtype: Optional[_DTypeLike] = None, copy: Optional[bool] = None) -> Any: ...
     def __dlpack__(
         self,
         *,
@@ -132,6 +168,11 @@ class Tensor:
         copy: Optional[bool] = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
+    # PEP 688. CPython defines them at run time from 3.12; type checkers
+    # use them to accept the object as a buffer (memoryview, numpy, bytes)
+    # on every version.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 @final
 class Mapping:
@@ -160,6 +201,11 @@ class Mapping:
         copy: Optional[bool] = None,
     ) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
+    # PEP 688. CPython defines them at run time from 3.12; type checkers
+    # use them to accept the object as a buffer (memoryview, numpy, bytes)
+    # on every version.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...
 
 @final
 class Job:
@@ -189,17 +235,17 @@ class JobHandle:
     def __await__(self) -> Generator[Any, None, None]: ...
 
 def empty(
-    shape: Shape,
-    dtype: Optional[DTypeLike] = None,
+    shape: _Shape,
+    dtype: Optional[_DTypeLike] = None,
     *,
-    device: Optional[DeviceLike] = None,
+    device: Optional[_DeviceLike] = None,
     channel: int = 0,
     name: Optional[str] = None,
 ) -> Tensor: ...
 def from_buffer(
     obj: Any,
     *,
-    device: Optional[DeviceLike] = None,
+    device: Optional[_DeviceLike] = None,
     channel: int = 0,
     name: Optional[str] = None,
 ) -> Tensor: ...

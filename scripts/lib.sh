@@ -113,3 +113,14 @@ config_vermagic() {
 	[ "$(config_value MODVERSIONS "$config")" = y ] && v+="modversions "
 	echo "${v% }"
 }
+
+# The Debian mirror this machine's apt uses (no host is named here).
+debian_mirror() {
+	local u
+	u=$(grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' |
+		grep -v -- '-security' | head -1)
+	[ -n "$u" ] || u=$(awk '$1 == "deb" && $0 !~ /security/ {for (i = 2; i <= NF; i++) if ($i ~ /:\/\//) {print $i; exit}}' \
+		/etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null | head -1)
+	[ -n "$u" ] || die "no Debian mirror in /etc/apt/sources.list*"
+	echo "${u%/}"
+}

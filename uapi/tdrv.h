@@ -30,8 +30,7 @@
  *  ENOENT   no such buffer handle in this open file (or it was freed)
  *  ERANGE   offset + size outside the buffer, or overflows 64 bits
  *  EFAULT   a user pointer cannot be read or written
- *  EXDEV    a copy between buffers on different HBM channels; IMPORT of a
- *           tdrv dma-buf of another device
+ *  EXDEV    a copy between buffers on different HBM channels
  *  EBADF    IMPORT of an fd, or SUBMIT of an in-fence, that is not open
  *  EOPNOTSUPP IMPORT of a dma-buf tdrv cannot map (see struct tdrv_import);
  *           SUBMIT with fence fds on a kernel without CONFIG_SYNC_FILE
@@ -42,7 +41,7 @@
  *           (module parameters file_max_buffers, file_max_mib), or the
  *           limit of foreign dma-buf imports (file_max_imports,
  *           device_max_imports), or of completion events
- *           (TDRV_MAX_EVENTS), would be exceeded
+ *           (file_max_events, device_max_events), would be exceeded
  *  EAGAIN   this file has too many unfinished jobs, or they would move too
  *           many bytes (file_max_jobs, file_max_inflight_mib): wait for
  *           some to finish and submit again
@@ -56,13 +55,29 @@
  *           kept
  *  EIO      (job status, or SUBMIT) the device failed and is recovering;
  *           (COPY_IN, COPY_OUT, MEMSET, COPY on TDRV_DEVICE_SIM) the
- *           device's DMA failed the transfer;
+ *           device's DMA failed the transfer: COPY_IN, MEMSET and COPY
+ *           then latch the error in the buffer they wrote (its bytes are
+ *           undefined; the same for ETIMEDOUT from the device's watchdog),
+ *           COPY_OUT leaves the buffer as it was;
  *           (COPY_OUT, COPY from, FENCE_WAIT, COMPLETION_WAIT) the buffer's
- *           error latch is set: a job that wrote it failed, so its bytes are
- *           undefined, and no write that could still fix them is pending.
- *           tdrv_buf_info.error tells which errno the job ended with.
+ *           error latch is set: a job or synchronous write that wrote it
+ *           failed, so its bytes are undefined, and no write that could
+ *           still fix them is pending.
+ *           tdrv_buf_info.error tells which errno the job ended with;
+ *           (FENCE_WAIT, COMPLETION_WAIT, COPY_IN, COPY_OUT, MEMSET, COPY
+ *           on TDRV_DEVICE_SIM) what the call waits for is held up only by
+ *           jobs the device abandoned (a queue that ignored its reset, such
+ *           as a killed simulator's): they failed, but the device may still
+ *           access their buffers, which stay reserved until it lets go or
+ *           the device is unbound.
  *  ECANCELED (job status) the job's file was closed before it ended
- *  ENODEV   the device was removed; its files only support close(2)
+ *  ENODEV   the device was removed (unbind, hot-unplug). Its open files
+ *           then support close(2), read(2) and poll(2) of completion
+ *           events (see struct tdrv_job_notify) and TDRV_IOC_VERSION,
+ *           which still describes the device it was; every other ioctl
+ *           (TDRV_IOC_CHANNEL_INFO included) and mmap(2) fail with ENODEV.
+ *           Also (as a job status too): an imported buffer of the call or
+ *           job was revoked by its exporter (see struct tdrv_import)
  *  EINTR    (COPY_IN, COPY_OUT on TDRV_DEVICE_SIM) the caller was killed
  *           between two DMA chunks
  *
@@ -91,7 +106,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 4
+#define TDRV_ABI_MINOR 5
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -106,6 +121,9 @@
 #define TDRV_FEAT_EVENTS	(1ULL << 8) /* TDRV_IOC_JOB_NOTIFY, and read(2) and
 					     * poll(2) of completion events (1.4);
 					     * on every kernel */
+#define TDRV_FEAT_IMPLICIT_SYNC	(1ULL << 9) /* jobs take part in their dma-bufs'
+					     * reservation objects (1.5; see
+					     * struct tdrv_export); on every kernel */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -132,7 +150,12 @@
 /* Timeouts are in microseconds: 0 polls, negative waits without limit. */
 #define TDRV_TIMEOUT_INFINITE	(-1LL)
 
-/* TDRV_IOC_VERSION: ABI version, features and device description. */
+/*
+ * TDRV_IOC_VERSION: ABI version, features and device description. It is the
+ * one ioctl that still works after the device was removed: it then reports
+ * what it did before (the same kind, channels and features), so a caller
+ * can tell what its file was for.
+ */
 struct tdrv_version {
 	__u32 abi_major;	/* out: TDRV_ABI_MAJOR */
 	__u32 abi_minor;	/* out: TDRV_ABI_MINOR */
@@ -143,7 +166,8 @@ struct tdrv_version {
 	__u64 reserved[4];	/* out: zero */
 };
 
-/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. */
+/* TDRV_IOC_CHANNEL_INFO: memory accounting of one HBM channel. EINVAL for a
+ * channel >= num_channels; ENODEV once the device was removed. */
 struct tdrv_channel_info {
 	__u32 channel;		/* in */
 	__u32 pad;		/* in: zero */
@@ -186,7 +210,9 @@ struct tdrv_buf_info {
 	__u32 pad;		/* in: zero */
 	__s32 error;		/* out: the buffer's error latch (ABI 1.1): the
 				 * negative errno of the last job that failed
-				 * writing it, or 0. Cleared by a successful
+				 * writing it, or of a COPY_IN, MEMSET or COPY
+				 * into it that the device's DMA failed (EIO,
+				 * ETIMEDOUT; TDRV_DEVICE_SIM), or 0. Cleared by a successful
 				 * write (job, COPY_IN, MEMSET, COPY) and by
 				 * TDRV_IOC_COMPLETION_RESET. Ignored on input. */
 	__u32 pad2;		/* in: zero */
@@ -264,7 +290,8 @@ struct tdrv_copy {
  * buffers, after TDRV_IOC_JOB_WAIT reports it done. The job's outcome is
  * the fence's error: 0 on success, else -ECANCELED (its file was closed),
  * -EIO (device failure or recovery), -ETIMEDOUT (watchdog), -ENODEV
- * (device removed), or an in-fence's error (below). poll(2)/epoll report
+ * (device removed, or an imported buffer of the job revoked by its
+ * exporter), or an in-fence's error (below). poll(2)/epoll report
  * POLLIN once it signalled; SYNC_IOC_FILE_INFO gives the status. The fd
  * works after the tdrv file is closed and after the module is unloaded.
  *
@@ -277,6 +304,19 @@ struct tdrv_copy {
  * with that error without running (and its out-fence carries it).
  * Closing the file ends held jobs with ECANCELED, removing the device
  * with ENODEV.
+ *
+ * Implicit synchronisation (ABI 1.5, TDRV_FEAT_IMPLICIT_SYNC, on every
+ * kernel): a job that uses a buffer with a dma-buf (one exported with
+ * TDRV_IOC_EXPORT, or imported from another exporter) also waits, like
+ * for an in-fence, for the unsignalled fences in that dma-buf's
+ * reservation object: a destination for all of them, a source for the
+ * writers (DMA_RESV_USAGE_WRITE), except tdrv jobs already queued on this
+ * device, which run first anyway. Such a fence's error does not fail the
+ * job. The job's own fence goes into each of those reservation objects
+ * (write usage for a destination, read for a source) at SUBMIT, and
+ * signals when the job ends, as the out-fence does; if SUBMIT then fails,
+ * it signals at once with ECANCELED. A signal while SUBMIT waits for a
+ * reservation lock ends it with EINTR, nothing queued.
  *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
@@ -322,13 +362,48 @@ struct tdrv_submit {
 #define TDRV_JOB_PENDING	1 /* queued or running */
 #define TDRV_JOB_DONE		2 /* finished; see status */
 
-/* TDRV_IOC_JOB_WAIT: wait for a job of this file; timeout 0 queries. */
+/**
+ * struct tdrv_job_wait - TDRV_IOC_JOB_WAIT: wait until a job of this file
+ * has ended; a timeout of 0 only asks.
+ * @job_id: in: a job of this file (the id SUBMIT returned).
+ * @timeout_us: in: 0 asks without waiting, < 0 waits without limit.
+ * @state: out: TDRV_JOB_PENDING or TDRV_JOB_DONE; in: zero.
+ * @status: out: with TDRV_JOB_DONE, 0 or the job's negative errno; in: zero.
+ * @reserved: in: zero.
+ *
+ * A job has ended (TDRV_JOB_DONE) when it has its final status and the
+ * device has let go of its buffers: their pending reads and writes
+ * (struct tdrv_buf_info) no longer count it.
+ *
+ * One exception: a job the device gave up on while it may still be moving
+ * the job's bytes. That is a job the watchdog timed out (-ETIMEDOUT: edu,
+ * sim) or a job of a sim queue that stopped answering (-EIO). It ends at
+ * once, so that nobody waits on a device that may never answer; until the
+ * device lets go (edu: its transfer lands, or the device is removed; sim:
+ * its queue is reset, or the device is removed):
+ * - its buffers still count it in pending_reads and pending_writes, and
+ *   their memory is not freed, even after FREE and close;
+ * - its out-fence, and its fence in a dma-buf's reservation object,
+ *   signal only then: they always mean "let go";
+ * - each destination's error latch holds the job's error, so COPY_OUT and
+ *   COMPLETION_WAIT on it fail with EIO;
+ * - a wait for the buffer's device accesses (FENCE_WAIT, and COPY_IN,
+ *   COPY_OUT and MEMSET before they copy): on edu it lasts until the
+ *   transfer lands, then reports the latch (EIO); on sim, whose queue may
+ *   never answer, it fails at once with EIO when only such accesses keep
+ *   it from ending.
+ *
+ * Errors: EINVAL (job id 0 or not yet issued by this file; state, status
+ * or reserved not zero), ESTALE (older than this file's last
+ * TDRV_JOB_WINDOW jobs), ETIMEDOUT (@timeout_us > 0 passed with the job
+ * still pending), EINTR (see the list above), ENODEV (device removed).
+ */
 struct tdrv_job_wait {
-	__u64 job_id;		/* in */
-	__s64 timeout_us;	/* in: 0 polls, < 0 waits without limit */
-	__u32 state;		/* out: TDRV_JOB_* */
-	__s32 status;		/* out: 0, or the job's negative errno */
-	__u64 reserved[2];	/* in: zero */
+	__u64 job_id;
+	__s64 timeout_us;
+	__u32 state;
+	__s32 status;
+	__u64 reserved[2];
 };
 
 /* tdrv_fence_wait.kind */
@@ -336,7 +411,14 @@ struct tdrv_job_wait {
 #define TDRV_FENCE_WRITES	(1U << 1) /* no pending device writes */
 #define TDRV_FENCE_ALL		(TDRV_FENCE_READS | TDRV_FENCE_WRITES)
 
-/* Most completion events one file may have requested and not yet read. */
+/*
+ * Most completion events one file may ever be allowed to have requested and
+ * not yet read: the upper end of module parameter file_max_events, which
+ * sets the real limit (by default 4096, TDRV_JOB_WINDOW: one event for each
+ * job whose status the file can still ask for). device_max_events (by
+ * default 65536) bounds the sum over all files of a device, so that many
+ * files cannot hold more kernel memory in events than that.
+ */
 #define TDRV_MAX_EVENTS		65536
 
 /**
@@ -348,9 +430,9 @@ struct tdrv_job_wait {
  *
  * Queues one struct tdrv_event on this file when the job has ended, at
  * once if it already has. "Ended" is what TDRV_IOC_JOB_WAIT reports as
- * TDRV_JOB_DONE: the job let go of its buffers, and JOB_WAIT gives the
- * same status. Each call queues one event, so two calls for one job give
- * two events.
+ * TDRV_JOB_DONE, with the same status: the job let go of its buffers,
+ * except a job the device gave up on (see struct tdrv_job_wait). Each
+ * call queues one event, so two calls for one job give two events.
  *
  * Events are read with read(2) from the tdrv file itself: each read
  * returns as many whole events as fit in the buffer (at least one), oldest
@@ -366,11 +448,13 @@ struct tdrv_job_wait {
  * children that inherit it). Closing it, also by exit or SIGKILL,
  * discards the requested and unread ones. When the device is removed,
  * every job ends with ENODEV and its events are queued; read and poll
- * keep working, while JOB_NOTIFY (like every ioctl) fails with ENODEV.
+ * keep working, while JOB_NOTIFY (like every ioctl but TDRV_IOC_VERSION)
+ * fails with ENODEV.
  *
  * Errors: EINVAL (job id 0 or not yet issued by this file, reserved not
  * zero), ESTALE (older than this file's last TDRV_JOB_WINDOW jobs),
- * ENOSPC (TDRV_MAX_EVENTS events requested and not yet read), ENOMEM,
+ * ENOSPC (file_max_events events of this file, or device_max_events of all
+ * files of the device, requested and not yet read), ENOMEM,
  * ENODEV (device removed).
  */
 struct tdrv_job_notify {
@@ -448,12 +532,38 @@ struct tdrv_completion_reset {
  *  - DMA_BUF_IOCTL_SYNC with DMA_BUF_SYNC_START waits for pending device
  *    writes (DMA_BUF_SYNC_READ) or all pending device access (with
  *    DMA_BUF_SYNC_WRITE), like COPY_OUT and COPY_IN, whatever the error
- *    latch says (it does not report the latch); a signal interrupts
+ *    latch says (it does not report the latch), and first (ABI 1.5) for
+ *    the same kind of fences in the dma-buf's reservation object (other
+ *    drivers' work, imported sync_files); a signal interrupts
  *    it (EINTR/restart), and after unbind it fails with ENODEV. It does not
  *    keep jobs off the buffer until DMA_BUF_SYNC_END, which does nothing.
  *  - TDRV_IOC_IMPORT in any file of the same device gives a handle to the
  *    same buffer.
- *  - Other devices cannot attach to it (dma_buf_attach: EOPNOTSUPP).
+ *  - Implicit synchronisation (ABI 1.5, TDRV_FEAT_IMPLICIT_SYNC): the
+ *    buffer gets a reservation object at its first export, shared by
+ *    every dma-buf exported from it. Every job submitted afterwards that
+ *    writes the buffer adds its fence there with write usage, every job
+ *    that reads it with read usage, and waits for the fences already
+ *    there (see struct tdrv_submit). So poll(2) of the fd reports POLLIN
+ *    once no job writing the buffer is pending, POLLOUT once no job uses
+ *    it (on every kernel); DMA_BUF_IOCTL_EXPORT_SYNC_FILE gives a
+ *    sync_file of those jobs, and DMA_BUF_IOCTL_IMPORT_SYNC_FILE makes
+ *    the next tdrv jobs on the buffer wait for a foreign fence (both need
+ *    CONFIG_SYNC_FILE; without it they are ENOTTY). Jobs submitted
+ *    before the first export are not in it. COPY_IN, COPY_OUT, MEMSET and
+ *    COPY wait for tdrv's jobs only, not for other fences there.
+ *  - Other devices attach to it (dma_buf_attach, dma_buf_dynamic_attach),
+ *    pin it and map it: a mapping is an sg_table of all its pages, mapped
+ *    for the importer's device, and several attachments may be mapped at
+ *    once; the kernel may also vmap it. Attaching fails with EIO when a
+ *    page is beyond the importer's DMA mask, with ENODEV after unbind,
+ *    and with EOPNOTSUPP for device memory (TDRV_DEVICE_SIM: it is never
+ *    mapped for another device, no peer-to-peer path is provided; the
+ *    kernel log says so, rate-limited). On unbind, importers are told to
+ *    drop their mappings (dma_buf_invalidate_mappings); revocable ones
+ *    (with an invalidate_mappings callback) get 10 s to unmap, and memory
+ *    still mapped by any importer is freed only once it has unmapped.
+ *    See docs/sharing.md.
  *
  * Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such
  * handle), EMFILE (no free fd), ENOMEM, ENODEV (device removed).
@@ -484,6 +594,18 @@ struct tdrv_export {
  * buffer: the same memory, fence and completion count, no copy. It is
  * charged to this file's limits (file_max_buffers, file_max_mib) as well.
  *
+ * A dma-buf exported by another tdrv device is imported like a foreign
+ * one (below): a new buffer of this device over the exporter's memory,
+ * zero-copy, with its own fence and completion count (jobs of the two
+ * devices order through the reservation object). Which pairs work:
+ * software (TDRV_DEVICE_SOFT) and edu (TDRV_DEVICE_EDU) devices import
+ * each other's buffers in every direction. A sim (TDRV_DEVICE_SIM)
+ * buffer is device memory behind a BAR with no peer-to-peer path to
+ * other devices: its IMPORT into another device is EOPNOTSUPP. Like any
+ * import it lives on the channel named here: SUBMIT
+ * and COPY need it on the same channel as the other buffers of a job
+ * (the channel is the importer's accounting, not where the memory is).
+ *
  * A foreign dma-buf (e.g. from /dev/dma_heap/system) is mapped into the
  * kernel for CPU access and, on a device whose engine does DMA (edu), is
  * attached and mapped for the device once, now; jobs, COPY_IN/OUT,
@@ -493,20 +615,43 @@ struct tdrv_export {
  * at most file_max_imports (default 4096) handles of foreign imports, and
  * a device at most device_max_imports (default 65536) such buffers
  * (module parameters); each IMPORT of a foreign dma-buf makes a new one,
- * alive until its handle is freed and no job uses it. tdrv does not take part
- * in the dma-buf's reservation object (implicit fences): order device work
- * with tdrv's fence waits. Unbind detaches and releases the import.
+ * alive until its handle is freed and no job uses it. FREE of the handle,
+ * or close of the file, releases an import that no job or mapping uses
+ * before it returns: the dma-buf is unmapped and its reference dropped, so
+ * a tdrv exporter has its memory back by then. An import a job or mapping
+ * still uses is released shortly after the last of them lets go, and
+ * counts against device_max_imports until it is (IMPORT at the limit
+ * waits for such releases before it reports ENOSPC). Jobs on it take
+ * part in the dma-buf's reservation object (ABI 1.5, see struct
+ * tdrv_submit): they wait for the exporter's and other importers' fences
+ * there and add their own. Unbind detaches and releases the import.
+ *
+ * Revocation: on software and edu devices an import (of another tdrv
+ * device's buffer or any foreign dma-buf) is a dynamic, pinned attachment
+ * that the exporter can revoke (dma_buf_invalidate_mappings, as a tdrv
+ * exporter does when it is unbound). The importing device then stops
+ * using the memory: a job running on the buffer stops at its next piece
+ * or chunk and ends with ENODEV (TDRV_IOC_JOB_WAIT status), jobs that
+ * have not started end with ENODEV without running, and the exporter's
+ * revocation waits for those running before it takes the memory back.
+ * Afterwards COPY_IN, COPY_OUT, MEMSET, COPY and SUBMIT with the handle
+ * fail with ENODEV (a job submitted while the revocation runs ends with
+ * ENODEV instead), and its user mappings fault with SIGBUS;
+ * FREE still works (the handle is an empty shell). On a sim device an
+ * import is a static attachment: the exporter keeps the memory until the
+ * import is freed, and the import stays usable.
  *
  * Errors: EBADF (@fd is not an open fd), EINVAL (@fd is not a dma-buf;
  * flags, pad or reserved not zero, out fields not zero; @channel out of
  * range for a foreign dma-buf; its size is zero, not whole pages, above
- * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages), EXDEV
- * (a tdrv buffer of another device), EOPNOTSUPP (a dma-buf without a
- * kernel mapping in system memory), ENOSPC (this file's buffer or byte
+ * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages),
+ * EOPNOTSUPP (a dma-buf without a kernel mapping in system memory, such
+ * as another tdrv device's device memory), ENOSPC (this file's buffer or byte
  * limit, or for a foreign dma-buf file_max_imports or device_max_imports),
  * ENOMEM (also when the exporter cannot map the dma-buf into the
  * kernel; the dma-buf core then logs a warning once), ENODEV (device
- * removed), or the exporter's error when mapping the dma-buf for the
+ * removed, or the exporter revoked the dma-buf during the IMPORT), or the
+ * exporter's error when mapping the dma-buf for the
  * device (EIO when its pages are beyond the device's DMA mask: edu's
  * default mask is 28 bits, so load tdrv with edu_dma_bits=32 for QEMU's
  * -device edu,dma_mask=0xffffffff).

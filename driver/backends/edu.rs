@@ -198,6 +198,10 @@ struct Finished {
     failed: List<Job>,
     /// Queued jobs of closed files, found when starting the next job.
     cancelled: List<Job>,
+    /// Jobs on a revoked import, never started (ENODEV).
+    revoked: List<Job>,
+    /// The same, found by `submit`, which refuses it.
+    refused: Option<ListArc<Job>>,
 }
 
 impl Finished {
@@ -208,6 +212,8 @@ impl Finished {
             released: None,
             failed: List::new(),
             cancelled: List::new(),
+            revoked: List::new(),
+            refused: None,
         }
     }
 
@@ -224,6 +230,7 @@ impl Finished {
         }
         fail_all(self.failed, EIO);
         fail_all(self.cancelled, ecanceled());
+        fail_all(self.revoked, ENODEV);
     }
 }
 
@@ -294,6 +301,19 @@ impl EduEngine {
                 return;
             }
             job.start();
+            if job.begin_access().is_err() {
+                // An imported buffer was revoked by its exporter: ended
+                // with ENODEV, never run. From `submit` (under the
+                // submitting file's tracker lock, which completing it
+                // takes) this is the job just submitted, as the engine
+                // was idle: `submit` refuses it.
+                if skip {
+                    fin.revoked.push_back(job);
+                    continue;
+                }
+                fin.refused = Some(job);
+                return;
+            }
             st.current = Some(Cursor {
                 job: job.into_arc(),
                 transfer: 0,
@@ -391,6 +411,13 @@ impl EduEngine {
             // Its file closed: the chunk in flight was the last one.
             self.start_next(st, &mut fin);
             fin.job = Some((cur.job, Err(ecanceled())));
+            return fin;
+        }
+        if cur.job.revoked() {
+            // An imported buffer's exporter revoked it and waits for this
+            // job to let go: no further chunk.
+            self.start_next(st, &mut fin);
+            fin.job = Some((cur.job, Err(ENODEV)));
             return fin;
         }
         cur.to_ram = false;
@@ -549,7 +576,11 @@ impl Engine for EduBackend {
             fin
         };
         // Nothing to complete: `start_next_from` skipped no job.
-        debug_assert!(fin.job.is_none() && fin.cancelled.is_empty());
+        debug_assert!(fin.job.is_none() && fin.cancelled.is_empty() && fin.revoked.is_empty());
+        if fin.refused.is_some() {
+            // Never queued: the core undoes it (ENODEV for SUBMIT).
+            return Err(ENODEV);
+        }
         drop(fin);
         Ok(())
     }

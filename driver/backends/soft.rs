@@ -126,6 +126,12 @@ pub(crate) struct SoftDevice {
 }
 
 impl SoftDevice {
+    /// The device (for KUnit tests that drive one directly).
+    #[cfg(CONFIG_KUNIT)]
+    pub(crate) fn device(&self) -> &Arc<TdrvDevice> {
+        &self.node.device
+    }
+
     pub(crate) fn new(params: &Params) -> impl PinInit<Self, Error> + '_ {
         pin_init::pin_init_scope(move || {
             let index = DeviceIndex::take()?;
@@ -264,6 +270,10 @@ fn run_on_cpu(job: &Job) -> Result {
             if job.cancelled() {
                 return Err(ecanceled());
             }
+            if job.revoked() {
+                // Its exporter waits for this job to let go.
+                return Err(ENODEV);
+            }
             let n = (t.src_range.len - done).min(ENGINE_PIECE);
             // SAFETY: The job holds both buffers, and their memory stays
             // live while the engine runs: unbind frees it only after
@@ -367,7 +377,9 @@ impl SoftEngine {
         let result = if take_one(&self.inject_fail) {
             Err(EIO)
         } else {
-            run_on_cpu(job)
+            // ENODEV, without touching them, if an imported buffer was
+            // revoked by its exporter.
+            job.begin_access().and_then(|()| run_on_cpu(job))
         };
         job.complete(result);
     }
@@ -392,6 +404,10 @@ impl Engine for SoftBackend {
             let _ = queue().enqueue(self.0.clone());
         }
         Ok(())
+    }
+
+    fn revocable_imports(&self) -> bool {
+        true
     }
 
     fn may_claim(&self, bytes: u64, descs: usize) -> bool {

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! The buffer protocol (PEP 3118) over a mapping guard: what
 //! `memoryview(t)`, `numpy.asarray(t)` and `numpy.asarray(t.map_write())`
 //! see.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! DLPack: the C structures of the DLPack 1.0 header (`dlpack.h`, the
 //! ABI every DLPack consumer reads), the capsules `__dlpack__` returns,
 //! and the import side of `tdrv.from_dlpack`.
@@ -173,9 +174,17 @@ pub fn export<'py>(
     versioned: bool,
     copied: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    // Read-only bytes travel as a legacy tensor too: that protocol has no
-    // flag to say so, and its consumers must not write (the DLPack Python
-    // specification; JAX, which imports this way, never does).
+    // The legacy protocol has no read-only flag, and a consumer of it may
+    // write what it gets (numpy and PyTorch make writable arrays of it):
+    // read-only bytes go only to a consumer that can be told (numpy's
+    // export refuses the same way).
+    if !versioned && !guard.writable() {
+        return Err(PyBufferError::new_err(
+            "read-only bytes cannot be exported as a legacy (unversioned) DLPack tensor, \
+             which has no read-only flag: pass max_version=(1, 0), or export a copy \
+             (copy=True) or a write mapping (tensor.map_write())",
+        ));
+    }
     let mut ctx = Box::new(ExportCtx {
         shape: shape.iter().map(|&d| d as i64).collect(),
         _guard: guard,

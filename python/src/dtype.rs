@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Element types of the Python tensors: the crate's tensors are bytes, so
 //! the binding keeps a dtype and a shape next to each view and hands them
 //! to the buffer protocol (struct format) and DLPack (type code and bits).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Python exceptions for `tdrv::Error`.
 //!
 //! Every exception is a subclass of `tdrv.Error`, itself an `OSError`, so
@@ -129,7 +130,9 @@ fn class(py: Python<'_>, kind: Kind) -> Bound<'_, PyType> {
 fn kind_of(e: &tdrv::Error) -> Option<Kind> {
     use tdrv::Error as E;
     Some(match e {
-        E::Busy { .. } | E::SharedView(_) | E::Sys(SysError::Pinned { .. }) => Kind::Busy,
+        E::Busy { .. }
+        | E::SharedView(_)
+        | E::Sys(SysError::Pinned { .. } | SysError::EventsBusy { .. }) => Kind::Busy,
         e if e.is_timeout() => Kind::Timeout,
         E::JobFailed { .. } => Kind::JobFailed,
         E::DeviceWriteFailed { .. } => Kind::DeviceWriteFailed,
@@ -150,6 +153,9 @@ fn kind_of(e: &tdrv::Error) -> Option<Kind> {
         _ => match e.raw_os_error() {
             Some(libc::EACCES | libc::EPERM) => Kind::Permission,
             Some(libc::EINTR) => Kind::Interrupted,
+            // The driver refuses the operation for this memory or device
+            // (e.g. sharing a sim device's HBM).
+            Some(libc::EOPNOTSUPP) => Kind::Unsupported,
             _ => return None,
         },
     })

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! What a Python view of a tensor's bytes holds: a mapping guard of the
 //! crate (`Tensor::map_read_owned` / `map_write_owned`).
 //!

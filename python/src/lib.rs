@@ -86,6 +86,21 @@ fn wait_interruptibly(
     }
 }
 
+/// Waits until the device work in flight on `t` that host `access` would
+/// wait for has ended, in slices where Ctrl-C ends it (see
+/// `wait_interruptibly`). Only that: any other outcome (idle, a failed
+/// job's latch, a tensor without storage) is left to the operation that
+/// follows, which reports it as its own. A job submitted between this and
+/// the operation is waited for by the operation, as by any call.
+fn idle_before(py: Python<'_>, t: &tdrv::Tensor, access: tdrv::Access) -> PyResult<()> {
+    loop {
+        match py.detach(|| t.wait_device_idle(access, Some(SIGNAL_SLICE))) {
+            Err(e) if e.is_timeout() => py.check_signals()?,
+            _ => return Ok(()),
+        }
+    }
+}
+
 /// A wait before a read or write that only makes the wait interruptible:
 /// a failed job's latch ends it like idleness does, and the read (which
 /// reports the latch) or the write (which clears it) decides.
@@ -309,7 +324,15 @@ impl PyTensor {
         }
     }
 
+    /// A mapping guard of the whole view. Taking it waits for the device
+    /// work in flight, which happens first in slices where Ctrl-C ends it.
     fn guard(&self, py: Python<'_>, write: bool) -> PyResult<Arc<Guard>> {
+        let access = if write {
+            tdrv::Access::Write
+        } else {
+            tdrv::Access::Read
+        };
+        idle_before(py, &self.t, access)?;
         let keep = self.keep.clone();
         let g = py
             .detach(|| Guard::new(&self.t, write, keep))
@@ -552,6 +575,7 @@ impl PyTensor {
         size: Option<usize>,
     ) -> PyResult<()> {
         let size = size.unwrap_or_else(|| self.t.size().saturating_sub(offset));
+        idle_before(py, &self.t, tdrv::Access::Write)?;
         py.detach(|| self.t.memset(offset, value, size))
             .map_err(to_py)
     }
@@ -570,8 +594,76 @@ impl PyTensor {
     ) -> PyResult<()> {
         let src = &src.get().t;
         let size = size.unwrap_or_else(|| src.size().saturating_sub(src_offset));
+        idle_before(py, src, tdrv::Access::Read)?;
+        idle_before(py, &self.t, tdrv::Access::Write)?;
         py.detach(|| tdrv::Tensor::copy(src, src_offset, &self.t, dst_offset, size))
             .map_err(to_py)
+    }
+
+    /// This tensor on `device` (a `Device`, a device path, or None for host
+    /// memory), with the same dtype and shape, without a copy where the
+    /// memory can be shared: the same bytes if the tensor is already there
+    /// (`channel` is then ignored), and on another tdrv device a view of
+    /// this tensor's memory imported through a dma-buf (`Tensor.share_to`
+    /// of the crate; docs/sharing.md says which devices share). Writes
+    /// through either side are then seen by the other, and jobs there use
+    /// the memory. Otherwise the bytes are copied into a new tensor, on
+    /// HBM `channel` of a device. As numpy's `copy`: `copy=True` always
+    /// copies, `copy=False` never does and raises a `ValueError` (an
+    /// `UnsupportedError` where the driver refuses the share) where a copy
+    /// would be needed.
+    #[pyo3(signature = (device, *, channel = 0, copy = None))]
+    fn to(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        channel: u32,
+        copy: Option<bool>,
+    ) -> PyResult<PyTensor> {
+        let dev = target_device(device)?;
+        let here = self.t.device();
+        let same = match (&dev, here) {
+            (None, None) => true,
+            (Some(d), Some(h)) => d.path() == h.path(),
+            _ => false,
+        };
+        if copy != Some(true) {
+            if same {
+                return Ok(self.with(self.t.clone(), self.dtype, self.shape.clone()));
+            }
+            match (&dev, here) {
+                (Some(d), Some(_)) => match py.detach(|| self.t.share_to(d, channel)) {
+                    Ok(t) => return Ok(self.with(t, self.dtype, self.shape.clone())),
+                    // Memory another device cannot reach: copy, if allowed.
+                    Err(e) if copy.is_none() && e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+                    Err(e) => return Err(to_py(e)),
+                },
+                _ if copy == Some(false) => {
+                    return Err(PyValueError::new_err(
+                        "moving a tensor between host memory and a device needs a copy, \
+                         and copy=False forbids it",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let size = self.t.size();
+        let name = Some(self.t.name());
+        let new = py
+            .detach(|| match &dev {
+                None => tdrv::Tensor::allocate_host(size, name),
+                Some(d) => tdrv::Tensor::allocate_on(d, channel, size, name),
+            })
+            .map_err(to_py)?;
+        idle_before(py, &self.t, tdrv::Access::Read)?;
+        py.detach(|| tdrv::Tensor::copy(&self.t, 0, &new, 0, size))
+            .map_err(to_py)?;
+        Ok(PyTensor {
+            t: new,
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            keep: None,
+        })
     }
 
     /// Waits until no device job writes the tensor (`write=False`: safe to
@@ -675,18 +767,18 @@ impl PyTensor {
         unsafe { buffer::release(view) }
     }
 
-    /// DLPack export, read-only by default: the consumer gets the bytes
-    /// lent by a read mapping that lives until its array is gone, so
-    /// several consumers (numpy, JAX, ...) hold views at once, and a
-    /// writer (`write`, `map_write`, a job writing the buffer) is refused
-    /// with `BusyError` meanwhile. A DLPack 1.0 consumer (`max_version >=
-    /// (1, 0)`, as numpy passes) sees the read-only flag; a consumer of
-    /// the legacy protocol (JAX passes only `stream`) cannot be told, and
-    /// must not write, as the DLPack Python specification asks of every
-    /// consumer. Writable exports are asked for explicitly: `copy=True`
-    /// exports a host copy that is the consumer's alone (flagged as
-    /// copied), and `t.map_write().__dlpack__()` lends the bytes for
-    /// writing, excluding every other view.
+    /// DLPack export, read-only by default: a DLPack 1.0 consumer
+    /// (`max_version >= (1, 0)`, as numpy passes) gets the bytes lent by a
+    /// read mapping, with the read-only flag, until its array is gone; so
+    /// several consumers hold views at once, and a writer (`write`,
+    /// `map_write`, a job writing the buffer) is refused with `BusyError`
+    /// meanwhile. A consumer of the legacy protocol (no `max_version`, as
+    /// JAX calls it) cannot be told that bytes are read-only, so it gets a
+    /// host copy of its own (`copy=False` then: `BufferError`).
+    /// Writable exports are asked for explicitly: `copy=True` exports a
+    /// host copy that is the consumer's alone (flagged as copied), and
+    /// `t.map_write().__dlpack__()` lends the bytes for writing, without a
+    /// copy, excluding every other view while the consumer holds them.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -697,7 +789,15 @@ impl PyTensor {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let versioned = dlpack::check_args(stream, max_version, dl_device)?;
-        if copy == Some(true) {
+        if !versioned && copy == Some(false) {
+            return Err(PyBufferError::new_err(
+                "a legacy (unversioned) DLPack tensor has no read-only flag: tdrv lends \
+                 its bytes to DLPack 1.0 consumers (max_version=(1, 0)), or for writing \
+                 through tensor.map_write()",
+            ));
+        }
+        if copy == Some(true) || !versioned {
+            idle_before(py, &self.t, tdrv::Access::Read)?;
             let bytes = py.detach(|| self.t.to_vec()).map_err(to_py)?;
             let c = tdrv::Tensor::from_vec(bytes).map_err(to_py)?;
             let guard = Arc::new(Guard::new(&c, true, None).map_err(to_py)?);
@@ -813,8 +913,10 @@ impl PyMapping {
         unsafe { buffer::release(view) }
     }
 
-    /// DLPack export sharing this mapping's guard (a read mapping only as
-    /// a versioned tensor with the read-only flag).
+    /// DLPack export sharing this mapping's guard, without a copy: a write
+    /// mapping to any consumer, a read mapping to a DLPack 1.0 consumer
+    /// only (with the read-only flag; the legacy protocol has none, so
+    /// `BufferError`).
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -958,9 +1060,13 @@ impl PyJobHandle {
         self.h.device().as_fd().as_raw_fd()
     }
 
-    /// For the asyncio glue: whether the driver delivers completion events.
+    /// For the asyncio glue: whether it may read the device file's
+    /// completion events: the driver delivers them, and this process
+    /// reads them (not a child after `fork` sharing its parent's file;
+    /// the glue then waits in an executor thread).
     fn _events_supported(&self) -> bool {
-        self.h.device().supports_events()
+        let d = self.h.device();
+        d.supports_events() && d.claim_events().is_ok()
     }
 
     /// For the asyncio glue: asks for the job's completion event, tagged

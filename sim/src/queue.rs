@@ -219,6 +219,11 @@ impl Engine {
             QueueStats::add(&self.stats.stalls, 1);
         }
         self.stalled = true;
+        // A queue that stalls while it drains will not finish draining, so
+        // it stops holding back a reset: otherwise a reset requested
+        // meanwhile would never be answered, and only a simulator restart
+        // would bring the queue back.
+        self.draining = false;
         self.set_status(qstatus::STALLED);
     }
 
@@ -714,6 +719,115 @@ mod tests {
         drv.post(h2d(3, 1));
         assert_eq!(e.service(&irqs), 1);
         assert_eq!(drv.reap(), vec![(3, 0, 1)]);
+    }
+
+    /// Requests a reset and services the queue; true if it was answered.
+    fn reset_answered(drv: &Drv, e: &mut Engine, irqs: &Irqs) -> bool {
+        drv.f(qb::RESET).store(1, Release);
+        e.service(irqs);
+        drv.f(qb::RESET).load(Acquire) == 0
+    }
+
+    #[test]
+    fn resumed_queue_with_a_bad_sq_tail_still_answers_a_reset() {
+        let (drv, mut e, _) = Drv::new(16);
+        let irqs = Irqs::default();
+        drv.inject(inject::HANG);
+        drv.post(h2d(1, 1));
+        assert_eq!(e.service(&irqs), 0);
+        // The driver gives up on the hung queue and asks for a reset.
+        drv.f(qb::RESET).store(1, Release);
+        // A sq_tail far past the ring, then RESUME: the drain stalls.
+        drv.f(qb::SQ_TAIL).store(1000, Release);
+        drv.inject(inject::RESUME);
+        assert_eq!(e.service(&irqs), 0);
+        // The pending reset is answered on the next wake.
+        e.service(&irqs);
+        assert_eq!(drv.f(qb::RESET).load(Acquire), 0);
+        assert_eq!(drv.status(), qstatus::IDLE);
+        assert!(!e.stalled() && !e.draining());
+        drv.post(h2d(2, 1));
+        assert_eq!(e.service(&irqs), 1);
+        assert_eq!(drv.reap(), vec![(2, 0, 1)]);
+    }
+
+    #[test]
+    fn stall_while_draining_still_answers_a_reset() {
+        let (drv, mut e, _) = Drv::new(16);
+        let irqs = Irqs::default();
+        drv.inject(inject::HANG);
+        drv.post(h2d(1, 1));
+        drv.post(h2d(2, 1));
+        assert_eq!(e.service(&irqs), 0);
+        drv.inject(inject::RESUME);
+        e.poll_control();
+        assert!(e.draining());
+        // STALL while it drains: nothing more runs.
+        drv.inject(inject::STALL);
+        assert_eq!(e.service(&irqs), 0);
+        assert!(e.stalled() && !e.draining());
+        assert!(reset_answered(&drv, &mut e, &irqs));
+        assert_eq!(drv.status(), qstatus::IDLE);
+        drv.post(h2d(3, 1));
+        assert_eq!(e.service(&irqs), 1);
+        assert_eq!(drv.reap(), vec![(3, 0, 1)]);
+    }
+
+    /// Random storms of every fault command, bad sq_tails, posts and
+    /// resets: whatever came before, a driver that resumes a hung queue
+    /// and then asks for a reset gets it answered, and the queue runs
+    /// the next descriptor.
+    #[test]
+    fn random_storms_always_end_in_an_answered_reset() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for round in 0..500 {
+            let (drv, mut e, _) = Drv::new(16);
+            let irqs = Irqs::default();
+            let mut id = 1;
+            for _ in 0..(1 + next(40)) {
+                match next(9) {
+                    0 => drv.inject(inject::STALL),
+                    1 => drv.inject(inject::HANG),
+                    2 => drv.inject(inject::RESUME),
+                    3 => drv.inject(inject::FAIL_NEXT),
+                    4 => drv.inject(inject::LOSE_IRQ),
+                    5 => drv
+                        .f(qb::SQ_TAIL)
+                        .store(next(u64::from(u32::MAX)) as u32, Release),
+                    6 => drv.f(qb::RESET).store(1, Release),
+                    _ => {
+                        let tail = drv.f(qb::SQ_TAIL).load(Relaxed);
+                        let head = drv.f(qb::SQ_HEAD).load(Relaxed);
+                        if tail.wrapping_sub(head) < 16 {
+                            drv.post(h2d(id, 1));
+                            id += 1;
+                        }
+                    }
+                }
+                if next(2) == 0 {
+                    e.service(&irqs);
+                }
+                drv.reap();
+            }
+            // The recovery the driver performs: RESUME (a no-op unless
+            // hung), then a reset.
+            drv.inject(inject::RESUME);
+            e.service(&irqs);
+            assert!(
+                reset_answered(&drv, &mut e, &irqs),
+                "round {round}: reset not answered"
+            );
+            assert_eq!(drv.status(), qstatus::IDLE, "round {round}");
+            drv.post(h2d(u64::MAX, 1));
+            assert_eq!(e.service(&irqs), 1, "round {round}");
+            assert_eq!(drv.reap(), vec![(u64::MAX, 0, 1)], "round {round}");
+        }
     }
 
     #[test]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Gives the C library the SONAME third-party programs load it by.
 
 fn main() {

@@ -71,6 +71,17 @@ struct Buf {
     error: i32,
 }
 
+/// A job SUBMIT left running ([`FakeDevice::hold_jobs`]).
+struct HeldJob {
+    id: u64,
+    /// 0 or a negative errno, reported when it ends.
+    status: i32,
+    /// Its destinations, each once: a pending write each until it ends.
+    dsts: Vec<u64>,
+    /// Its out-fence (the fake's own end of it), signalled when it ends.
+    fence: Option<std::os::fd::OwnedFd>,
+}
+
 #[derive(Default)]
 struct State {
     /// Handle -> buffer id.
@@ -79,12 +90,26 @@ struct State {
     bufs: HashMap<u64, Buf>,
     /// Exported fd number -> buffer id.
     exports: HashMap<i32, u64>,
-    /// Job id -> its status (0 or a negative errno).
+    /// Job id -> its status (0 or a negative errno), once it ended.
     jobs: HashMap<u64, i32>,
+    /// Whether SUBMIT leaves its jobs running ([`FakeDevice::hold_jobs`]).
+    hold_jobs: bool,
+    /// Jobs still running, oldest first.
+    held: Vec<HeldJob>,
+    /// JOB_NOTIFY requests of running jobs: (job id, user_data).
+    notifies: Vec<(u64, u64)>,
+    /// Completion events queued and not yet read, oldest first.
+    events: std::collections::VecDeque<uapi::tdrv_event>,
+    /// Test knob: the next read of events fails with this errno.
+    fail_next_read: Option<i32>,
+    /// Test knob: queued events do not signal the eventfd.
+    quiet: bool,
     next_handle: u64,
     next_id: u64,
     next_job: u64,
     fail_next_job: Option<i32>,
+    /// Callers blocked in an ioctl waiting for a buffer's device accesses.
+    waiting: usize,
 }
 
 impl State {
@@ -111,6 +136,10 @@ pub(crate) struct FakeDevice {
     state: Mutex<State>,
     cond: Condvar,
     pub(crate) version: uapi::tdrv_version,
+    /// With `TDRV_FEAT_EVENTS`: an eventfd standing in for the device
+    /// file's readiness, readable (POLLIN) while an event is queued. The
+    /// `Device` polls a duplicate of it.
+    event_fd: Option<std::os::fd::OwnedFd>,
 }
 
 fn range(offset: u64, size: u64, len: usize) -> Result<usize, i32> {
@@ -139,6 +168,7 @@ impl FakeDevice {
                 ..State::default()
             }),
             cond: Condvar::new(),
+            event_fd: (features & uapi::TDRV_FEAT_EVENTS as u64 != 0).then(eventfd),
             version: uapi::tdrv_version {
                 abi_major: uapi::TDRV_ABI_MAJOR,
                 abi_minor: uapi::TDRV_ABI_MINOR,
@@ -162,6 +192,100 @@ impl FakeDevice {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The fd the `Device` polls for events: a duplicate of the eventfd
+    /// (with `TDRV_FEAT_EVENTS`), else `None`.
+    pub(crate) fn device_fd(&self) -> Option<std::os::fd::OwnedFd> {
+        self.event_fd
+            .as_ref()
+            .map(|f| f.try_clone().expect("dup of the fake's eventfd"))
+    }
+
+    /// Test knob: while `on`, SUBMIT leaves its jobs running (their
+    /// destinations have a pending write, JOB_WAIT reports them pending)
+    /// until [`FakeDevice::finish_jobs`]. Their copies are made at SUBMIT.
+    pub(crate) fn hold_jobs(&self, on: bool) {
+        self.lock().hold_jobs = on;
+    }
+
+    /// Test knob: ends every running job, oldest first: completion
+    /// counts, JOB_WAIT, the events asked for and the out-fences.
+    pub(crate) fn finish_jobs(&self) {
+        let mut st = self.lock();
+        for job in std::mem::take(&mut st.held) {
+            for &h in &job.dsts {
+                if let Ok(b) = st.buf(h) {
+                    b.pending_writes -= 1;
+                    if job.status == 0 {
+                        b.completions += 1;
+                    }
+                }
+            }
+            st.jobs.insert(job.id, job.status);
+            let (mine, others): (Vec<_>, Vec<_>) =
+                st.notifies.iter().partition(|(id, _)| *id == job.id);
+            st.notifies = others;
+            for (id, user_data) in mine {
+                self.queue_event(&mut st, id, user_data, job.status);
+            }
+            if let Some(f) = &job.fence {
+                signal(f);
+            }
+        }
+        self.cond.notify_all();
+    }
+
+    /// Test knob: while `on`, queued events do not make the device file
+    /// poll readable (until [`FakeDevice::poke`]).
+    pub(crate) fn quiet_events(&self, on: bool) {
+        self.lock().quiet = on;
+    }
+
+    /// Test knob: the next read of events fails with `errno` (a device
+    /// file that fails, as after removal).
+    pub(crate) fn fail_next_read(&self, errno: i32) {
+        self.lock().fail_next_read = Some(errno);
+    }
+
+    /// Test knob: the device file polls readable with no event queued
+    /// (until the next read of events).
+    pub(crate) fn poke(&self) {
+        if let Some(f) = &self.event_fd {
+            signal(f);
+        }
+    }
+
+    fn queue_event(&self, st: &mut State, job_id: u64, user_data: u64, status: i32) {
+        st.events.push_back(uapi::tdrv_event {
+            type_: uapi::TDRV_EVENT_JOB_DONE,
+            status,
+            job_id,
+            user_data,
+        });
+        if let (Some(f), false) = (&self.event_fd, st.quiet) {
+            signal(f);
+        }
+    }
+
+    /// The events queued now, at most `max` of them, oldest first (a
+    /// `read(2)` of the device file with `RWF_NOWAIT`).
+    pub(crate) fn read_events(&self, max: usize) -> Result<Vec<uapi::tdrv_event>, i32> {
+        if self.event_fd.is_none() {
+            return Err(libc::EOPNOTSUPP);
+        }
+        let mut st = self.lock();
+        if let Some(errno) = st.fail_next_read.take() {
+            return Err(errno);
+        }
+        let n = max.min(st.events.len());
+        let out: Vec<_> = st.events.drain(..n).collect();
+        if st.events.is_empty() {
+            if let Some(f) = &self.event_fd {
+                drain(f);
+            }
+        }
+        Ok(out)
     }
 
     /// Test knob: a device access of the buffer `handle` starts (a write
@@ -197,6 +321,12 @@ impl FakeDevice {
         self.lock().fail_next_job = Some(errno);
     }
 
+    /// Test knob: how many callers are blocked in an ioctl that waits for
+    /// a buffer's device accesses (FENCE_WAIT, COPY_IN, MEMSET, ...).
+    pub(crate) fn waiting(&self) -> usize {
+        self.lock().waiting
+    }
+
     /// Live handles (to check that storages free theirs).
     pub(crate) fn live_handles(&self) -> usize {
         self.lock().handles.len()
@@ -217,19 +347,21 @@ impl FakeDevice {
             if ready(st.buf(handle)?) {
                 return Ok(st);
             }
-            st = match deadline {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                return Err(libc::ETIMEDOUT);
+            }
+            st.waiting += 1;
+            st = match left {
                 None => self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let left = d.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(libc::ETIMEDOUT);
-                    }
+                Some(left) => {
                     self.cond
                         .wait_timeout(st, left)
                         .unwrap_or_else(|e| e.into_inner())
                         .0
                 }
             };
+            st.waiting -= 1;
         }
     }
 
@@ -279,6 +411,7 @@ impl FakeDevice {
                 }
                 uapi::TDRV_IOC_SUBMIT => self.submit(&mut *arg.cast()),
                 uapi::TDRV_IOC_JOB_WAIT => self.job_wait(&mut *arg.cast()),
+                uapi::TDRV_IOC_JOB_NOTIFY => self.job_notify(&*arg.cast()),
                 uapi::TDRV_IOC_FENCE_WAIT => self.fence_wait(&*arg.cast()),
                 uapi::TDRV_IOC_COMPLETION_WAIT => self.completion_wait(&mut *arg.cast()),
                 uapi::TDRV_IOC_COMPLETION_RESET => {
@@ -448,7 +581,9 @@ impl FakeDevice {
     }
 
     fn submit(&self, s: &mut uapi::tdrv_submit) -> Result<(), i32> {
-        if s.in_fence_count != 0 || s.flags != 0 {
+        let fence_fds = self.version.features & uapi::TDRV_FEAT_FENCE_FD as u64 != 0;
+        let out_fence = s.flags == uapi::TDRV_SUBMIT_OUT_FENCE && fence_fds;
+        if s.in_fence_count != 0 || (s.flags != 0 && !out_fence) {
             return Err(libc::EOPNOTSUPP);
         }
         if s.desc_count == 0 || s.desc_size as usize != size_of::<uapi::tdrv_copy_desc>() {
@@ -464,13 +599,39 @@ impl FakeDevice {
         let mut st = self.lock();
         let id = st.next_job;
         st.next_job += 1;
-        st.jobs.insert(id, if ok { 0 } else { -libc::EIO });
-        if ok {
-            let mut done: Vec<u64> = descs.iter().map(|d| d.dst_handle).collect();
-            done.sort_unstable();
-            done.dedup();
-            for h in done {
-                st.buf(h)?.completions += 1;
+        let status = if ok { 0 } else { -libc::EIO };
+        let mut dsts: Vec<u64> = descs.iter().map(|d| d.dst_handle).collect();
+        dsts.sort_unstable();
+        dsts.dedup();
+        // The out-fence: an eventfd, readable once signalled. The caller
+        // gets one end, the job keeps a duplicate to signal.
+        let fence = out_fence.then(eventfd);
+        s.out_fence = match &fence {
+            Some(f) => f
+                .try_clone()
+                .map_err(|e| e.raw_os_error().unwrap_or(libc::EMFILE))?
+                .into_raw_fd(),
+            None => -1,
+        };
+        if st.hold_jobs {
+            for &h in &dsts {
+                st.buf(h)?.pending_writes += 1;
+            }
+            st.held.push(HeldJob {
+                id,
+                status,
+                dsts,
+                fence,
+            });
+        } else {
+            st.jobs.insert(id, status);
+            if ok {
+                for h in dsts {
+                    st.buf(h)?.completions += 1;
+                }
+            }
+            if let Some(f) = &fence {
+                signal(f);
             }
         }
         self.cond.notify_all();
@@ -479,10 +640,45 @@ impl FakeDevice {
     }
 
     fn job_wait(&self, w: &mut uapi::tdrv_job_wait) -> Result<(), i32> {
-        let st = self.lock();
-        let status = *st.jobs.get(&w.job_id).ok_or(libc::EINVAL)?;
-        w.state = uapi::TDRV_JOB_DONE;
-        w.status = status;
+        let deadline = (w.timeout_us >= 0)
+            .then(|| Instant::now() + Duration::from_micros(w.timeout_us.unsigned_abs()));
+        let mut st = self.lock();
+        loop {
+            if let Some(&status) = st.jobs.get(&w.job_id) {
+                w.state = uapi::TDRV_JOB_DONE;
+                w.status = status;
+                return Ok(());
+            }
+            if !st.held.iter().any(|j| j.id == w.job_id) {
+                return Err(libc::EINVAL);
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            st = match left {
+                Some(l) if l.is_zero() => return Err(libc::ETIMEDOUT),
+                Some(l) => {
+                    self.cond
+                        .wait_timeout(st, l)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+            };
+        }
+    }
+
+    fn job_notify(&self, n: &uapi::tdrv_job_notify) -> Result<(), i32> {
+        if self.event_fd.is_none() {
+            return Err(libc::ENOTTY);
+        }
+        let mut st = self.lock();
+        if let Some(&status) = st.jobs.get(&n.job_id) {
+            self.queue_event(&mut st, n.job_id, n.user_data, status);
+            return Ok(());
+        }
+        if !st.held.iter().any(|j| j.id == n.job_id) {
+            return Err(libc::EINVAL);
+        }
+        st.notifies.push((n.job_id, n.user_data));
         Ok(())
     }
 
@@ -552,6 +748,32 @@ impl FakeDevice {
         }
         Ok(b.mem.clone())
     }
+}
+
+/// A new non-blocking eventfd.
+fn eventfd() -> std::os::fd::OwnedFd {
+    // SAFETY: eventfd(2) has no memory arguments.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    // SAFETY: eventfd just returned this descriptor; nothing else owns it.
+    unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) }
+}
+
+/// Makes an eventfd readable.
+fn signal(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one = 1u64;
+    // SAFETY: writes the 8 bytes of a local to our own eventfd. A
+    // counter at its maximum (EAGAIN) is readable already.
+    unsafe { libc::write(fd.as_raw_fd(), (&raw const one).cast(), 8) };
+}
+
+/// Makes an eventfd unreadable again (nothing to read is EAGAIN: fine).
+fn drain(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let mut n = 0u64;
+    // SAFETY: reads 8 bytes into a local from our own eventfd.
+    unsafe { libc::read(fd.as_raw_fd(), (&raw mut n).cast(), 8) };
 }
 
 fn mmap_offset(handle: u64) -> u64 {
@@ -824,6 +1046,36 @@ mod tests {
     }
 
     #[test]
+    fn share_to_keeps_the_view_and_on_its_own_device_is_the_same_storage() {
+        let (dev, fake) = Device::fake();
+        let t = Tensor::allocate_on(&dev, 0, 256, Some("t")).unwrap();
+        t.write(0, &(0..=255).collect::<Vec<u8>>()).unwrap();
+        let part = t.slice(16, 32, None).unwrap();
+        let shared = part.share_to(&dev, 1).unwrap();
+        // Same device: a view of the same storage, at the same place (the
+        // channel is the storage's own, not the one asked for).
+        assert!(shared.shares_storage_with(&t));
+        assert_eq!(
+            (shared.offset(), shared.size(), shared.channel()),
+            (16, 32, Some(0))
+        );
+        assert_eq!(shared.to_vec().unwrap(), (16..48).collect::<Vec<u8>>());
+        assert_eq!(fake.live_handles(), 1);
+        // From now on the buffer is shared: the safe guards refuse it.
+        assert!(matches!(t.map_read(..), Err(Error::SharedBuffer { .. })));
+        let host = Tensor::allocate_host(64, None).unwrap();
+        assert!(matches!(
+            host.share_to(&dev, 0),
+            Err(Error::Unsupported {
+                op: "export_dmabuf",
+                ..
+            })
+        ));
+        drop((t, part, shared));
+        assert_eq!(fake.live_handles(), 0);
+    }
+
+    #[test]
     fn host_waits_on_a_device_that_never_finishes_time_out() {
         let (dev, fake) = Device::fake();
         let t = Tensor::allocate_on(&dev, 0, 64, Some("stuck")).unwrap();
@@ -860,6 +1112,78 @@ mod tests {
         assert!(timed_out(u.read_timeout(0, &mut b, short)));
         fake.release(h, true);
         u.read_timeout(0, &mut b, short).unwrap();
+    }
+
+    /// A bounded guard is bounded also while a plain copy of the same
+    /// bytes waits for the device: that copy (write, memset, device copy
+    /// into the tensor, all without limit) waits with its span not held,
+    /// so `map_read_timeout`/`map_write_timeout` time out instead of
+    /// waiting behind it for as long as the device takes. (Before, each
+    /// copy held its span while waiting, and the guard's wait for it had
+    /// no deadline: the guard never returned until the device finished.)
+    #[test]
+    fn bounded_guards_time_out_behind_a_copy_waiting_for_the_device() {
+        type Blocker = fn(&Tensor, &Tensor) -> Result<(), Error>;
+        let blockers: [(&str, Blocker); 3] = [
+            ("write", |t, _| t.write(0, &[5; 64])),
+            ("memset", |t, _| t.memset(0, 5, 64)),
+            ("copy", |t, src| Tensor::copy(src, 0, t, 0, 64)),
+        ];
+        let short = Duration::from_millis(if cfg!(miri) { 5 } else { 50 });
+        for (what, blocker) in blockers {
+            for write_guard in [false, true] {
+                let (dev, fake) = Device::fake();
+                let t = Tensor::allocate_on(&dev, 0, 64, Some("held")).unwrap();
+                let src = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+                src.write(0, &[5; 64]).unwrap();
+                let h = t.dma_handle().unwrap();
+                // A job writing the tensor that does not end, and a plain
+                // copy into it that waits for that job.
+                fake.hold(h, true);
+                let copier = {
+                    let (t, src) = (t.clone(), src.clone());
+                    std::thread::spawn(move || blocker(&t, &src))
+                };
+                let start = std::time::Instant::now();
+                while fake.waiting() == 0 {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(60),
+                        "{what}: never waited"
+                    );
+                    std::thread::yield_now();
+                }
+                let guard = {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        if write_guard {
+                            t.map_write_timeout(.., short).map(drop)
+                        } else {
+                            t.map_read_timeout(.., short).map(drop)
+                        }
+                    })
+                };
+                // The bound only turns a hang into a failure.
+                while !guard.is_finished() && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let finished = guard.is_finished();
+                fake.release(h, true);
+                assert!(
+                    finished,
+                    "{what}: the bounded guard (write {write_guard}) hung"
+                );
+                match guard.join().unwrap() {
+                    Err(Error::Timeout { name, .. }) => assert_eq!(name, "held"),
+                    r => panic!("{what}, write guard {write_guard}: {r:?}"),
+                }
+                copier.join().unwrap().unwrap();
+                assert_eq!(
+                    t.to_vec().unwrap(),
+                    [5; 64],
+                    "{what}: the copy went through"
+                );
+            }
+        }
     }
 
     #[test]

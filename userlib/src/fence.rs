@@ -319,13 +319,29 @@ impl HostSync {
     /// guard, once the plain copies it conflicts with are done; `Busy` if
     /// it conflicts with another long-lived span.
     pub(crate) fn hold(&self, op: &'static str, span: Span) -> Result<HeldSpan<'_>> {
+        Ok(self
+            .hold_until(op, span, Deadline::Never)?
+            .expect("a wait without limit ends with the span held"))
+    }
+
+    /// [`HostSync::hold`] that gives up at `deadline`: `Ok(None)`, nothing
+    /// held. Plain copies do not hold their spans while they wait for the
+    /// device (`io::hold_when_quiet`), but one may still take as long as
+    /// the device does when its own job is the copy (`neuron_memcpy`'s
+    /// DMA), so a bounded caller needs the bound here too.
+    pub(crate) fn hold_until(
+        &self,
+        op: &'static str,
+        span: Span,
+        deadline: Deadline,
+    ) -> Result<Option<HeldSpan<'_>>> {
         debug_assert!(span.long_lived());
-        // The plain copies it waits for always finish.
-        self.register(op, &[span], false, Deadline::Never)?;
-        Ok(HeldSpan {
-            sync: self,
-            span: [span],
-        })
+        Ok(self
+            .register(op, &[span], false, deadline)?
+            .then_some(HeldSpan {
+                sync: self,
+                span: [span],
+            }))
     }
 
     /// Marks a device access as started (`write` selects the counter).

@@ -193,6 +193,45 @@ unsafe fn copy_in_latched(
     Ok(b.device.copy_in(b.handle, abs as u64, &tmp)?)
 }
 
+/// Holds host spans (`hold`) once the device accesses that `quiet` waits
+/// for have ended, both until `deadline` (`Ok(None)` when it passes, with
+/// nothing held). The spans are not held while the device is waited for:
+/// a plain copy that held them meanwhile would keep every overlapping host
+/// access (a mapping guard, a bounded wait) waiting as long as the device,
+/// without limit. Once they are held, `quiet` is asked again without
+/// waiting; a device access that started in between lets them go and
+/// starts over.
+pub(crate) fn hold_when_quiet<G>(
+    deadline: Deadline,
+    mut quiet: impl FnMut(Deadline) -> Result<bool>,
+    mut hold: impl FnMut(Deadline) -> Result<Option<G>>,
+) -> Result<Option<G>> {
+    loop {
+        if !quiet(deadline)? {
+            return Ok(None);
+        }
+        let Some(g) = hold(deadline)? else {
+            return Ok(None);
+        };
+        if quiet(Deadline::Poll)? {
+            return Ok(Some(g));
+        }
+        drop(g);
+    }
+}
+
+/// Waits (without limit, with heartbeats) for the kernel fence `kind` of a
+/// `Dma` storage before host spans are held: `quiet` of
+/// [`hold_when_quiet`]. A latched buffer (EIO) counts as quiet: the
+/// operation that follows reports or clears the latch itself.
+fn device_quiet(st: &Storage, kind: FenceKind, d: Deadline) -> Result<bool> {
+    let Some(b) = st.dma() else { return Ok(true) };
+    match b.fence_until(kind, d) {
+        Err(Error::Sys(e)) if e.errno() == libc::EIO => Ok(true),
+        r => r,
+    }
+}
+
 /// Direction of a host transfer.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Dir {
@@ -321,19 +360,25 @@ impl Tensor {
             }
             (_, None) => Ok(()),
             (_, Some(base)) => {
-                let Some(_g) =
-                    st.sync
-                        .acquire_until(op, spans, fencing == Fencing::Wait, deadline)?
-                else {
-                    return Err(timed_out());
-                };
                 let kind = match dir {
                     Dir::Read => FenceKind::Writes,
                     Dir::Write => FenceKind::All,
                 };
-                let latched = match dma_fence_until(st, self.name(), op, kind, fencing, deadline)? {
-                    Some(latched) => latched,
-                    None => return Err(timed_out()),
+                let mut latched = false;
+                let Some(_g) = hold_when_quiet(
+                    deadline,
+                    |d| {
+                        Ok(dma_fence_until(st, self.name(), op, kind, fencing, d)?
+                            .map(|l| latched = l)
+                            .is_some())
+                    },
+                    |d| {
+                        st.sync
+                            .acquire_until(op, spans, fencing == Fencing::Wait, d)
+                    },
+                )?
+                else {
+                    return Err(timed_out());
                 };
                 if latched {
                     // A latched buffer is written through the kernel.
@@ -549,9 +594,15 @@ impl Tensor {
         match (&st.mem, st.host_base()) {
             (Memory::Dma(b), _) => {
                 // The kernel fences the device side; the span keeps host
-                // copies through the mapping from overlapping it.
+                // copies through the mapping from overlapping it. It is
+                // taken once the device is done with the buffer, so that
+                // it is not held while MEMSET waits for the device.
                 let spans = [Span::write(abs, size)];
-                let _g = st.sync.acquire("memset", &spans, true)?;
+                let _g = hold_when_quiet(
+                    Deadline::Never,
+                    |d| device_quiet(st, FenceKind::All, d),
+                    |d| st.sync.acquire_until("memset", &spans, true, d),
+                )?;
                 Ok(b.device.memset(b.handle, abs as u64, size as u64, value)?)
             }
             (Memory::Fake, _) | (_, None) => Ok(()),
@@ -608,7 +659,16 @@ impl Tensor {
                 let src_span = [Span::read(sa, size)];
                 let dst_span = [Span::write(da, size)];
                 let both = [src_span[0], dst_span[0]];
-                let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
+                // As in `memset`: the spans are taken once the device is
+                // done with both buffers, not held while COPY waits.
+                let _g = hold_when_quiet(
+                    Deadline::Never,
+                    |d| {
+                        Ok(device_quiet(ss, FenceKind::Writes, d)?
+                            && device_quiet(ds, FenceKind::All, d)?)
+                    },
+                    |_| acquire_pair(ss, &src_span, ds, &dst_span, &both).map(Some),
+                )?;
                 a.device
                     .copy(&tdrv_copy_desc {
                         src_handle: a.handle,
@@ -658,7 +718,14 @@ fn host_copy(
     let both = [src_span[0], dst_span[0]];
     match (ss.host_base(), ds.host_base()) {
         (Some(sp), Some(dp)) => {
-            let _g = acquire_pair(ss, &src_span, ds, &dst_span, &both)?;
+            let _g = hold_when_quiet(
+                Deadline::Never,
+                |d| {
+                    Ok(device_quiet(ss, FenceKind::Writes, d)?
+                        && device_quiet(ds, FenceKind::All, d)?)
+                },
+                |_| acquire_pair(ss, &src_span, ds, &dst_span, &both).map(Some),
+            )?;
             // One storage: a latched buffer fails as the source first.
             dma_fence(ss, src.name(), OP, FenceKind::Writes, Fencing::Wait)?;
             if dma_fence(ds, dst.name(), OP, FenceKind::All, Fencing::Wait)? {
@@ -677,7 +744,11 @@ fn host_copy(
         (Some(sp), None) => {
             // Host memory into an unmapped device buffer.
             let Some(b) = ds.dma() else { return Ok(()) };
-            let _g = ss.sync.acquire(OP, &src_span, true)?;
+            let _g = hold_when_quiet(
+                Deadline::Never,
+                |d| device_quiet(ss, FenceKind::Writes, d),
+                |d| ss.sync.acquire_until(OP, &src_span, true, d),
+            )?;
             dma_fence(ss, src.name(), OP, FenceKind::Writes, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the read span is held, so no host
             // write changes the bytes during the call.
@@ -686,7 +757,11 @@ fn host_copy(
         (None, Some(dp)) => {
             // An unmapped device buffer into host memory.
             let Some(a) = ss.dma() else { return Ok(()) };
-            let _g = ds.sync.acquire(OP, &dst_span, true)?;
+            let _g = hold_when_quiet(
+                Deadline::Never,
+                |d| device_quiet(ds, FenceKind::All, d),
+                |d| ds.sync.acquire_until(OP, &dst_span, true, d),
+            )?;
             // Host storage: never latched.
             dma_fence(ds, dst.name(), OP, FenceKind::All, Fencing::Wait)?;
             // SAFETY: in bounds (checked); the write span is held, so no

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::few::Few;
+use crate::log::{heartbeat_interval, log_warn};
 use crate::reactor;
 use crate::sys::{tdrv_copy_desc, Device, JobStatus, SysError};
 use crate::tensor::Tensor;
@@ -98,8 +99,8 @@ pub struct JobHandle {
     /// Its key in the reactor while awaited (through the fence or a
     /// completion event; also the event's `user_data`).
     reactor_key: u64,
-    /// Whether a completion event was asked for (JOB_NOTIFY), once.
-    notified: bool,
+    /// Whether it was registered with the reactor (to deregister on drop).
+    registered: bool,
     /// The task to wake when awaited without a fence (see `poll`).
     fallback: Option<Arc<Mutex<Option<Waker>>>>,
 }
@@ -283,7 +284,7 @@ impl Job {
             _tensors: tensors,
             fence: fence.map(Arc::new),
             reactor_key: reactor::new_key(),
-            notified: false,
+            registered: false,
             fallback: None,
         })
     }
@@ -295,9 +296,14 @@ impl JobHandle {
         self.id
     }
 
-    /// The device file the job was submitted on: the one to poll for its
-    /// completion event after [`Device::job_notify`] with [`JobHandle::id`]
-    /// (what awaiting the handle does for you).
+    /// The device the job was submitted on. Awaiting the handle reads
+    /// that file's completion events for you; a `Device` has one event
+    /// reader in the process, so once a handle of it was awaited, your own
+    /// [`Device::job_notify`] and [`Device::read_events`] on it get
+    /// [`SysError::EventsBusy`], and once you read its events yourself,
+    /// awaits use the out-fence or a thread instead
+    /// ([`Device::claim_events`]). Open the device again for a stream of
+    /// your own.
     pub fn device(&self) -> &Arc<Device> {
         &self.device
     }
@@ -367,14 +373,23 @@ impl JobHandle {
             name: format!("job {}", self.id),
             waited: start.elapsed(),
         };
+        // Without a limit, each JOB_WAIT still ends after a heartbeat
+        // interval, so a job that never ends is logged rather than silent.
+        let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
-            let r = self.device.job_wait(self.id, deadline.remaining_us(None));
+            let r = self.device.job_wait(self.id, deadline.remaining_us(cap));
             match r {
                 Ok(s) => match self.state(s)? {
                     JobState::Done => return Ok(()),
                     JobState::Pending if deadline.expired() => return Err(timed_out()),
+                    JobState::Pending if cap.is_some() => {
+                        log_warn!("still waiting for job {}", self.id);
+                    }
                     JobState::Pending => {}
                 },
+                Err(SysError::TimedOut { .. }) if cap.is_some() => {
+                    log_warn!("still waiting for job {}", self.id);
+                }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. })
                     if deadline.expired() =>
                 {
@@ -413,21 +428,36 @@ impl JobHandle {
             Err(e) => return Poll::Ready(Err(e)),
             Ok(JobState::Pending) => {}
         }
-        if let (Some(fence), Some(r)) = (&this.fence, reactor::get()) {
-            r.register(this.reactor_key, fence.clone(), cx.waker());
-        } else if let (true, Some(r)) = (this.device.supports_events(), reactor::get()) {
-            // Registered first: an event read before the registration
-            // would be dropped as unknown.
-            r.register_event(this.reactor_key, &this.device, cx.waker());
-            if !this.notified {
-                if let Err(e) = this.device.job_notify(this.id, this.reactor_key) {
-                    r.deregister(this.reactor_key);
-                    return Poll::Ready(Err(this.wait_error(e)));
-                }
-                this.notified = true;
+        let key = this.reactor_key;
+        match (&this.fence, reactor::get()) {
+            (Some(fence), Some(r)) => {
+                r.register(key, fence.clone(), cx.waker());
+                this.registered = true;
             }
-        } else {
-            this.wake_from_thread(cx.waker());
+            (None, Some(r)) if this.device.supports_events() => {
+                match r.register_event(key, &this.device, cx.waker()) {
+                    // A new registration asks for the event: the first
+                    // time, and again when the task was woken (its event
+                    // read, or the device file failed) yet finds its job
+                    // pending, so that no wake-up is owed by an event that
+                    // will never come. Registered first: an event read
+                    // before the registration would be dropped as unknown.
+                    Ok(new) => {
+                        this.registered = true;
+                        if new {
+                            if let Err(e) = this.device.notify_unclaimed(this.id, key) {
+                                r.deregister(key);
+                                return Poll::Ready(Err(this.wait_error(e)));
+                            }
+                        }
+                    }
+                    // The caller reads this file's events itself, or this
+                    // is a child after fork sharing its parent's stream:
+                    // not ours to read.
+                    Err(_) => this.wake_from_thread(cx.waker()),
+                }
+            }
+            _ => this.wake_from_thread(cx.waker()),
         }
         // The job may have ended before the registration: look again, so
         // that no wake-up is lost.
@@ -438,48 +468,17 @@ impl JobHandle {
         }
     }
 
-    /// Waits for the job inside a tokio runtime (feature `tokio`): a
-    /// handle with an out-fence ([`Job::with_out_fence`]) registers it
-    /// with tokio's reactor through `AsyncFd`, costing no thread; without
-    /// one, or outside a runtime, this is awaiting the handle itself
-    /// (see `impl Future for JobHandle`). `Ok(())` when the job
-    /// succeeded, [`Error::JobFailed`] when it failed.
+    /// Waits for the job inside a tokio runtime (feature `tokio`), or any
+    /// other: this is awaiting the handle itself (see `impl Future for
+    /// JobHandle`), through the crate's reactor, which polls the
+    /// out-fence ([`Job::with_out_fence`]) or the device file's completion
+    /// events. `Ok(())` when the job succeeded, [`Error::JobFailed`] when
+    /// it failed. It does not use tokio's `AsyncFd`: tokio offers no way
+    /// to learn whether a runtime was built with `enable_io` short of
+    /// registering, which panics in one without it, and catching that
+    /// panic does not work in a program built with `panic = "abort"`.
     #[cfg(feature = "tokio")]
     pub async fn wait_async(&mut self) -> Result<()> {
-        use tokio::io::{unix::AsyncFd, Interest};
-        let afd = match (&self.fence, tokio::runtime::Handle::try_current()) {
-            (Some(fence), Ok(_)) => {
-                let fence = fence.clone();
-                // tokio panics (rather than failing) in a runtime built
-                // without `enable_io`: that is a fall-back, not a crash.
-                std::panic::catch_unwind(move || {
-                    // SAFETY: the `Arc<OwnedFd>` keeps the fence fd open,
-                    // and its `as_raw_fd` returns that same fd, for as long
-                    // as the `AsyncFd` owns it.
-                    unsafe { AsyncFd::register_with_interest(fence, Interest::READABLE) }
-                })
-                .ok()
-                .and_then(|r| r.ok())
-            }
-            _ => None,
-        };
-        if let Some(afd) = afd {
-            let io_err = |e: std::io::Error| -> Error {
-                SysError::from_errno("AsyncFd", e.raw_os_error().unwrap_or(libc::EIO)).into()
-            };
-            loop {
-                if self.poll()? == JobState::Done {
-                    return Ok(());
-                }
-                // Readable means signalled, which comes after JOB_WAIT
-                // learnt the outcome: the next look finds the job done.
-                let mut guard = afd.readable().await.map_err(io_err)?;
-                if self.poll()? == JobState::Done {
-                    return Ok(());
-                }
-                guard.clear_ready();
-            }
-        }
         std::future::poll_fn(|cx| self.poll_wait(cx)).await
     }
 
@@ -516,7 +515,7 @@ impl JobHandle {
 
 impl Drop for JobHandle {
     fn drop(&mut self) {
-        if self.fence.is_some() || self.notified {
+        if self.registered {
             if let Some(r) = reactor::running() {
                 r.deregister(self.reactor_key);
             }

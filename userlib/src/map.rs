@@ -127,7 +127,12 @@ impl Tensor {
         };
         // Host side first: waits for the plain copies it overlaps, refuses
         // accessors and other guards.
-        let span = st.sync.hold(op, Span::guard(abs, len, write))?;
+        let Some(span) = st
+            .sync
+            .hold_until(op, Span::guard(abs, len, write), deadline)?
+        else {
+            return Err(timed_out());
+        };
         let pin = match st.dma() {
             Some(b) => {
                 // No device write can start from here on, and no export
@@ -258,16 +263,21 @@ impl Tensor {
     }
 
     /// [`Tensor::map_read`] of a buffer shared through a dma-buf, which
-    /// the safe form refuses ([`Error::SharedBuffer`]). Everything in this
-    /// process is still excluded as by `map_read` (host writes are
-    /// [`Error::Busy`], device writes through this process's files are
-    /// refused); what the library cannot see is the other holders of the
-    /// dma-buf.
+    /// the safe form refuses ([`Error::SharedBuffer`]). Everything done
+    /// through this tensor's storage in this process is still excluded as
+    /// by `map_read` (host writes are [`Error::Busy`], device writes through
+    /// this device's files are refused); what the library cannot see is
+    /// the other holders of the dma-buf. An import of the buffer on another
+    /// device ([`Tensor::share_to`], or [`Tensor::from_dmabuf`] on another
+    /// [`crate::Device`]) is one of those, even in this process: it is a
+    /// separate buffer of that device, whose copies and jobs this guard
+    /// does not exclude.
     ///
     /// # Safety
-    /// No other process (nor any device user of the dma-buf outside this
-    /// process's tdrv files) may write the bytes of `range` while the
-    /// guard lives: a reference's bytes must not change under it.
+    /// No other process, no device user of the dma-buf outside this
+    /// device's tdrv files, and no tensor of another device's import of it
+    /// may write the bytes of `range` while the guard lives: a reference's
+    /// bytes must not change under it.
     pub unsafe fn map_read_shared(
         &self,
         range: impl RangeBounds<usize>,
@@ -286,9 +296,9 @@ impl Tensor {
     /// [`Tensor::map_read_shared`].
     ///
     /// # Safety
-    /// No other process (nor any device user of the dma-buf outside this
-    /// process's tdrv files) may read or write the bytes of `range` while
-    /// the guard lives.
+    /// No other process, no device user of the dma-buf outside this
+    /// device's tdrv files, and no tensor of another device's import of it
+    /// may read or write the bytes of `range` while the guard lives.
     pub unsafe fn map_write_shared(
         &self,
         range: impl RangeBounds<usize>,

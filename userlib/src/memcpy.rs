@@ -37,9 +37,12 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::fence::{HostAccess, Span};
+use crate::io::hold_when_quiet;
+use crate::log::{heartbeat_interval, log_warn};
 use crate::storage::{DmaBuffer, Memory, Storage, HOST_ALIGN};
-use crate::sys::{tdrv_copy_desc, Device, FenceKind, JobStatus, SysError};
+use crate::sys::{tdrv_copy_desc, Device, FenceKind, JobStatus, OwnedPin, SysError};
 use crate::tensor::Tensor;
+use crate::wait::Deadline;
 
 /// How [`neuron_memcpy_from_tensor`] and [`neuron_memcpy_to_tensor`] move
 /// bytes; the values are the seed's `NeuronMemcpyMethod`.
@@ -103,6 +106,15 @@ pub fn vec_memcpy_kernel() -> &'static str {
 /// Local memory a staging copy fills or drains: the original's TCM
 /// scratch. Either aligned host memory, or a mapped tdrv buffer that the
 /// device's copy engine can reach.
+///
+/// A device-backed buffer is pinned in its [`Device`] for its whole life,
+/// as a [`Tensor::map_write`] guard pins its buffer: the raw calls that
+/// write a buffer's bytes ([`Device::copy_in`], [`Device::memset`],
+/// [`Device::copy`], [`Device::submit`]) refuse its handle with
+/// [`SysError::Pinned`], even a handle found by probing
+/// [`Device::buf_info`], and it cannot be exported. So the bytes that
+/// [`LocalBuffer::as_slice`] lends change only through this buffer's own
+/// `&mut self` copies.
 pub struct LocalBuffer {
     ptr: NonNull<u8>,
     len: usize,
@@ -112,13 +124,16 @@ pub struct LocalBuffer {
 enum Backing {
     /// `alloc_zeroed` memory with this layout (none for `len == 0`).
     Host(Option<Layout>),
-    /// A private `Dma` tensor; `ptr` is its mapping.
-    Device(Tensor),
+    /// A private `Dma` tensor; `ptr` is its mapping. The pin is dropped
+    /// first (fields drop in order), before the tensor frees the handle,
+    /// so it never outlives the handle's buffer.
+    Device { pin: OwnedPin, tensor: Tensor },
 }
 
 // SAFETY: the buffer owns its memory (a host allocation or a private,
-// mapped tdrv buffer whose `Tensor` is Send + Sync); the pointer is only
-// dereferenced through `&self`/`&mut self` borrows of the buffer.
+// mapped tdrv buffer whose `Tensor` is Send + Sync, pinned against every
+// other writer); the pointer is only dereferenced through `&self`/`&mut
+// self` borrows of the buffer.
 unsafe impl Send for LocalBuffer {}
 // SAFETY: as above; shared borrows only read.
 unsafe impl Sync for LocalBuffer {}
@@ -146,9 +161,27 @@ impl LocalBuffer {
     }
 
     /// `len` (> 0) zeroed bytes in a mapped tdrv buffer on HBM `channel` of
-    /// `device`, reachable by the device's copy engine.
+    /// `device`, reachable by the device's copy engine, and pinned (see
+    /// [`LocalBuffer`]). A write of the buffer that some other call of this
+    /// file started (with a probed handle) before the pin is waited for;
+    /// the bytes are then whatever it wrote.
     pub fn device(device: &Arc<Device>, channel: u32, len: usize) -> Result<LocalBuffer> {
+        const OP: &str = "device staging buffer";
         let tensor = Tensor::allocate_internal(device, channel, len, "neuron_memcpy staging")?;
+        let (st, _) = tensor.locate(OP, 0, len)?;
+        let b = st.dma().ok_or(Error::Unsupported {
+            op: OP,
+            kind: st.kind(),
+        })?;
+        // From here on no raw call can start a write of the buffer, nor
+        // export it ...
+        let pin = device.pin_owned(b.handle)?;
+        // ... one exported meanwhile could be written by another process ...
+        if device.is_shared(b.handle) {
+            return Err(Error::SharedBuffer { op: OP });
+        }
+        // ... and device accesses already in flight are waited for.
+        b.fence(FenceKind::All)?;
         let ptr = tensor.va().ok_or(Error::Unsupported {
             op: "device staging buffer without a mapping",
             kind: crate::StorageKind::Dma,
@@ -156,7 +189,7 @@ impl LocalBuffer {
         Ok(LocalBuffer {
             ptr,
             len,
-            backing: Backing::Device(tensor),
+            backing: Backing::Device { pin, tensor },
         })
     }
 
@@ -187,7 +220,7 @@ impl LocalBuffer {
 
     /// Whether the buffer is device memory the copy engine can reach.
     pub fn is_device(&self) -> bool {
-        matches!(self.backing, Backing::Device(_))
+        matches!(self.backing, Backing::Device { .. })
     }
 
     /// Address of byte 0.
@@ -202,9 +235,15 @@ impl LocalBuffer {
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid, initialised (zeroed at allocation) memory
-        // of `len` bytes owned by `self`; the device only writes it inside
-        // a `&mut self` copy call, which waits for the job to end.
+        // SAFETY: `ptr` is valid, initialised (zeroed at allocation, or
+        // written by a device write waited for in `device`) memory of `len`
+        // bytes owned by `self`. Host memory is reached by no one else. A
+        // device buffer is pinned for `self`'s life, so no raw call of any
+        // thread can write it (COPY_IN, MEMSET, COPY and SUBMIT refuse a
+        // pinned destination, EXPORT a pinned buffer; the tensor is private,
+        // so no other view, guard or accessor exists); the only writes are
+        // this buffer's own copies, which take `&mut self` and wait for
+        // their job to end before returning.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
@@ -214,9 +253,9 @@ impl LocalBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    fn device_tensor(&self) -> Option<&Tensor> {
+    fn device_parts(&self) -> Option<(&Tensor, &OwnedPin)> {
         match &self.backing {
-            Backing::Device(t) => Some(t),
+            Backing::Device { pin, tensor } => Some((tensor, pin)),
             Backing::Host(_) => None,
         }
     }
@@ -259,11 +298,11 @@ enum Dir {
 }
 
 /// The local end of a copy: `len` bytes at `ptr`, and the device buffer
-/// they live in, if any (with the offset of `ptr` in it).
+/// they live in, if any (with its pin and the offset of `ptr` in it).
 struct Local<'a> {
     ptr: *mut u8,
     len: usize,
-    device: Option<(&'a Tensor, usize)>,
+    device: Option<(&'a Tensor, &'a OwnedPin, usize)>,
 }
 
 /// Copies `len` bytes at `src_offset` of `src` into `dst` at `dst_offset`
@@ -406,7 +445,7 @@ fn local_range<'a>(
         // SAFETY: offset <= len of the allocation (checked above).
         ptr: unsafe { buf.ptr.as_ptr().add(offset) },
         len,
-        device: buf.device_tensor().map(|t| (t, offset)),
+        device: buf.device_parts().map(|(t, pin)| (t, pin, offset)),
     })
 }
 
@@ -424,13 +463,13 @@ fn transfer(
     };
     let (st, abs) = tensor.locate(op, offset, local.len)?;
     if method == NeuronMemcpyMethod::Dma {
-        if let (Some(buf), Some((staging, soff))) = (st.dma(), local.device) {
+        if let (Some(buf), Some((staging, pin, soff))) = (st.dma(), local.device) {
             if dma_engine(tensor).is_some() {
                 let (ls, labs) = staging.locate(op, soff, local.len)?;
                 if let Some(lbuf) = ls.dma() {
                     if Arc::ptr_eq(&buf.device, &lbuf.device) && buf.channel == lbuf.channel {
                         if local.len > 0 {
-                            dma_copy(dir, (st, buf, abs), (ls, lbuf, labs), local.len)?;
+                            dma_copy(dir, (st, buf, abs), (ls, lbuf, labs), pin, local.len)?;
                         }
                         return Ok(NeuronMemcpyMethod::Dma);
                     }
@@ -494,13 +533,16 @@ fn cpu_copy(
         Dir::FromTensor => [Span::read(abs, len)],
         Dir::ToTensor => [Span::write(abs, len)],
     };
-    let _held = st.sync.acquire("neuron_memcpy", &span, true)?;
-    if let Some(b) = st.dma() {
-        b.fence(match dir {
-            Dir::FromTensor => FenceKind::Writes,
-            Dir::ToTensor => FenceKind::All,
-        })?;
-    }
+    let kind = match dir {
+        Dir::FromTensor => FenceKind::Writes,
+        Dir::ToTensor => FenceKind::All,
+    };
+    // The span is taken once the device is done, not held while waiting.
+    let _held = hold_when_quiet(
+        Deadline::Never,
+        |d| st.dma().map_or(Ok(true), |b| b.fence_until(kind, d)),
+        |d| st.sync.acquire_until("neuron_memcpy", &span, true, d),
+    )?;
     // SAFETY: `abs + len` is inside the storage (checked by `locate`).
     let hbm = unsafe { base.as_ptr().add(abs) };
     let (dst, src) = match dir {
@@ -524,11 +566,14 @@ fn cpu_copy(
 /// One DMA transfer between the tensor's buffer and a staging buffer of the
 /// same device and channel: SUBMIT a single copy descriptor and wait for
 /// the job. The host ranges of both are held meanwhile, so host copies
-/// through the mappings do not overlap the engine's.
+/// through the mappings do not overlap the engine's. `pin` is the staging
+/// buffer's: a copy into it (`FromTensor`, called with the `LocalBuffer`
+/// borrowed `&mut`) is its owner's write, which the pin lets through.
 fn dma_copy(
     dir: Dir,
     (ts, tbuf, tabs): (&Storage, &DmaBuffer, usize),
     (ls, lbuf, labs): (&Storage, &DmaBuffer, usize),
+    pin: &OwnedPin,
     len: usize,
 ) -> Result<()> {
     let (tspan, lspan, fence, desc) = match dir {
@@ -557,16 +602,24 @@ fn dma_copy(
             },
         ),
     };
-    let _held = hold_both(ts, &tspan, ls, &lspan)?;
     // A job makes no promise of ordering against jobs queued before it, so
     // wait out the tensor's conflicting in-flight accesses first, as a host
-    // copy would.
-    tbuf.fence(fence)?;
+    // copy would; before the spans are taken, which are then held only
+    // while this copy's own job runs.
+    let _held = hold_when_quiet(
+        Deadline::Never,
+        |d| tbuf.fence_until(fence, d),
+        |_| hold_both(ts, &tspan, ls, &lspan).map(Some),
+    )?;
     // The job will bump the destination's completion count: tell the view
     // layer, which otherwise assumes a never-counted buffer is at 0.
     let dst = if dir == Dir::ToTensor { ts } else { ls };
     dst.set_counted();
-    let id = tbuf.device.submit(&[desc])?;
+    debug_assert_eq!(pin.handle(), lbuf.handle);
+    let id = tbuf.device.submit_as_owner(&[desc], pin)?;
+    // Waited for to the end, whatever it takes: the job may write the
+    // staging buffer, whose bytes are lent as references again once this
+    // returns.
     wait_job(&tbuf.device, id)
 }
 
@@ -588,14 +641,17 @@ fn hold_both<'a>(
     }
 }
 
-/// Waits without limit for a job of this file to end.
+/// Waits without limit for a job of this file to end, logging a heartbeat
+/// every heartbeat interval while it runs.
 fn wait_job(device: &Device, id: u64) -> Result<()> {
     loop {
-        match device.job_wait(id, -1) {
+        match device.job_wait(id, Deadline::Never.remaining_us(Some(heartbeat_interval()))) {
             Ok(JobStatus::Done) => return Ok(()),
             Ok(JobStatus::Failed(errno)) => return Err(Error::JobFailed { job_id: id, errno }),
-            Ok(JobStatus::Pending)
-            | Err(SysError::Interrupted { .. } | SysError::TimedOut { .. }) => continue,
+            Ok(JobStatus::Pending) | Err(SysError::TimedOut { .. }) => {
+                log_warn!("neuron_memcpy: still waiting for DMA job {id}");
+            }
+            Err(SysError::Interrupted { .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }

@@ -216,10 +216,13 @@ pub(crate) struct Storage {
 
 // SAFETY: the raw pointers in `Memory` are addresses of memory the storage
 // owns (Malloc, Dma mapping) or that the caller of the unsafe user
-// constructor promised stays valid; every host access to the bytes is a
-// raw-pointer copy or an atomic byte access made while holding a span of
-// `sync` that excludes conflicting plain copies (see fence.rs), never a
-// reference, so sharing the storage across threads cannot race.
+// constructor promised stays valid. Every host access to the bytes holds
+// a span of `sync` that excludes the conflicting ones (see fence.rs): a
+// raw-pointer copy or an atomic byte access for the span of one call, or
+// a reference lent for a long-lived span, by a mapping guard (map.rs)
+// or a staging buffer (memcpy.rs, whose storage is private to it), which
+// also pin a `Dma` buffer against device writes for as long as the
+// reference lives. So sharing the storage across threads cannot race.
 unsafe impl Send for Storage {}
 // SAFETY: as above.
 unsafe impl Sync for Storage {}

@@ -12,7 +12,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use tdrv_uapi as uapi;
@@ -134,6 +134,20 @@ pub enum SysError {
         /// The operation.
         op: &'static str,
     },
+    /// EBUSY (from the library, not the driver): the device file's
+    /// completion events (`job_notify`, `read_events`) have another reader.
+    /// A `Device` has one event stream, which one reader in the process
+    /// that opened it owns: the library's reactor once a job handle was
+    /// awaited on it, else the caller's own `job_notify`/`read_events`
+    /// calls. A child after `fork` shares its parent's stream and reads
+    /// none of it. Open the device again for a stream of your own.
+    #[error("{op}: the device file's completion events are read by {owner} (EBUSY); open the device again for a stream of your own")]
+    EventsBusy {
+        /// The operation.
+        op: &'static str,
+        /// Who reads them.
+        owner: &'static str,
+    },
     /// EOPNOTSUPP: fence fds on a kernel without `sync_file`
     /// (`CONFIG_SYNC_FILE`); see [`Device::supports_fence_fds`].
     #[error("{op}: fence fds need a kernel with CONFIG_SYNC_FILE (EOPNOTSUPP)")]
@@ -211,7 +225,7 @@ impl SysError {
             Self::Interrupted { .. } => libc::EINTR,
             Self::DeviceRemoved { .. } => libc::ENODEV,
             Self::NotTdrv { .. } => libc::ENOTTY,
-            Self::Pinned { .. } => libc::EBUSY,
+            Self::Pinned { .. } | Self::EventsBusy { .. } => libc::EBUSY,
             Self::TooManyJobs { .. } => libc::EAGAIN,
             Self::StaleJob { .. } => libc::ESTALE,
             Self::FenceFdsUnsupported { .. } => libc::EOPNOTSUPP,
@@ -340,8 +354,8 @@ pub struct Device {
     /// single atomic load.
     any_reset: AtomicBool,
     /// Buffers with live host references into their mapping
-    /// (`Tensor::map_read`/`map_write` guards), by handle: the count of
-    /// guards. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
+    /// (`Tensor::map_read`/`map_write` guards, device staging buffers), by
+    /// handle: the count of pins. Every ioctl that writes a buffer's bytes (COPY_IN, MEMSET,
     /// COPY, SUBMIT) holds the read side for its whole call and refuses a
     /// pinned destination; pinning takes the write side, so it waits for
     /// the writes in progress. See `userlib/DESIGN.md`.
@@ -354,11 +368,26 @@ pub struct Device {
     /// The device number of the node (`st_rdev`): with a `buf_id`, the
     /// process-wide name of a buffer.
     rdev: u64,
+    /// The process that opened the file, which alone reads its events
+    /// (a child after `fork` shares the file, so its event stream).
+    opener: u32,
+    /// Who reads the file's completion events in this process (an
+    /// `EVENTS_*` value); set once, by the first to read or ask for one.
+    /// An atomic, not a lock: a child after `fork` must never find it
+    /// held by a thread that does not exist there.
+    events_reader: AtomicU8,
     /// An in-process device answering the ioctls (unit tests only, so the
     /// `Dma` paths run under Miri): see `fakedev.rs`.
     #[cfg(test)]
     fake: Option<Arc<crate::fakedev::FakeDevice>>,
 }
+
+/// Nobody has asked for an event of the file yet.
+const EVENTS_FREE: u8 = 0;
+/// The caller's own `job_notify`/`read_events` calls read the events.
+const EVENTS_MANUAL: u8 = 1;
+/// The library's reactor reads the events (a job handle was awaited).
+pub(crate) const EVENTS_REACTOR: u8 = 2;
 
 /// A pin of one buffer (see [`Device`]'s `pins`); unpins on drop.
 pub(crate) struct Pin<'a> {
@@ -368,13 +397,39 @@ pub(crate) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        let mut pins = self.device.pins.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = pins.get_mut(&self.handle) {
-            *n -= 1;
-            if *n == 0 {
-                pins.remove(&self.handle);
-            }
-        }
+        self.device.unpin(self.handle);
+    }
+}
+
+/// A pin held for the whole life of a buffer that its owner lends as
+/// references (a device staging buffer, `LocalBuffer::device`); unpins on
+/// drop. Like [`Pin`], it refuses every write of the buffer's bytes by
+/// the raw calls, including with a handle found by probing; the owner's
+/// own jobs, made while it holds the buffer exclusively, go through
+/// [`Device::submit_as_owner`].
+pub(crate) struct OwnedPin {
+    device: Arc<Device>,
+    handle: u64,
+}
+
+impl OwnedPin {
+    /// The pinned buffer.
+    pub(crate) fn handle(&self) -> u64 {
+        self.handle
+    }
+}
+
+impl Drop for OwnedPin {
+    fn drop(&mut self) {
+        self.device.unpin(self.handle);
+    }
+}
+
+impl std::fmt::Debug for OwnedPin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedPin")
+            .field("handle", &self.handle)
+            .finish()
     }
 }
 
@@ -401,6 +456,25 @@ impl Device {
         })
     }
 
+    /// [`Device::pin`] held by the buffer's owner for the buffer's life.
+    pub(crate) fn pin_owned(self: &Arc<Self>, handle: u64) -> Result<OwnedPin, SysError> {
+        std::mem::forget(self.pin(handle)?);
+        Ok(OwnedPin {
+            device: self.clone(),
+            handle,
+        })
+    }
+
+    fn unpin(&self, handle: u64) {
+        let mut pins = self.pins.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = pins.get_mut(&handle) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&handle);
+            }
+        }
+    }
+
     /// The read side of the pins, held across an ioctl that writes the
     /// bytes of `handles`; [`SysError::Pinned`] if one is pinned.
     fn unpinned(
@@ -408,8 +482,24 @@ impl Device {
         op: &'static str,
         handles: impl IntoIterator<Item = u64>,
     ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
+        self.unpinned_but(op, handles, None)
+    }
+
+    /// [`Device::unpinned`], letting through the buffer of `owner` when
+    /// that pin is its only one.
+    fn unpinned_but(
+        &self,
+        op: &'static str,
+        handles: impl IntoIterator<Item = u64>,
+        owner: Option<&OwnedPin>,
+    ) -> Result<RwLockReadGuard<'_, HashMap<u64, usize>>, SysError> {
         let pins = self.pins.read().unwrap_or_else(|e| e.into_inner());
-        if !pins.is_empty() && handles.into_iter().any(|h| pins.contains_key(&h)) {
+        if !pins.is_empty()
+            && handles.into_iter().any(|h| match pins.get(&h) {
+                None => false,
+                Some(&n) => !(n == 1 && owner.is_some_and(|o| o.handle == h)),
+            })
+        {
             return Err(SysError::Pinned { op });
         }
         Ok(pins)
@@ -442,6 +532,8 @@ impl Device {
             pins: RwLock::new(HashMap::new()),
             shared: Mutex::new(HashSet::new()),
             rdev: 0,
+            opener: std::process::id(),
+            events_reader: AtomicU8::new(EVENTS_FREE),
             #[cfg(test)]
             fake: None,
         };
@@ -536,14 +628,66 @@ impl Device {
         self.has_features(uapi::TDRV_FEAT_EVENTS as u64)
     }
 
+    /// Makes the caller the reader of this file's completion events: `Ok`
+    /// if it is (or now is), [`SysError::EventsBusy`] if the library's
+    /// reactor reads them (a job handle of this `Device` was awaited), or
+    /// this process is not the one that opened the file (a child after
+    /// `fork`: the parent's stream). [`Device::job_notify`] and
+    /// [`Device::read_events`] make it themselves; call it to learn
+    /// beforehand whether they will work. From then on, awaiting a job
+    /// handle of this `Device` uses its out-fence or a thread of its own
+    /// instead of the events (it never misses its event, never takes
+    /// yours). Events belong to the open file, so two readers would take
+    /// each other's: for a stream of your own beside awaited handles, open
+    /// the device again.
+    pub fn claim_events(&self) -> Result<(), SysError> {
+        self.claim_events_for("claim events", EVENTS_MANUAL)
+    }
+
+    /// Makes `reader` (an `EVENTS_*` value) the reader of the file's
+    /// events, if the process may read them and nobody else does.
+    pub(crate) fn claim_events_for(&self, op: &'static str, reader: u8) -> Result<(), SysError> {
+        let owner = |r| match r {
+            EVENTS_REACTOR => "the library's reactor (a job handle of this Device was awaited)",
+            _ => "this process's own job_notify/read_events calls",
+        };
+        if std::process::id() != self.opener {
+            return Err(SysError::EventsBusy {
+                op,
+                owner: "the process that opened the file (this is a child after fork)",
+            });
+        }
+        match self.events_reader.compare_exchange(
+            EVENTS_FREE,
+            reader,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Ok(()),
+            Err(r) if r == reader => Ok(()),
+            Err(r) => Err(SysError::EventsBusy {
+                op,
+                owner: owner(r),
+            }),
+        }
+    }
+
     /// `TDRV_IOC_JOB_NOTIFY` (ABI 1.4): queues one completion event on this
     /// file when job `job_id` (of this file) has ended, at once if it has,
     /// carrying `user_data`. The file then polls readable (`poll(2)` or
     /// epoll on [`AsFd::as_fd`]) and [`Device::read_events`] returns the
     /// event. One fd serves any number of jobs. Errors: `InvalidArgument`
     /// (an id this file never issued), `StaleJob` (older than the last
-    /// 4096 jobs), `NoSpace` (65,536 events asked for and not yet read).
+    /// 4096 jobs), `NoSpace` (65,536 events asked for and not yet read),
+    /// `EventsBusy` (the library's reactor reads this file's events, or
+    /// this is a child after `fork`: see [`Device::claim_events`]).
     pub fn job_notify(&self, job_id: u64, user_data: u64) -> Result<(), SysError> {
+        self.claim_events_for("JOB_NOTIFY", EVENTS_MANUAL)?;
+        self.notify_unclaimed(job_id, user_data)
+    }
+
+    /// JOB_NOTIFY for a caller that has claimed the events.
+    pub(crate) fn notify_unclaimed(&self, job_id: u64, user_data: u64) -> Result<(), SysError> {
         let mut n = uapi::tdrv_job_notify {
             job_id,
             user_data,
@@ -555,8 +699,9 @@ impl Device {
     /// Appends the completion events ready now to `out`, oldest first,
     /// without waiting (`read(2)` with `RWF_NOWAIT`), and returns how many.
     /// Events belong to the open file: whoever reads one consumes it, so
-    /// one reader per `Device` (the library's own futures use the process
-    /// reactor; see `userlib/DESIGN.md`).
+    /// a `Device` has one reader, the first to ask ([`Device::claim_events`]):
+    /// `EventsBusy` when the library's reactor reads them for awaited job
+    /// handles, or in a child after `fork`. See `userlib/DESIGN.md`.
     pub fn read_events(&self, out: &mut Vec<JobEvent>) -> Result<usize, SysError> {
         self.read_events_max(out, usize::MAX)
     }
@@ -564,9 +709,30 @@ impl Device {
     /// [`Device::read_events`], reading at most `max` events; the others
     /// stay queued for the next call.
     pub fn read_events_max(&self, out: &mut Vec<JobEvent>, max: usize) -> Result<usize, SysError> {
+        self.claim_events_for("read events", EVENTS_MANUAL)?;
+        self.read_events_unclaimed(out, max)
+    }
+
+    /// [`Device::read_events_max`] for a caller that has claimed them.
+    pub(crate) fn read_events_unclaimed(
+        &self,
+        out: &mut Vec<JobEvent>,
+        max: usize,
+    ) -> Result<usize, SysError> {
         #[cfg(test)]
-        if self.fake.is_some() {
-            return Err(SysError::from_errno("read events", libc::EOPNOTSUPP));
+        if let Some(fake) = &self.fake {
+            let evs = fake
+                .read_events(max)
+                .map_err(|e| SysError::from_errno("read events", e))?;
+            out.extend(evs.iter().map(|e| JobEvent {
+                job_id: e.job_id,
+                user_data: e.user_data,
+                status: match e.status {
+                    0 => JobStatus::Done,
+                    s => JobStatus::Failed(s.saturating_neg()),
+                },
+            }));
+            return Ok(evs.len());
         }
         const BATCH: usize = 64;
         let mut buf = [uapi::tdrv_event::default(); BATCH];
@@ -808,6 +974,32 @@ impl Device {
         in_fences: &[BorrowedFd<'_>],
         out_fence: bool,
     ) -> Result<(u64, Option<OwnedFd>), SysError> {
+        self.submit_inner(descs, in_fences, out_fence, None)
+    }
+
+    /// [`Device::submit`] of a job that may write the buffer `owner` pins:
+    /// for the owner of a staging buffer, which calls it while it holds
+    /// the buffer exclusively (no reference into it is lent) and waits for
+    /// the job before lending one again.
+    pub(crate) fn submit_as_owner(
+        &self,
+        descs: &[tdrv_copy_desc],
+        owner: &OwnedPin,
+    ) -> Result<u64, SysError> {
+        if !std::ptr::eq(Arc::as_ptr(&owner.device), self) {
+            return Err(SysError::from_errno("SUBMIT", libc::EINVAL));
+        }
+        self.submit_inner(descs, &[], false, Some(owner))
+            .map(|(id, _)| id)
+    }
+
+    fn submit_inner(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[BorrowedFd<'_>],
+        out_fence: bool,
+        owner: Option<&OwnedPin>,
+    ) -> Result<(u64, Option<OwnedFd>), SysError> {
         let desc_count =
             u32::try_from(descs.len()).map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?;
         let fds: Vec<i32> = in_fences.iter().map(|f| f.as_raw_fd()).collect();
@@ -832,7 +1024,7 @@ impl Device {
                 .map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?,
             ..Default::default()
         };
-        let _pins = self.unpinned("SUBMIT", descs.iter().map(|d| d.dst_handle))?;
+        let _pins = self.unpinned_but("SUBMIT", descs.iter().map(|d| d.dst_handle), owner)?;
         self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
         let fence = if out_fence && s.out_fence >= 0 {
             // SAFETY: the driver installed this descriptor for this call
@@ -941,6 +1133,8 @@ impl Device {
             pins: RwLock::new(HashMap::new()),
             shared: Mutex::new(HashSet::new()),
             rdev: 0,
+            opener: std::process::id(),
+            events_reader: AtomicU8::new(EVENTS_FREE),
             fake: None,
         })
     }
@@ -953,7 +1147,10 @@ impl Device {
     #[cfg(test)]
     pub(crate) fn fake_with(features: u64) -> (Arc<Device>, Arc<crate::fakedev::FakeDevice>) {
         let fake = Arc::new(crate::fakedev::FakeDevice::new(features));
-        let fd: OwnedFd = std::fs::File::open("/dev/null").expect("/dev/null").into();
+        // With events, the fake's eventfd: readable while one is queued.
+        let fd: OwnedFd = fake
+            .device_fd()
+            .unwrap_or_else(|| std::fs::File::open("/dev/null").expect("/dev/null").into());
         let dev = Arc::new(Device {
             fd,
             path: PathBuf::from("/dev/tdrv-fake"),
@@ -967,6 +1164,8 @@ impl Device {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
                 u64::MAX - NEXT.fetch_add(1, Ordering::Relaxed)
             },
+            opener: std::process::id(),
+            events_reader: AtomicU8::new(EVENTS_FREE),
             fake: Some(fake.clone()),
         });
         (dev, fake)

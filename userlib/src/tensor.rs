@@ -835,6 +835,21 @@ impl Tensor {
         Some(unsafe { base.add(self.view().offset) })
     }
 
+    /// [`Tensor::va`] without mapping anything: also `None` for a `Dma`
+    /// buffer that has no host mapping yet. For finding the tensor of an
+    /// address among many (libnrt's `nrt_get_dmabuf_fd`): an address a
+    /// caller holds came from a mapping that exists, and mapping every
+    /// other buffer to compare would cost a mapping each.
+    pub fn mapped_va(&self) -> Option<NonNull<u8>> {
+        let st = self.view().storage.as_ref()?;
+        let base = match st.dma() {
+            Some(b) => NonNull::new(b.mapping.get()?.as_ptr())?,
+            None => st.host_base()?,
+        };
+        // SAFETY: as in `va`: the offset stays inside the allocation.
+        Some(unsafe { base.add(self.view().offset) })
+    }
+
     /// Device (bus) address of the view's first byte; `Dma` only.
     /// [`Error::NoDmaAddress`] when the driver withholds bus addresses from
     /// this process (it reports them only to openers with
@@ -970,6 +985,45 @@ impl Tensor {
         };
         let size = storage.size;
         Self::new_view(name, Some(storage), 0, size, baseline)
+    }
+
+    /// This view on another device without a copy: the tensor's buffer is
+    /// exported as a dma-buf ([`Tensor::export_dmabuf`]) and imported on
+    /// `device`, placed on its HBM `channel` (jobs there need both tensors
+    /// on one channel), and the result views the same bytes (this view's
+    /// offset and size in the import). Jobs on `device` read and write
+    /// this tensor's memory, ordered with this device's jobs on it through
+    /// the dma-buf's reservation object (ABI 1.5).
+    ///
+    /// On this tensor's own device the result is a view of the same
+    /// storage (`channel` is ignored). From the first share on, both sides
+    /// may be written by others: [`Tensor::map_read`] and
+    /// [`Tensor::map_write`] refuse them ([`Error::SharedBuffer`]), while
+    /// copies and jobs work.
+    ///
+    /// Errors: [`Error::Unsupported`] for a tensor not on a device;
+    /// [`Error::Sys`] with `EOPNOTSUPP` for device memory that cannot be
+    /// reached from another device (the sim device's HBM), `EINVAL` for a
+    /// `channel` `device` does not have, or the driver's error (see
+    /// `docs/sharing.md` for which devices share with which).
+    ///
+    /// ```no_run
+    /// use tdrv::{Device, Tensor};
+    ///
+    /// let a = Device::open("/dev/tdrv0")?;
+    /// let b = Device::open("/dev/tdrv1")?;
+    /// let t = Tensor::allocate_on(&a, 0, 4096, Some("weights"))?;
+    /// t.write(0, b"hello")?;
+    /// let on_b = t.share_to(&b, 0)?;
+    /// let mut buf = [0u8; 5];
+    /// on_b.read(0, &mut buf)?;
+    /// assert_eq!(&buf, b"hello");
+    /// # Ok::<(), tdrv::Error>(())
+    /// ```
+    pub fn share_to(&self, device: &Arc<Device>, channel: u32) -> Result<Tensor> {
+        let fd = self.export_dmabuf()?;
+        let whole = Tensor::from_dmabuf_on(device, channel, &fd, Some(self.name()))?;
+        whole.slice(self.offset(), self.size(), Some(self.name()))
     }
 
     /// Physical address, size and HBM channel of a `Dma` tensor.

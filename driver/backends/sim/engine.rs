@@ -37,7 +37,8 @@
 //! # Faults
 //!
 //! A descriptor the device fails fails its op: a job with EIO, a transfer
-//! with EIO. The watchdog (a delayed work item, every `WATCH_MS` while a
+//! with EIO (a COPY_IN, MEMSET or COPY then latches its destination's
+//! error, as a failed job does: `file.rs`). The watchdog (a delayed work item, every `WATCH_MS` while a
 //! queue has work) reaps the completion rings, which recovers a lost
 //! interrupt, and resets a queue with no progress for `sim_timeout_ms`:
 //! its running op fails with ETIMEDOUT, the ops behind it with EIO, and
@@ -509,7 +510,7 @@ impl SimEngine {
         let orphans = q.take_orphans();
         for op in orphans.iter() {
             match op.job() {
-                Some(job) => job.report(op.result()),
+                Some(job) => job.abandon(op.result()),
                 None => op.signal(),
             }
         }

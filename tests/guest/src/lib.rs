@@ -9,6 +9,8 @@ pub mod dmabuf;
 pub mod inject;
 pub mod raw;
 pub mod sync;
+pub mod uffd;
+pub mod unbind;
 pub mod wait;
 
 pub use inject::{failure_injection, inject, Hold, SimWatchdog};
@@ -178,6 +180,22 @@ pub fn expect_eq<T: PartialEq + std::fmt::Debug>(
         Ok(())
     } else {
         Err(format!("{what}: got {got:?}, want {want:?}"))
+    }
+}
+
+/// The exit code of a child's wait status. A child killed by a signal
+/// (or stopped) has no exit code: that is an error naming the signal, so
+/// that a crash never reads as `WEXITSTATUS` 0.
+pub fn exit_code(status: i32) -> Result<i32, String> {
+    if libc::WIFEXITED(status) {
+        Ok(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        Err(format!(
+            "the child was killed by signal {}",
+            libc::WTERMSIG(status)
+        ))
+    } else {
+        Err(format!("the child did not exit: wait status {status:#x}"))
     }
 }
 

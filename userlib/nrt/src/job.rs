@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! tdrv's copy jobs for C programs (`include/tdrv/job.h`): the C face of
 //! [`tdrv::Job`] and [`tdrv::JobHandle`], so that a C caller can make the
 //! output completion counts of `nrt_tensor_check_output_completion` move

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! `libnrt.so.1`: the nrt_tensor C ABI of the Neuron runtime, over the tdrv
 //! tensor layer. The declarations are in `include/nrt/nrt.h` and
 //! `include/nrt/nrt_status.h`, libnrt's header layout, and tdrv's copy jobs
@@ -149,6 +150,8 @@ pub struct tdrv_job_event_t {
     pub status: NRT_STATUS,
 }
 
+/// `ndl/neuron_driver_shared_tensor_batch_op.h`, where the public headers
+/// define it.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct nrt_tensor_batch_op_t {
@@ -755,9 +758,23 @@ pub extern "C" fn nrt_tensor_get_va(tensor: *const nrt_tensor_t) -> *mut c_void 
     va
 }
 
-/// The device tensor of this library whose memory holds `[va, va + size)`
-/// (a quiet handle), if any.
-fn device_tensor_at(va: u64, size: u64) -> Option<Tensor> {
+/// Where a caller's address lies in a live device tensor of this library.
+struct DeviceRange {
+    /// A quiet handle of the tensor (view) whose memory holds the range.
+    tensor: Tensor,
+    /// The range's offset in that view.
+    offset: usize,
+    /// Address of the first byte of the view's whole device allocation
+    /// (the start of its dma-buf).
+    alloc_base: u64,
+}
+
+/// The live device tensor of this library whose view holds `[va, va +
+/// size)`, if any. Only tensors whose buffer is already mapped are looked
+/// at (`Tensor::mapped_va`): a caller's address came from
+/// `nrt_tensor_get_va`, which mapped it, so mapping every other buffer to
+/// compare (as this once did) finds nothing more and costs a mapping each.
+fn device_range(va: u64, size: u64) -> Option<DeviceRange> {
     let end = va.checked_add(size)?;
     handles().find_map(|h| {
         let Handle::Tensor(held) = h else {
@@ -765,14 +782,21 @@ fn device_tensor_at(va: u64, size: u64) -> Option<Tensor> {
         };
         let t = held.tensor()?;
         t.device()?;
-        let base = (t.va()?.as_ptr() as u64).checked_sub(t.offset() as u64)?;
-        let len = t.storage_size()? as u64;
-        (va >= base && end <= base.checked_add(len)?).then(|| t.clone_quiet())
+        let start = t.mapped_va()?.as_ptr() as u64;
+        let stop = start.checked_add(t.size() as u64)?;
+        if va < start || end > stop {
+            return None;
+        }
+        Some(DeviceRange {
+            tensor: t.clone_quiet(),
+            offset: usize::try_from(va - start).ok()?,
+            alloc_base: start.checked_sub(t.offset() as u64)?,
+        })
     })
 }
 
 /// A dma-buf fd (`*fd`, O_RDWR, close-on-exec) for the device allocation
-/// holding `[va, va + size)`; see `nrt/nrt.h`.
+/// that starts at `va`; see `nrt/nrt.h` for the contract (libfabric's).
 ///
 /// # Safety
 /// `fd` is NULL or writable.
@@ -786,14 +810,24 @@ pub unsafe extern "C" fn nrt_get_dmabuf_fd(va: u64, size: u64, fd: *mut c_int) -
         if size == 0 {
             return fail(F, NRT_INVALID, "size is 0");
         }
-        let Some(t) = device_tensor_at(va, size) else {
+        let Some(r) = device_range(va, size) else {
             return fail(
                 F,
                 NRT_INVALID,
                 "the range is not inside the memory of one device tensor",
             );
         };
-        match t.export_dmabuf() {
+        if va != r.alloc_base {
+            // The dma-buf starts at the allocation's first byte, and its
+            // users (libfabric) take the address they asked for to be at
+            // offset 0 of it.
+            return fail(
+                F,
+                NRT_INVALID,
+                "va is inside a device allocation but not at its start (where its dma-buf begins)",
+            );
+        }
+        match r.tensor.export_dmabuf() {
             Ok(owned) => {
                 // SAFETY: non-null and writable per the contract; the
                 // caller owns the fd from here.
@@ -804,6 +838,68 @@ pub unsafe extern "C" fn nrt_get_dmabuf_fd(va: u64, size: u64, fd: *mut c_int) -
                 if errno == libc::EMFILE || errno == libc::ENFILE =>
             {
                 fail(F, NRT_RESOURCE, "out of file descriptors")
+            }
+            Err(e) => status(F, Err(e)),
+        }
+    })
+}
+
+/// Copies `size` bytes from host memory at `src` to device memory at
+/// `dest`, an address inside a device tensor of this library (from
+/// `nrt_tensor_get_va`); see `nrt/nrt.h`.
+///
+/// # Safety
+/// `src` is valid for reads of `size` bytes (may be NULL when 0), and no
+/// other thread writes them during the call; it may overlap any tensor's
+/// memory. `dest` is only compared with the tensors' addresses, never
+/// dereferenced as given.
+#[no_mangle]
+pub unsafe extern "C" fn nrt_memcpy_to_device(
+    dest: *mut c_void,
+    src: *const c_void,
+    size: usize,
+) -> NRT_STATUS {
+    const F: &str = "nrt_memcpy_to_device";
+    guard(F, || {
+        if size == 0 {
+            return NRT_SUCCESS;
+        }
+        if src.is_null() || dest.is_null() {
+            return fail(F, NRT_INVALID, "dest or src is NULL");
+        }
+        let Some(r) = device_range(dest.addr() as u64, size as u64) else {
+            return fail(
+                F,
+                NRT_INVALID,
+                "[dest, dest + size) is not inside the memory of one device tensor",
+            );
+        };
+        // SAFETY: `src` is valid for `size` bytes per the contract; raw
+        // pointer only. The destination is the tensor's own memory, found
+        // by address and written through the tensor (fenced like
+        // nrt_tensor_write).
+        status(F, unsafe { r.tensor.write_raw(r.offset, src.cast(), size) })
+    })
+}
+
+/// Number of NeuronCores: here the HBM channels of the DEVICE placement's
+/// device ($TDRV_DEVICE, default /dev/tdrv0), the `vnc` values
+/// `nrt_tensor_allocate` takes. Opens that device if nothing did yet.
+///
+/// # Safety
+/// `count` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn nrt_get_total_nc_count(count: *mut u32) -> NRT_STATUS {
+    const F: &str = "nrt_get_total_nc_count";
+    guard(F, || {
+        if count.is_null() {
+            return fail(F, NRT_INVALID, "count is NULL");
+        }
+        match tdrv::default_device() {
+            Ok(d) => {
+                // SAFETY: non-null and writable per the contract.
+                unsafe { count.write(d.num_channels()) };
+                NRT_SUCCESS
             }
             Err(e) => status(F, Err(e)),
         }

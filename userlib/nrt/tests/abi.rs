@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! The C ABI called from Rust: status mapping, handle ownership and sets.
 
 use std::ffi::CString;
@@ -64,8 +65,26 @@ fn status_mapping() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "runs itself in a child process")]
 fn device_placement_without_a_device_fails_cleanly() {
-    if std::path::Path::new("/dev/tdrv0").exists() || std::env::var_os("TDRV_DEVICE").is_some() {
+    // libnrt reads TDRV_DEVICE once per process, and the host may have a
+    // tdrv node: the check runs in a child process of this test binary
+    // whose TDRV_DEVICE names no node, whatever this machine has.
+    const NAME: &str = "device_placement_without_a_device_fails_cleanly";
+    if std::env::var_os("NRT_ABI_TEST_CHILD").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--test-threads=1"])
+            .env("NRT_ABI_TEST_CHILD", "1")
+            .env("TDRV_DEVICE", "/nonexistent/tdrv9")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "the child run of {NAME}: {}\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
         return;
     }
     let mut t = null_mut();
@@ -206,6 +225,42 @@ fn dmabuf_fd_of_host_memory_and_bad_arguments_are_invalid() {
         assert_eq!(nrt_get_dmabuf_fd(va, 16, std::ptr::null_mut()), NRT_INVALID);
         assert_eq!(nrt_get_dmabuf_fd(u64::MAX, 2, &mut fd), NRT_INVALID);
     }
+    let mut t = t;
+    // SAFETY: a live handle variable.
+    unsafe { nrt_tensor_free(&mut t) };
+}
+
+#[test]
+fn memcpy_to_device_refuses_host_memory_and_bad_arguments() {
+    let t = alloc(4096, "host");
+    let va = nrt_tensor_get_va(t);
+    let src = [7u8; 16];
+    // SAFETY: `src` is readable for 16 bytes; `dest` is only looked up.
+    unsafe {
+        assert_eq!(
+            nrt_memcpy_to_device(va, src.as_ptr().cast(), 16),
+            NRT_INVALID
+        );
+        assert_eq!(nrt_memcpy_to_device(va, std::ptr::null(), 16), NRT_INVALID);
+        assert_eq!(
+            nrt_memcpy_to_device(null_mut(), src.as_ptr().cast(), 16),
+            NRT_INVALID
+        );
+        assert_eq!(
+            nrt_memcpy_to_device(null_mut(), std::ptr::null(), 0),
+            NRT_SUCCESS
+        );
+    }
+    // Host memory was not written.
+    let mut back = [1u8; 16];
+    // SAFETY: live handle, writable buffer.
+    assert_eq!(
+        unsafe { nrt_tensor_read(t, back.as_mut_ptr().cast(), 0, 16) },
+        NRT_SUCCESS
+    );
+    assert_eq!(back, [0u8; 16]);
+    // SAFETY: NULL is allowed and refused.
+    assert_eq!(unsafe { nrt_get_total_nc_count(null_mut()) }, NRT_INVALID);
     let mut t = t;
     // SAFETY: a live handle variable.
     unsafe { nrt_tensor_free(&mut t) };

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Builds the C test program with gcc and runs it against the freshly built
 //! libnrt.so, loaded with dlopen() by its SONAME as third-party programs do
 //! (VIRTUAL placement: no device needed). Fails, never skips, when a tool is
@@ -79,6 +80,8 @@ fn library_has_the_soname_and_only_the_nrt_exports() {
         "nrt_add_tensor_to_tensor_set",
         "nrt_get_tensor_from_tensor_set",
         "nrt_get_dmabuf_fd",
+        "nrt_memcpy_to_device",
+        "nrt_get_total_nc_count",
         "nrt_get_status_as_str",
     ];
     want.sort();

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Issue 11, holes 2 and 3, through the C ABI: caller memory is never
 //! turned into Rust references (Miri checks the aliasing), and stale,
 //! foreign or doubly freed handles are clean errors (Miri checks that no

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! The C library's environment (issue 15 item 4: environment variables
 //! and exit hooks belong to `libnrt.so.1`, not the Rust crate):
 //! `TDRV_TRACE_FILE` gets a Chrome trace of the program's calls, finished

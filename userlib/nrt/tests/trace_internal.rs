@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: MIT OR Apache-2.0
 //! Issue 11, hole 4: the library's own handles (the C handle table's
 //! lookups, a set's reference) emit no trace events; only the user's
 //! actions do, and the free event carries the seed's payload.

@@ -81,7 +81,9 @@ impl<T: Element> Deref for TcmBuffer<T> {
         // SAFETY: the buffer holds `len * size_of::<T>()` initialised bytes
         // (zeroed when allocated), aligned to HOST_ALIGN or a page, which is
         // at least `align_of::<T>()` (checked at allocation); any bytes are a
-        // valid `T`. The device writes it only inside a `&mut` copy call.
+        // valid `T`. Nothing else writes it while `&self` is borrowed: a
+        // device scratch is pinned for its life (`LocalBuffer::as_slice`
+        // says how), and the accessor's copies into it take `&mut`.
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<T>(), self.len) }
     }
 }

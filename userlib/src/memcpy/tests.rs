@@ -183,3 +183,77 @@ fn copies_wait_for_async_writers() {
     t.mark_async_finish(crate::Access::Write).unwrap();
     assert_eq!(reader.join().unwrap(), data);
 }
+
+/// A device staging buffer lends its bytes (`as_slice`, and `TcmBuffer`'s
+/// deref over it) while the safe raw calls take any handle, also one found
+/// by probing `buf_info`: the buffer is pinned for its life, so every one
+/// of them is refused and the lent bytes do not change. Its own DMA copies
+/// still go through. (Before the pin, MEMSET changed the bytes under the
+/// live slice, and Miri reported the write through the fake device's
+/// block as undefined behaviour.)
+#[test]
+fn a_device_staging_buffer_refuses_raw_writes_while_it_lends_bytes() {
+    let (dev, fake) = Device::fake();
+    let t = Tensor::allocate_on(&dev, 0, 64, Some("src")).unwrap();
+    t.write(0, &pattern(64, 4)).unwrap();
+    let th = t.dma_handle().unwrap();
+    let mut local = LocalBuffer::device(&dev, 0, 64).unwrap();
+    assert!(local.is_device());
+    {
+        let lent = local.as_slice();
+        // Probe the file's handles as any code of the process could.
+        let probed: Vec<u64> = (1..64).filter(|&h| dev.buf_info(h).is_ok()).collect();
+        assert_eq!(probed.len(), 2, "the tensor and the staging buffer");
+        let h = probed.into_iter().find(|&h| h != th).unwrap();
+        let pinned =
+            |r: std::result::Result<(), SysError>| matches!(r, Err(SysError::Pinned { .. }));
+        assert!(pinned(dev.memset(h, 0, 64, 0xff)), "MEMSET");
+        assert!(pinned(dev.copy_in(h, 0, &[0xee; 64])), "COPY_IN");
+        let desc = tdrv_copy_desc {
+            src_handle: th,
+            src_offset: 0,
+            dst_handle: h,
+            dst_offset: 0,
+            size: 64,
+        };
+        assert!(pinned(dev.copy(&desc)), "COPY");
+        assert!(pinned(dev.submit(&[desc]).map(drop)), "SUBMIT");
+        assert!(pinned(dev.export(h).map(drop)), "EXPORT");
+        assert_eq!(lent, [0; 64], "the lent bytes did not change");
+        // Reading it is no write: allowed.
+        let mut out = [1u8; 64];
+        dev.copy_out(h, 0, &mut out).unwrap();
+        assert_eq!(out, [0; 64]);
+    }
+    // The buffer's own copies, made while it is borrowed `&mut`, go.
+    let used = neuron_memcpy_from_tensor_with(Dma, &mut local, 0, &t, 0, 64).unwrap();
+    assert_eq!(used, Dma);
+    assert_eq!(local.as_slice(), pattern(64, 4));
+    local.as_mut_slice().fill(3);
+    assert_eq!(
+        neuron_memcpy_to_tensor_with(Dma, &t, 8, &local, 0, 8).unwrap(),
+        Dma
+    );
+    assert_eq!(
+        t.to_vec().unwrap()[6..18],
+        [
+            pattern(64, 4)[6],
+            pattern(64, 4)[7],
+            3,
+            3,
+            3,
+            3,
+            3,
+            3,
+            3,
+            3,
+            pattern(64, 4)[16],
+            pattern(64, 4)[17]
+        ]
+    );
+    // Dropping it unpins and frees it: the handle is gone, and the
+    // tensor's own buffer was never pinned by it.
+    drop(local);
+    assert_eq!(fake.live_handles(), 1);
+    t.memset(0, 1, 64).unwrap();
+}

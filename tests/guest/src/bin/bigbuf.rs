@@ -42,7 +42,13 @@ fn main() {
     let edu = version.device_kind == TDRV_DEVICE_EDU;
     let sizes = [8 * MIB, 64 * MIB, 256 * MIB];
     let mut t = Tap::new(sizes.len());
-    let limit = dev.channel_info(0).map(|c| c.limit_bytes).unwrap_or(0);
+    // The channel's limit decides what runs: not knowing it is a failure
+    // of the program, not a reason to skip.
+    let limit = tdrv_guest_tests::bail::require(
+        "CHANNEL_INFO of channel 0",
+        dev.channel_info(0).map_err(|e| format!("errno {e}")),
+    )
+    .limit_bytes;
     // A sim device's channels are its HBM (tdrv-sim --channel-size), which
     // channel_mib can only lower: sizes that do not fit are skipped there.
     let sim = version.device_kind == TDRV_DEVICE_SIM;

@@ -55,7 +55,7 @@ fn raise_foreign_irq(node: &str) -> R {
 
 fn main() {
     let (dev, path, _) = open_device_or_skip("/dev/tdrv1", Some(TDRV_DEVICE_EDU));
-    let mut t = Tap::new(8);
+    let mut t = Tap::new(10);
 
     t.run("the interrupt counter grows with jobs", || -> R {
         let before = stat(&path, "irqs")?;
@@ -208,6 +208,8 @@ fn main() {
         unbind_while_held,
     );
 
+    tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_EDU, DRIVER_DIR);
+
     t.finish();
 }
 
@@ -280,25 +282,6 @@ fn gettid() -> i32 {
     unsafe { libc::gettid() }
 }
 
-/// `struct uffdio_api` and `struct uffdio_register` (linux/userfaultfd.h).
-#[repr(C)]
-struct UffdApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-#[repr(C)]
-struct UffdRegister {
-    start: u64,
-    len: u64,
-    mode: u64,
-    ioctls: u64,
-}
-const UFFD_API: u64 = 0xAA;
-const UFFDIO_API: u64 = 0xC018_AA3F;
-const UFFDIO_REGISTER: u64 = 0xC020_AA00;
-const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
-
 /// A COPY_IN whose source is a userfaultfd-registered page that nobody
 /// serves blocks in the kernel's page fault. Other files must still work,
 /// and unbind must complete; once the fault is resolved (the userfaultfd
@@ -308,43 +291,8 @@ fn unbind_during_stalled_copy() -> R {
     let node = edu_nodes().first().cloned().ok_or("no edu device")?;
     let dev = ok("open", Dev::open(&node))?;
     let a = ok("alloc", dev.alloc(8192, 0))?;
-    // SAFETY: plain syscalls on fresh descriptors and a fresh anonymous
-    // mapping that no Rust object uses.
-    let (uffd, region) = unsafe {
-        let uffd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) as i32;
-        if uffd < 0 {
-            return Err(format!(
-                "userfaultfd: errno {}",
-                tdrv_guest_tests::raw::errno()
-            ));
-        }
-        let mut api = UffdApi {
-            api: UFFD_API,
-            features: 0,
-            ioctls: 0,
-        };
-        if libc::ioctl(uffd, UFFDIO_API as _, &mut api) != 0 {
-            return Err("UFFDIO_API".into());
-        }
-        let region = libc::mmap(
-            std::ptr::null_mut(),
-            8192,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        let mut reg = UffdRegister {
-            start: region as u64,
-            len: 8192,
-            mode: UFFDIO_REGISTER_MODE_MISSING,
-            ioctls: 0,
-        };
-        if libc::ioctl(uffd, UFFDIO_REGISTER as _, &mut reg) != 0 {
-            return Err("UFFDIO_REGISTER".into());
-        }
-        (uffd, region as u64)
-    };
+    let mut region = tdrv_guest_tests::uffd::Unserved::new(0, 8192)?;
+    let user_ptr = region.base() as u64;
     let dev = std::sync::Arc::new(dev);
     let (tid_tx, tid_rx) = std::sync::mpsc::channel();
     let copier = {
@@ -355,7 +303,7 @@ fn unbind_during_stalled_copy() -> R {
                 handle: a.handle,
                 offset: 0,
                 size: 8192,
-                user_ptr: region,
+                user_ptr,
                 ..Default::default()
             };
             dev.ioctl(TDRV_IOC_COPY_IN, &mut x)
@@ -395,12 +343,10 @@ fn unbind_during_stalled_copy() -> R {
     )?;
     // Resolve the fault: without its userfaultfd the page is an ordinary
     // anonymous page again.
-    // SAFETY: closes our own descriptor.
-    unsafe { libc::close(uffd) };
+    region.serve();
     let copied = copier.join().map_err(|_| "copier panicked")?;
     let rebind = fs::write(format!("{DRIVER_DIR}/bind"), &pci).map_err(|e| format!("bind: {e}"));
-    // SAFETY: unmaps our own region.
-    unsafe { libc::munmap(region as *mut _, 8192) };
+    drop(region);
     expect_err("the stalled COPY_IN", copied, libc::ENODEV)?;
     rebind?;
     if edu_nodes().is_empty() {

@@ -1,11 +1,11 @@
 //! Documented errnos that no other program provokes: SUBMIT's
 //! TDRV_MAX_JOB_BYTES limit, its EMFILE for the out-fence and its EFAULT
 //! writing the result back (after which the job still runs); FENCE_WAIT's
-//! ETIMEDOUT and EINTR on a job held by an unsignalled in-fence, and the
-//! restart of an unbounded wait after an SA_RESTART handler; negative
-//! timeouts other than -1 (they wait without limit); COPY's EIO from a
-//! source a failed job left undefined; EXPORT's EINVAL for each non-zero
-//! input field.
+//! and JOB_WAIT's ETIMEDOUT and EINTR on a job held by an unsignalled
+//! in-fence, and the restart of an unbounded wait after an SA_RESTART
+//! handler; negative timeouts other than -1 (they wait without limit);
+//! COPY's EIO from a source a failed job left undefined; EXPORT's EINVAL
+//! for each non-zero input field and its EMFILE.
 //!
 //! Waits are ordered by events (the waiting thread asleep in the call,
 //! the handler having run), never by elapsed time.
@@ -24,10 +24,10 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, failure_injection, ok, open_device_or_skip,
+    channel_usage, desc, expect_eq, expect_err, failure_injection, ok, open_device_or_skip,
     raw::{errno, page_size, Dev, Errno},
     sync::Timeline,
-    HangGuard, Tap,
+    wait_usage, HangGuard, Tap,
 };
 use tdrv_uapi::*;
 
@@ -103,6 +103,49 @@ fn wait_asleep(tid: libc::pid_t, done: &AtomicBool) -> R {
         }
         thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Runs `f` with no free descriptor: the soft RLIMIT_NOFILE lowered a
+/// little above the open ones and the table filled up to it with dups.
+/// The dups are closed and the limit restored before returning.
+fn with_no_free_fd<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: out-pointer to a local rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) } != 0 {
+        return Err(format!("getrlimit: errno {}", errno()));
+    }
+    let limit = (open_fds()? + 16) as u64;
+    let low = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: a valid rlimit; only the soft limit is lowered.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) } != 0 {
+        return Err(format!("setrlimit: errno {}", errno()));
+    }
+    // Fill the table up to the limit.
+    let mut filler = Vec::new();
+    loop {
+        // SAFETY: dup of stdin; the copies are closed below.
+        let fd = unsafe { libc::dup(0) };
+        if fd < 0 {
+            break;
+        }
+        filler.push(fd);
+    }
+    let filled = errno();
+    let r = f();
+    for fd in &filler {
+        // SAFETY: our own dups.
+        unsafe { libc::close(*fd) };
+    }
+    // SAFETY: restores the limits read above.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
+    expect_eq("dup stopped at", filled, libc::EMFILE)?;
+    Ok(r)
 }
 
 static HANDLED: AtomicU32 = AtomicU32::new(0);
@@ -224,7 +267,7 @@ fn main() {
         no_fence_fd
     };
     let pg = page_size() as u64;
-    let mut t = Tap::new(11);
+    let mut t = Tap::new(16);
 
     t.run(
         "SUBMIT moving more than TDRV_MAX_JOB_BYTES is EINVAL and queues nothing",
@@ -261,40 +304,7 @@ fn main() {
             || -> R {
                 let (a, b, data) = pair(&dev, pg, 1)?;
                 let d = [desc(a.handle, 0, b.handle, 0, pg)];
-                let mut old = libc::rlimit {
-                    rlim_cur: 0,
-                    rlim_max: 0,
-                };
-                // SAFETY: out-pointer to a local rlimit.
-                unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) };
-                let limit = (open_fds()? + 16) as u64;
-                let low = libc::rlimit {
-                    rlim_cur: limit,
-                    rlim_max: old.rlim_max,
-                };
-                // SAFETY: a valid rlimit; only the soft limit is lowered.
-                if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) } != 0 {
-                    return Err(format!("setrlimit: errno {}", errno()));
-                }
-                // Fill the table up to the limit.
-                let mut filler = Vec::new();
-                loop {
-                    // SAFETY: dup of stdin; the copies are closed below.
-                    let fd = unsafe { libc::dup(0) };
-                    if fd < 0 {
-                        break;
-                    }
-                    filler.push(fd);
-                }
-                let filled = errno();
-                let r = dev.submit_fences(&d, &[], true);
-                for fd in &filler {
-                    // SAFETY: our own dups.
-                    unsafe { libc::close(*fd) };
-                }
-                // SAFETY: restores the limits read above.
-                unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &old) };
-                expect_eq("dup stopped at", filled, libc::EMFILE)?;
+                let r = with_no_free_fd(|| dev.submit_fences(&d, &[], true))?;
                 expect_err("submit", r, libc::EMFILE)?;
                 // Had it been queued, it would have run by the time every
                 // device access of the destination ended.
@@ -526,6 +536,127 @@ fn main() {
 
     held_test(
         &mut t,
+        "JOB_WAIT on a held job: a timed wait is ETIMEDOUT, a poll PENDING; released, it is DONE",
+        &|| -> R {
+            let (a, b, data) = pair(&dev, pg, 11)?;
+            let h = Held::submit(&dev, &a, &b, pg)?;
+            // The short timeout is the outcome under test: the job cannot
+            // end before the release below.
+            expect_err("1 ms wait", dev.job_wait(h.job, 1000), libc::ETIMEDOUT)?;
+            expect_eq(
+                "poll",
+                ok("poll", dev.job_wait(h.job, 0))?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
+            h.release()?;
+            expect_eq(
+                "wait after the release",
+                ok("job_wait", dev.job_wait(h.job, HANG.as_micros() as i64))?,
+                (TDRV_JOB_DONE, 0),
+            )?;
+            expect_eq(
+                "copied",
+                contents(&dev, b.handle, pg as usize)? == data,
+                true,
+            )
+        },
+    );
+
+    // One JOB_WAIT interrupted by SIGUSR1 while asleep in the call.
+    let job_interrupted = |restart: bool, timeout_us: i64, seed: u8| -> R {
+        let dev = Arc::new(ok("open", Dev::open(&node))?);
+        let (a, b, data) = pair(&dev, pg, seed)?;
+        let h = Held::submit(&dev, &a, &b, pg)?;
+        set_handler(restart);
+        let before = HANDLED.load(SeqCst);
+        let d = dev.clone();
+        let job = h.job;
+        // -1: the wait returned a state instead of an error.
+        let w = Waiter::start(move || d.job_wait(job, timeout_us).and(Err(-1)));
+        w.asleep()?;
+        tgkill(w.tid)?;
+        let r = w.join()?;
+        expect_eq("handler ran", HANDLED.load(SeqCst) - before, 1)?;
+        expect_err("job_wait", r, libc::EINTR)?;
+        expect_eq(
+            "job still pending",
+            ok("poll", dev.job_wait(job, 0))?,
+            (TDRV_JOB_PENDING, 0),
+        )?;
+        h.release()?;
+        expect_eq(
+            "job after the release",
+            ok("job_wait", dev.job_wait(job, HANG.as_micros() as i64))?,
+            (TDRV_JOB_DONE, 0),
+        )?;
+        expect_eq(
+            "copied",
+            contents(&dev, b.handle, pg as usize)? == data,
+            true,
+        )
+    };
+    held_test(
+        &mut t,
+        "JOB_WAIT without a limit, interrupted by a handler without SA_RESTART, is EINTR",
+        &|| job_interrupted(false, -1, 12),
+    );
+    held_test(
+        &mut t,
+        "a timed JOB_WAIT interrupted by a signal is EINTR even with SA_RESTART",
+        &|| job_interrupted(true, HANG.as_micros() as i64, 13),
+    );
+
+    held_test(
+        &mut t,
+        "JOB_WAIT without a limit restarts after an SA_RESTART handler and ends with the job",
+        &|| -> R {
+            let dev = Arc::new(ok("open", Dev::open(&node))?);
+            let (a, b, data) = pair(&dev, pg, 14)?;
+            let h = Held::submit(&dev, &a, &b, pg)?;
+            set_handler(true);
+            let before = HANDLED.load(SeqCst);
+            let d = dev.clone();
+            let job = h.job;
+            // -1: the wait ended with another state or status.
+            let w = Waiter::start(move || {
+                d.job_wait(job, -1).and_then(|s| {
+                    if s == (TDRV_JOB_DONE, 0) {
+                        Ok(())
+                    } else {
+                        Err(-1)
+                    }
+                })
+            });
+            w.asleep()?;
+            tgkill(w.tid)?;
+            // The handler runs, then the call goes back to sleep.
+            let start = Instant::now();
+            while HANDLED.load(SeqCst) == before {
+                if start.elapsed() > HANG {
+                    return Err("the handler never ran".into());
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            w.asleep()?;
+            expect_eq(
+                "job still pending after the handler",
+                ok("poll", dev.job_wait(job, 0))?,
+                (TDRV_JOB_PENDING, 0),
+            )?;
+            h.release()?;
+            let r = w.join()?;
+            expect_eq("handler ran", HANDLED.load(SeqCst) - before, 1)?;
+            expect_eq("restarted job_wait", r, Ok(()))?;
+            expect_eq(
+                "copied",
+                contents(&dev, b.handle, pg as usize)? == data,
+                true,
+            )
+        },
+    );
+
+    held_test(
+        &mut t,
         "negative timeouts other than -1 wait without limit (FENCE_WAIT, JOB_WAIT, COMPLETION_WAIT)",
         &|| -> R {
             let dev = Arc::new(ok("open", Dev::open(&node))?);
@@ -663,6 +794,28 @@ fn main() {
             expect_eq("fds after an export", open_fds()?, fds + 1)?;
             drop(fd);
             ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "EXPORT with no free fd is EMFILE and leaves no dma-buf behind",
+        || -> R {
+            let base = channel_usage(&dev, 1)?;
+            let a = ok("alloc", dev.alloc(pg, 0))?;
+            let fds = open_fds()?;
+            let r = with_no_free_fd(|| dev.export(a.handle))?;
+            expect_err("export", r.map(drop), libc::EMFILE)?;
+            expect_eq("fds after the refused export", open_fds()?, fds)?;
+            // A dma-buf made and then lost would keep the buffer charged
+            // to its channel after FREE (struct tdrv_export).
+            ok("free", dev.free(a.handle))?;
+            wait_usage(&dev, &base, HANG)?;
+            // With a free fd the same call works.
+            let b = ok("alloc", dev.alloc(pg, 0))?;
+            let fd = ok("export", dev.export(b.handle))?;
+            expect_eq("fds after an export", open_fds()?, fds + 1)?;
+            drop(fd);
+            ok("free", dev.free(b.handle))
         },
     );
 

@@ -502,9 +502,13 @@ fn main() {
 
     t.run("two processes are isolated from each other", || -> R {
         let a = ok("alloc", dev.alloc(4096, 0))?;
-        let mut fds = [0; 2];
-        // SAFETY: creates a pipe into a local array.
-        if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        // One pipe each way: with one pipe for both, the child could read
+        // back its own handle instead of the parent's go-ahead.
+        let (mut up, mut down) = ([0; 2], [0; 2]);
+        // SAFETY: creates two pipes into local arrays.
+        if unsafe { libc::pipe(up.as_mut_ptr()) } != 0
+            || unsafe { libc::pipe(down.as_mut_ptr()) } != 0
+        {
             return Err("pipe".into());
         }
         // SAFETY: the child only runs code below and exits with _exit.
@@ -516,13 +520,15 @@ fn main() {
                     let mine = own.alloc(4096, 0).map(|x| x.handle).unwrap_or(0);
                     let foreign_ok = own.buf_info(a.handle).is_ok() || own.free(a.handle).is_ok();
                     // SAFETY: writes 8 bytes from a local to the pipe.
-                    unsafe { libc::write(fds[1], (&mine as *const u64).cast(), 8) };
+                    let sent = unsafe { libc::write(up[1], (&mine as *const u64).cast(), 8) };
                     // Wait for the parent to try our handle before exiting.
                     let mut byte = 0u8;
                     // SAFETY: reads one byte into a local.
-                    unsafe { libc::read(fds[0], (&mut byte as *mut u8).cast(), 1) };
+                    let got = unsafe { libc::read(down[0], (&mut byte as *mut u8).cast(), 1) };
                     if foreign_ok || mine == 0 {
                         1
+                    } else if sent != 8 || got != 1 || byte != b'x' {
+                        3
                     } else {
                         0
                     }
@@ -534,22 +540,25 @@ fn main() {
         }
         let mut theirs = 0u64;
         // SAFETY: reads 8 bytes into a local.
-        unsafe { libc::read(fds[0], (&mut theirs as *mut u64).cast(), 8) };
+        let got = unsafe { libc::read(up[0], (&mut theirs as *mut u64).cast(), 8) };
         let parent_view = dev.buf_info(theirs);
         // SAFETY: one byte to let the child go on.
-        unsafe { libc::write(fds[1], b"x".as_ptr().cast(), 1) };
+        unsafe { libc::write(down[1], b"x".as_ptr().cast(), 1) };
         let mut status = 0;
         // SAFETY: waits for our own child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
+        let reaped = unsafe { libc::waitpid(pid, &mut status, 0) };
         // SAFETY: closing our pipe ends.
         unsafe {
-            libc::close(fds[0]);
-            libc::close(fds[1]);
+            for fd in up.into_iter().chain(down) {
+                libc::close(fd);
+            }
         }
+        expect_eq("bytes of the child's handle read", got, 8)?;
+        expect_eq("waitpid", reaped, pid)?;
         expect_err("child's handle in the parent", parent_view, libc::ENOENT)?;
         expect_eq(
-            "child saw only its own buffers (exit code)",
-            libc::WEXITSTATUS(status),
+            "child saw only its own buffers (exit code; 1: it saw ours, 3: a pipe failed)",
+            tdrv_guest_tests::exit_code(status)?,
             0,
         )?;
         ok("free", dev.free(a.handle))

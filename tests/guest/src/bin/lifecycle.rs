@@ -121,7 +121,7 @@ fn main() {
     // `inject` hold_job) however fast the device and however slow the
     // guest: every device and kernel has it, where debugfs is mounted.
     let hold_reason = Hold::unavailable(&path);
-    let mut t = Tap::new(18);
+    let mut t = Tap::new(19);
 
     t.run(
         "an open file or a mapping pins the module (rmmod fails)",
@@ -140,6 +140,30 @@ fn main() {
             expect_eq("mapping still works", map.as_slice()[0], 7)?;
             drop(map);
             expect_eq("refcnt after munmap", module_refcnt()?, base)
+        },
+    );
+
+    t.run(
+        "the dispatch and engine queues have rescuer threads (WQ_MEM_RECLAIM)",
+        || -> R {
+            // Work that signals out-fences must run under memory pressure
+            // without a new kworker: a queue with WQ_MEM_RECLAIM has a
+            // rescuer, which /proc shows as kworker/R-<queue>.
+            let mut names = vec![];
+            for e in fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))? {
+                let e = e.map_err(|e| format!("/proc: {e}"))?;
+                // Tasks may end while we look.
+                if let Ok(c) = fs::read_to_string(e.path().join("comm")) {
+                    names.push(c.trim().to_string());
+                }
+            }
+            for q in ["tdrv-dispatch", "tdrv-engine"] {
+                let want = format!("kworker/R-{q}");
+                if !names.contains(&want) {
+                    return Err(format!("no {want} thread among {} tasks", names.len()));
+                }
+            }
+            Ok(())
         },
     );
 
@@ -763,8 +787,10 @@ fn main() {
         }
         let mut status = 0;
         // SAFETY: waits for our child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        match libc::WEXITSTATUS(status) {
+        if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+            return Err(format!("waitpid: errno {}", tdrv_guest_tests::raw::errno()));
+        }
+        match tdrv_guest_tests::exit_code(status)? {
             0 => Ok(()),
             1 => Err("an opener without CAP_SYS_RAWIO saw a bus address".into()),
             _ => Err("child without CAP_SYS_RAWIO could not allocate".into()),
@@ -797,7 +823,14 @@ fn main() {
                     let mut out = vec![0u8; size as usize];
                     for _ in 0..rounds {
                         let id = ok("submit", d.submit(&[desc(x.handle, 0, y.handle, 0, size)]))?;
-                        expect_eq("job", ok("wait", d.job_wait(id, -1))?, (TDRV_JOB_DONE, 0))?;
+                        // Bounded: a job that never ends fails the check
+                        // (seen once as a hang of the whole guest).
+                        let bound = HANG.as_micros() as i64;
+                        expect_eq(
+                            "job",
+                            ok("wait", d.job_wait(id, bound))?,
+                            (TDRV_JOB_DONE, 0),
+                        )?;
                         ok("copy_out", d.copy_out(y.handle, 0, &mut out))?;
                         let first = out[0];
                         if let Some(i) = out.iter().position(|b| *b != first) {

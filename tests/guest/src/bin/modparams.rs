@@ -1,10 +1,11 @@
 //! Module parameters, with tdrv.ko unloaded: insmod refuses every
 //! out-of-range value with EINVAL and a kernel log line naming the
-//! parameter and its range; then, loaded with small per-file caps
-//! (file_max_buffers=4 file_max_mib=1) and edu_dma_bits=30, ALLOC and
-//! IMPORT past the caps are ENOSPC (a foreign dma-buf counts against the
-//! buffer cap only), and on edu an IMPORT of a dma-buf whose page lies
-//! beyond the DMA mask is EIO. It unloads the module again at the end.
+//! parameter and its range; a parameter given twice (modprobe.d plus the
+//! command line) loads and takes its last value; then, loaded with small
+//! per-file caps (file_max_buffers=4 file_max_mib=1) and edu_dma_bits=30,
+//! ALLOC and IMPORT past the caps are ENOSPC (a foreign dma-buf counts
+//! against the buffer cap only), and on edu an IMPORT of a dma-buf whose
+//! page lies beyond the DMA mask is EIO. It unloads the module again at the end.
 //!
 //! usage: modparams [ignored] (run-all runs it while the module is out)
 
@@ -176,7 +177,7 @@ fn main() {
         Err(e) => skip_all(&e),
     };
     // (parameter, a value below its range, one above, the range)
-    let bad: [(&str, Option<u64>, Option<u64>, &str); 12] = [
+    let bad: [(&str, Option<u64>, Option<u64>, &str); 14] = [
         ("soft_devices", None, Some(5), "0-4"),
         ("channels", Some(0), Some(17), "1-16"),
         ("channel_mib", Some(0), Some(4097), "1-4096"),
@@ -187,6 +188,8 @@ fn main() {
         ("file_max_mib", Some(0), Some(1_048_577), "1-1048576"),
         ("file_max_jobs", Some(0), Some(4096), "1-4095"),
         ("file_max_imports", Some(0), Some(16_777_217), "1-16777216"),
+        ("file_max_events", Some(0), Some(65_537), "1-65536"),
+        ("device_max_events", Some(0), Some(16_777_217), "1-16777216"),
         (
             "device_max_imports",
             Some(0),

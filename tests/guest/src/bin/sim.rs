@@ -10,6 +10,7 @@
 
 use std::{
     fs,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -21,7 +22,7 @@ use std::{
 use tdrv_guest_tests::{
     desc, expect_eq, expect_err, inject, ok, open_device_or_skip,
     raw::Dev,
-    stat,
+    stat, sync,
     wait::{until_asleep_in, HANG},
     MappedChild, Rng, SimWatchdog, Tap,
 };
@@ -139,7 +140,7 @@ fn completion_path_allocates_nothing(dev: &Dev) -> R {
         for id in ids {
             expect_eq(
                 "job",
-                ok("wait", dev.job_wait(id, 30_000_000))?,
+                ok("wait", dev.job_wait(id, HANG_US))?,
                 (TDRV_JOB_DONE, 0),
             )?;
         }
@@ -251,8 +252,8 @@ fn wait_queues_alive(node: &str) -> R {
         if bad.is_empty() {
             return Ok(());
         }
-        if t0.elapsed() > Duration::from_secs(30) {
-            return Err(format!("after 30 s: {bad:?}"));
+        if t0.elapsed() > HANG {
+            return Err(format!("after {HANG:?}: {bad:?}"));
         }
         thread::sleep(Duration::from_millis(20));
     }
@@ -268,13 +269,15 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
     let mut u = Anon::new(len, 0x11)?;
     let u_pfns = u.pfns()?;
-    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    // The product's 2 s watchdog for the hung COPY_OUT only.
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "COPY_OUT on a queue that ignores its reset",
         dev.copy_out(a.handle, 0, u.slice_mut()),
         libc::ETIMEDOUT,
     )?;
+    drop(watchdog);
     drop(u);
     // Fresh memory, likely made of the pages just freed (if they were).
     let v = Anon::new(64 << 20, 0x22)?;
@@ -307,6 +310,186 @@ fn hung_queue_writes_no_freed_page(dev: &Dev, path: &str) -> R {
     ok("free", dev.free(a.handle))
 }
 
+/// A job whose queue hangs and ignores its reset fails (JOB_WAIT:
+/// ETIMEDOUT); the device may still write its destination, which stays
+/// quarantined, but every wait that only the abandoned job holds up ends
+/// with EIO instead of sleeping until the device lets go: COMPLETION_WAIT
+/// and FENCE_WAIT without a timeout on the destination and the source,
+/// and COPY_IN into the destination. (Like a SIGKILLed tdrv-sim.)
+fn hung_queue_job_wakes_every_waiter(dev: &Dev, path: &str) -> R {
+    let len = 256 << 10;
+    let s = ok("alloc", dev.alloc(len as u64, 0))?;
+    let d = ok("alloc", dev.alloc(len as u64, 0))?;
+    ok("completion_reset", dev.completion_reset(d.handle))?;
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    inject(path, "hang")?;
+    let id = ok(
+        "submit",
+        dev.submit(&[desc(s.handle, 0, d.handle, 0, len as u64)]),
+    )?;
+    let (tx, rx) = std::sync::mpsc::channel::<(&str, Result<(), String>)>();
+    let r = thread::scope(|sc| -> R {
+        let t1 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "COMPLETION_WAIT without a timeout on the abandoned job's destination",
+                dev.completion_wait(d.handle, 1, -1).map_err(|(e, _)| e),
+                libc::EIO,
+            );
+            let _ = t1.send(("completion_wait", r));
+        });
+        let t2 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "FENCE_WAIT (writes) without a timeout on the destination",
+                dev.fence_wait(d.handle, TDRV_FENCE_WRITES, -1),
+                libc::EIO,
+            );
+            let _ = t2.send(("fence_wait writes", r));
+        });
+        let t3 = tx.clone();
+        sc.spawn(move || {
+            let r = expect_err(
+                "FENCE_WAIT (reads) without a timeout on the source",
+                dev.fence_wait(s.handle, TDRV_FENCE_READS, -1),
+                libc::EIO,
+            );
+            let _ = t3.send(("fence_wait reads", r));
+        });
+        let mut errs = Vec::new();
+        if let Err(e) = expect_eq(
+            "the job on the queue that ignores its reset",
+            ok("job_wait", dev.job_wait(id, HANG_US))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        ) {
+            errs.push(e);
+        }
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            let left = HANG.saturating_sub(t0.elapsed());
+            match rx.recv_timeout(left) {
+                Ok((_, Ok(()))) => {}
+                Ok((what, Err(e))) => errs.push(format!("{what}: {e}")),
+                Err(_) => {
+                    errs.push(format!(
+                        "a waiter still blocked {HANG:?} after the job failed"
+                    ));
+                    // Let the device go: the blocked waiters end, the
+                    // scope can join them.
+                    let _ = inject(path, "resume");
+                    break;
+                }
+            }
+        }
+        if let Err(e) = expect_err(
+            "COPY_IN into the abandoned job's destination",
+            dev.copy_in(d.handle, 0, &[1; 4096]),
+            libc::EIO,
+        ) {
+            errs.push(e);
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    });
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    drop(watchdog);
+    ok("free", dev.free(s.handle))?;
+    ok("free", dev.free(d.handle))?;
+    r
+}
+
+/// A job the device gave up on (its queue hangs and ignores its reset)
+/// ends at once, for JOB_WAIT and for its completion event, with
+/// ETIMEDOUT; but until the queue lets go, its source and destination
+/// still count it (pending_reads, pending_writes) and its out-fence is not
+/// signalled (tdrv.h, struct tdrv_job_wait). Once the queue resumes, the
+/// marks go and the out-fence signals with the job's error.
+fn gave_up_job_ends_but_holds_its_buffers(dev: &Dev, path: &str, fence_fd: bool) -> R {
+    let len = 64 << 10;
+    let s = ok("alloc", dev.alloc(len as u64, 0))?;
+    let d = ok("alloc", dev.alloc(len as u64, 0))?;
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    inject(path, "hang")?;
+    let descs = [desc(s.handle, 0, d.handle, 0, len as u64)];
+    let (id, fence) = if fence_fd {
+        ok("submit", dev.submit_fences(&descs, &[], true))?
+    } else {
+        (ok("submit", dev.submit(&descs))?, -1)
+    };
+    // SAFETY: SUBMIT gave us the fd (or -1: none).
+    let fence = (fence >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fence) });
+    let checks = (|| -> R {
+        ok("job_notify", dev.job_notify(id, 0x5eed))?;
+        expect_eq(
+            "JOB_WAIT of the job the queue ignores",
+            ok("job_wait", dev.job_wait(id, HANG_US))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        )?;
+        let mut ev = [tdrv_event::default(); 2];
+        let n = ok("read of events", dev.read_events(&mut ev))?;
+        expect_eq(
+            "its event (type, job, status, user data)",
+            (n, ev[0].type_, ev[0].job_id, ev[0].status, ev[0].user_data),
+            (1, TDRV_EVENT_JOB_DONE, id, -libc::ETIMEDOUT, 0x5eed),
+        )?;
+        let si = ok("buf_info", dev.buf_info(s.handle))?;
+        let di = ok("buf_info", dev.buf_info(d.handle))?;
+        expect_eq(
+            "source's pending reads and destination's pending writes after it ended",
+            (si.pending_reads, di.pending_writes),
+            (1, 1),
+        )?;
+        if let Some(f) = &fence {
+            expect_eq(
+                "out-fence signalled while the queue holds the job",
+                ok("poll", sync::poll_in(f.as_raw_fd(), 0))?,
+                false,
+            )?;
+        }
+        Ok(())
+    })();
+    inject(path, "resume")?;
+    wait_queues_alive(path)?;
+    checks?;
+    if let Some(f) = &fence {
+        expect_eq(
+            "out-fence signalled once the queue let go",
+            ok(
+                "poll",
+                sync::poll_in(f.as_raw_fd(), HANG.as_millis() as i32),
+            )?,
+            true,
+        )?;
+        expect_eq(
+            "out-fence status",
+            ok("SYNC_IOC_FILE_INFO", sync::file_info(f.as_raw_fd()))?.status,
+            -libc::ETIMEDOUT,
+        )?;
+    }
+    let t0 = Instant::now();
+    loop {
+        let si = ok("buf_info", dev.buf_info(s.handle))?;
+        let di = ok("buf_info", dev.buf_info(d.handle))?;
+        if (si.pending_reads, di.pending_writes) == (0, 0) {
+            break;
+        }
+        if t0.elapsed() > HANG {
+            return Err(format!(
+                "marks still there {HANG:?} after the queue resumed: {} reads, {} writes",
+                si.pending_reads, di.pending_writes
+            ));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    drop(watchdog);
+    ok("free", dev.free(s.handle))?;
+    ok("free", dev.free(d.handle))
+}
+
 /// A synchronous MEMSET whose queue hangs and ignores its reset times out,
 /// and its buffer is freed; the device runs the fill when it resumes. The
 /// freed HBM must not have gone to a new buffer meanwhile: the new one
@@ -319,13 +502,15 @@ fn hung_queue_fills_no_freed_hbm(dev: &Dev, path: &str) -> R {
     let used = ok("channel_info", dev.channel_info(ch))?.used_bytes;
     expect_eq("bytes used in channel 1 before", used, 0)?;
     let a = ok("alloc", dev.alloc(len as u64, ch))?;
-    let _watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
+    // The product's 2 s watchdog for the hung MEMSET only.
+    let watchdog = SimWatchdog::set(path, SimWatchdog::DEFAULT_MS)?;
     inject(path, "hang")?;
     expect_err(
         "MEMSET on a queue that ignores its reset",
         dev.memset(a.handle, 0, len as u64, 0xC3),
         libc::ETIMEDOUT,
     )?;
+    drop(watchdog);
     ok("free", dev.free(a.handle))?;
     let b = ok("alloc", dev.alloc(len as u64, ch));
     inject(path, "resume")?;
@@ -367,7 +552,7 @@ fn job_ok(dev: &Dev, descs: &[tdrv_copy_desc]) -> R {
     let id = ok("submit", dev.submit(descs))?;
     expect_eq(
         "job",
-        ok("wait", dev.job_wait(id, 30_000_000))?,
+        ok("wait", dev.job_wait(id, HANG_US))?,
         (TDRV_JOB_DONE, 0),
     )
 }
@@ -380,7 +565,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(22);
+    let mut t = Tap::new(29);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -535,7 +720,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -571,7 +756,11 @@ fn main() {
             // the order, whatever the clocks: a job queued behind the
             // stalled one would have been failed with it (EIO) by the
             // reset, and the first never completed its copy (ETIMEDOUT).
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The watchdog is the loaded, long one while the second job
+            // must succeed, the product's 2 s only once it has: the
+            // stalled job alone meets the short one (it is read at each
+            // watchdog pass, and the stalled queue has made no progress
+            // since the stall).
             inject(&path, "stall")?;
             let slow = ok(
                 "submit",
@@ -587,6 +776,7 @@ fn main() {
                 (TDRV_JOB_DONE, 0),
             )?;
             expect_eq("data", read_all(&dev, d.handle, 4096)?, vec![0x5A; 4096])?;
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             expect_eq(
                 "stalled job",
                 ok("wait", dev.job_wait(slow, HANG_US))?,
@@ -618,7 +808,10 @@ fn main() {
             // another queue. Third: b -> d reads what the first writes and
             // writes what the second writes: it is held back while both
             // run, on different queues.
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The watchdog is off (600 s) until the second has ended, so
+            // the first is still stuck then and the third still held back
+            // behind both; then the product's 2 s ends the first.
+            let long = SimWatchdog::set(&path, 600_000)?;
             inject(&path, "stall")?;
             let first = ok("submit", dev.submit(&[desc(a, 0, b, 0, 64 << 10)]))?;
             let second = ok("submit", dev.submit(&[desc(c, 0, d, 0, 64 << 10)]))?;
@@ -628,8 +821,13 @@ fn main() {
                 ok("wait", dev.job_wait(second, HANG_US))?,
                 (TDRV_JOB_DONE, 0),
             )?;
-            // Whether the third is still pending now depends on the
-            // watchdog's clock; its outcome below shows where it waited.
+            expect_eq(
+                "third still pending behind the stalled first",
+                ok("poll", dev.job_wait(third, 0))?.0,
+                TDRV_JOB_PENDING,
+            )?;
+            drop(long);
+            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             expect_eq(
                 "first",
                 ok("wait", dev.job_wait(first, HANG_US))?,
@@ -640,7 +838,7 @@ fn main() {
             // before it ran: d still holds the second's bytes.
             expect_eq(
                 "third",
-                ok("wait", dev.job_wait(third, 30_000_000))?,
+                ok("wait", dev.job_wait(third, HANG_US))?,
                 (TDRV_JOB_DONE, -libc::EIO),
             )?;
             let m = ok("mmap", dev.map(&bufs[3]))?;
@@ -687,7 +885,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -752,7 +950,7 @@ fn main() {
             for id in ids {
                 expect_eq(
                     "job",
-                    ok("wait", dev.job_wait(id, 30_000_000))?,
+                    ok("wait", dev.job_wait(id, HANG_US))?,
                     (TDRV_JOB_DONE, 0),
                 )?;
             }
@@ -769,7 +967,7 @@ fn main() {
     );
 
     t.run(
-        "fail_desc: the job fails with EIO, its output is latched, the next works",
+        "fail_desc: the job or COPY_IN fails with EIO, its output is latched, the next works",
         || -> R {
             let a = ok("alloc", dev.alloc(64 << 10, 0))?;
             let b = ok("alloc", dev.alloc(64 << 10, 0))?;
@@ -780,7 +978,7 @@ fn main() {
             )?;
             expect_eq(
                 "job",
-                ok("wait", dev.job_wait(id, 30_000_000))?,
+                ok("wait", dev.job_wait(id, HANG_US))?,
                 (TDRV_JOB_DONE, -libc::EIO),
             )?;
             expect_eq(
@@ -794,9 +992,113 @@ fn main() {
                 dev.copy_in(a.handle, 0, &[1; 9000]),
                 libc::EIO,
             )?;
+            expect_eq(
+                "latch after the failed COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[2; 9000]))?;
+            expect_eq(
+                "latch after a good COPY_IN",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
             job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 9000)])?;
             expect_eq("data", read_all(&dev, b.handle, 9000)?, vec![2; 9000])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY_OUT: EIO, no latch, the buffer keeps its bytes",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 21);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT with a failed descriptor",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            // Only the caller's memory was being written: the buffer's
+            // bytes are what they were, and nothing is latched.
+            expect_eq("latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            expect_eq(
+                "data read again",
+                read_all(&dev, a.handle, len)? == data,
+                true,
+            )?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on MEMSET: EIO, the buffer's error latched (COPY_OUT EIO) until a good MEMSET",
+        || -> R {
+            let len = 64 << 10;
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &pattern(len, 22)))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "MEMSET with a failed descriptor",
+                dev.memset(a.handle, 0, len as u64, 0x77),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "latch",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                -libc::EIO,
+            )?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined bytes",
+                dev.copy_out(a.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("memset", dev.memset(a.handle, 0, len as u64, 0x77))?;
+            expect_eq(
+                "latch after a good MEMSET",
+                ok("buf_info", dev.buf_info(a.handle))?.error,
+                0,
+            )?;
+            expect_eq("data", read_all(&dev, a.handle, len)?, vec![0x77; len])?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    t.run(
+        "fail_desc on COPY: EIO, the destination's error latched, the source's not; a good COPY clears it",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 23);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            let b = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "fail_desc")?;
+            expect_err(
+                "COPY with a failed descriptor",
+                dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)),
+                libc::EIO,
+            )?;
+            expect_eq(
+                "destination's latch",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                -libc::EIO,
+            )?;
+            expect_eq("source's latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            let mut out = vec![0u8; len];
+            expect_err(
+                "COPY_OUT of the undefined destination",
+                dev.copy_out(b.handle, 0, &mut out),
+                libc::EIO,
+            )?;
+            ok("copy", dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)))?;
+            expect_eq("latch after a good COPY", ok("buf_info", dev.buf_info(b.handle))?.error, 0)?;
+            expect_eq("data", read_all(&dev, b.handle, len)? == data, true)?;
             ok("free", dev.free(a.handle))?;
             ok("free", dev.free(b.handle))
         },
@@ -810,7 +1112,10 @@ fn main() {
             let b = ok("alloc", dev.alloc(4096, 0))?;
             let c = ok("alloc", dev.alloc(4096, 0))?;
             ok("copy_in", dev.copy_in(a.handle, 0, &[3; 4096]))?;
-            let _watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
+            // The product's 2 s watchdog only around the jobs meant to
+            // time out; the jobs that must succeed after it have the
+            // loaded, long one.
+            let watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall 0")?;
             // Queue 0 is the least loaded (all idle): the first job goes
             // there; the second reads its output, so it queues behind it.
@@ -818,6 +1123,7 @@ fn main() {
             let second = ok("submit", dev.submit(&[desc(b.handle, 0, c.handle, 0, 4096)]))?;
             expect_eq("first", ok("wait", dev.job_wait(first, HANG_US))?, (TDRV_JOB_DONE, -libc::ETIMEDOUT))?;
             expect_eq("second", ok("wait", dev.job_wait(second, HANG_US))?, (TDRV_JOB_DONE, -libc::EIO))?;
+            drop(watchdog);
             if stat(&path, "resets")? <= resets {
                 return Err("no reset counted".into());
             }
@@ -832,8 +1138,10 @@ fn main() {
             }
             expect_eq("data", read_all(&dev, c.handle, 4096)?, vec![3; 4096])?;
             // A synchronous transfer on a stalled queue times out too.
+            let watchdog = SimWatchdog::set(&path, SimWatchdog::DEFAULT_MS)?;
             inject(&path, "stall")?;
             expect_err("COPY_IN on a stalled queue", dev.copy_in(a.handle, 0, &[4; 4096]), libc::ETIMEDOUT)?;
+            drop(watchdog);
             ok("copy_in after reset", dev.copy_in(a.handle, 0, &[5; 4096]))?;
             expect_eq("data", read_all(&dev, a.handle, 4096)?, vec![5; 4096])?;
             for x in [a, b, c] {
@@ -900,8 +1208,10 @@ fn main() {
                 if left == 0 && stat(&path, "resets")? > resets {
                     break;
                 }
-                if t0.elapsed() > Duration::from_secs(30) {
-                    return Err(format!("{left} descriptors still outstanding after 30 s"));
+                if t0.elapsed() > HANG {
+                    return Err(format!(
+                        "{left} descriptors still outstanding after {HANG:?}"
+                    ));
                 }
                 thread::sleep(Duration::from_millis(20));
             }
@@ -924,6 +1234,19 @@ fn main() {
     t.run(
         "a queue that ignores its reset keeps the HBM of a timed-out MEMSET until it lets go",
         || hung_queue_fills_no_freed_hbm(&dev, &path),
+    );
+
+    t.run(
+        "a queue that ignores its reset: every waiter on its abandoned job's buffers ends with EIO",
+        || hung_queue_job_wakes_every_waiter(&dev, &path),
+    );
+
+    t.run(
+        "a job the queue gave up on ends at once but holds its buffers until the queue lets go",
+        || {
+            let fence_fd = v.features & u64::from(TDRV_FEAT_FENCE_FD) != 0;
+            gave_up_job_ends_but_holds_its_buffers(&dev, &path, fence_fd)
+        },
     );
 
     t.run("inject rejects unknown commands and queues", || -> R {
@@ -1037,6 +1360,7 @@ fn main() {
         "after a rebind, new buffers read as zero where the previous binding left bytes",
         rebind_zeroes,
     );
+    tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_SIM, DRIVER_DIR);
     t.finish();
 }
 

@@ -422,7 +422,7 @@ fn main() {
         _ => "unknown",
     };
 
-    let mut t = Tap::new(24);
+    let mut t = Tap::new(23);
     t.note(format!(
         "{path}: {kind}, {chans} channels; tdrv-smi at {}",
         smi.display()
@@ -471,22 +471,14 @@ fn main() {
     } else {
         Err("dup failed".into())
     });
-    if let Err(e) = &ready {
-        // Every check below depends on this state: report the setup
-        // failure and stop rather than cascade.
-        t.check(
-            "known state: two files, buffers, a finished job, a dup",
-            ready.clone(),
-        );
-        t.note(format!("setup failed: {e}"));
-        t.finish();
-    }
+    // Every check below depends on this state: a setup that fails stops
+    // the program (a failure, not a check).
+    tdrv_guest_tests::bail::require(
+        "setting up a known state: two files, buffers, a finished job, a dup",
+        ready,
+    );
     let b = b.expect("checked above");
     let a1 = setup.expect("checked above").0;
-    t.check(
-        "known state: two files, buffers, a finished job, a dup",
-        true,
-    );
 
     // ---- fdinfo in this process --------------------------------------
     let fa = read_fdinfo("self", dev.fd());

@@ -5,8 +5,10 @@
 //! works (ALLOC, COPY_IN, a job, COPY_OUT, FREE). Unlike the edu and sim
 //! programs' unbind tests, which unbind at chosen points, this one lands
 //! wherever the fuzzers happen to be. Both fuzzers must still be running
-//! at the unbind, and must end by the SIGKILL or with a clean failure
-//! status, never by a crash. The guest run's dmesg, kmemleak and
+//! at the unbind, and must end by the SIGKILL (or the SIGBUS a mapping of
+//! the unbound device gets), never on their own or by a crash, and their
+//! output (kept, shown when a round fails) must hold no failed check. The
+//! guest run's dmesg, kmemleak and
 //! rmmod checks cover what the kernel must not do meanwhile.
 //!
 //! usage: unbind_stress /dev/tdrvN [ROUNDS [SEED]]  (edu or sim; other
@@ -40,35 +42,60 @@ fn driver_dir(kind: u32) -> &'static str {
     }
 }
 
-/// Starts a fuzzer on `node` with `seed`, its output discarded (its own
-/// checks fail once the device is gone; what counts is how it ends).
-fn fuzzer(node: &str, seed: u64) -> Result<Child, String> {
-    Command::new(FUZZ)
-        .args([node, "1000000", &seed.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("{FUZZ}: {e}"))
+/// A running fuzzer and the file its output goes to.
+struct Fuzzer {
+    child: Child,
+    out: String,
 }
 
-/// How a fuzzer may end once the device is gone: by our SIGKILL; by
-/// SIGBUS, which a touch of a mapping of the unbound device gets (as
-/// documented for unbind); or on its own with kselftest's failure code 1
-/// (its checks see ENODEV). A SIGSEGV, an abort, a panic (101) or any other
-/// status means the driver broke the fuzzer, and fails the round.
-fn ended_well(status: ExitStatus) -> R {
-    match (status.signal(), status.code()) {
-        (Some(libc::SIGKILL | libc::SIGBUS), _) | (None, Some(0 | 1)) => Ok(()),
-        _ => Err(format!("a fuzzer ended with {status}")),
+/// Starts a fuzzer on `node` with `seed`, its output (stdout and stderr)
+/// in a file of its own.
+fn fuzzer(node: &str, seed: u64) -> Result<Fuzzer, String> {
+    let out = format!("/tmp/unbind_stress.fuzz.{seed:x}.out");
+    let file = fs::File::create(&out).map_err(|e| format!("{out}: {e}"))?;
+    let err = file.try_clone().map_err(|e| format!("{out}: {e}"))?;
+    let child = Command::new(FUZZ)
+        .args([node, "1000000", &seed.to_string()])
+        .stdin(Stdio::null())
+        .stdout(file)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("{FUZZ}: {e}"))?;
+    Ok(Fuzzer { child, out })
+}
+
+/// How a fuzzer may end: by our SIGKILL, or by the SIGBUS a touch of a
+/// mapping of the unbound device gets (as documented for unbind). It
+/// cannot reach its million calls in the moment between the unbind and
+/// the SIGKILL, so an exit of its own (a failed final check, a panic's
+/// 101) is a failure, and so is a SIGSEGV or an abort: the driver broke
+/// it. Its output must hold no failed check or bail-out either. A failure
+/// shows the output's tail.
+fn ended_well(status: ExitStatus, out: &str) -> R {
+    let text = fs::read_to_string(out).unwrap_or_else(|e| format!("(no output: {out}: {e})"));
+    let _ = fs::remove_file(out);
+    let bad_line = text
+        .lines()
+        .find(|l| l.starts_with("not ok") || l.starts_with("Bail out!"));
+    let bad_end = !matches!(status.signal(), Some(libc::SIGKILL | libc::SIGBUS));
+    if !bad_end && bad_line.is_none() {
+        return Ok(());
     }
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+    Err(format!(
+        "a fuzzer ended with {status}{}; its output's tail:\n{tail}",
+        bad_line
+            .map(|l| format!(", after \"{l}\""))
+            .unwrap_or_default()
+    ))
 }
 
 /// Fails if a fuzzer has already ended: the unbind is meant to land while
 /// both are at work.
-fn still_running(fuzzers: &mut [Child]) -> R {
+fn still_running(fuzzers: &mut [Fuzzer]) -> R {
     for f in fuzzers {
-        if let Some(status) = f.try_wait().map_err(|e| format!("wait: {e}"))? {
+        if let Some(status) = f.child.try_wait().map_err(|e| format!("wait: {e}"))? {
             return Err(format!("a fuzzer ended before the unbind: {status}"));
         }
     }
@@ -116,14 +143,17 @@ fn round(node: &str, kind: u32, rng: &mut Rng) -> R {
     for f in &mut fuzzers {
         // Fails only if the fuzzer has already been reaped, which wait()
         // below then reports.
-        let _ = f.kill();
-        ends.push(f.wait().map_err(|e| format!("wait: {e}")));
+        let _ = f.child.kill();
+        ends.push((
+            f.child.wait().map_err(|e| format!("wait: {e}")),
+            f.out.clone(),
+        ));
     }
     unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
     fs::write(format!("{dir}/bind"), &pci).map_err(|e| format!("bind {pci}: {e}"))?;
     running?;
-    for end in ends {
-        ended_well(end?)?;
+    for (end, out) in ends {
+        ended_well(end?, &out)?;
     }
     // The bind probes synchronously, and devtmpfs creates the node before
     // the probe returns: the device is there now.

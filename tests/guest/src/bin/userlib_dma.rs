@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use tdrv::sys::FenceKind;
 use tdrv::{
-    Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError, Tensor, WriteOp,
+    sys::DeviceKind, Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError,
+    Tensor, WriteOp,
 };
 use tdrv_guest_tests::{expect_eq, failure_injection, inject, Tap};
 
@@ -500,19 +501,141 @@ fn cross_channel(c: &Ctx, t: &mut Tap) {
     t.check(NAME, r);
 }
 
+/// The other tdrv device nodes of this guest, sorted.
+fn other_devices(path: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| format!("/dev/{}", e.file_name().to_string_lossy()))
+                .filter(|p| {
+                    p.strip_prefix("/dev/tdrv")
+                        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                        && p != path
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// `Tensor::share_to` another device: the view there reads and writes
+/// this device's bytes, and a job on the other device copies out of it
+/// and into it (host memory of soft and edu, also into sim). From the sim
+/// device (its HBM has no peer-to-peer path) the share is EOPNOTSUPP.
+fn share_to_another_device(c: &Ctx, t: &mut Tap) {
+    const NAME: &str = "share_to another device: the same bytes, for copies and that device's jobs";
+    let mut others = Vec::new();
+    for o in other_devices(&c.path) {
+        match Device::open(&o) {
+            Ok(d) => others.push(d),
+            Err(err) => {
+                t.check(NAME, Err::<(), String>(format!("opening {o}: {err}")));
+                return;
+            }
+        }
+    }
+    let mine = c.dev.kind();
+    // Another kind first: two devices of one kind add nothing here.
+    let Some(other) = others.iter().find(|d| d.kind() != mine).or(others.first()) else {
+        t.skip(NAME, "no other tdrv device in this guest");
+        return;
+    };
+    let r: R = (|| {
+        let len = job_size(c, 64 << 10).max(16 << 10);
+        let a = c.alloc(len, "shared")?;
+        let p: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        e("write", a.write(0, &p))?;
+        let part = e("slice", a.slice(4096, len - 8192, None))?;
+        if mine == DeviceKind::Sim {
+            return match part.share_to(other, 0) {
+                Err(err) if err.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
+                other => Err(format!(
+                    "share_to of sim HBM: {:?}, want EOPNOTSUPP",
+                    other.map(|_| ())
+                )),
+            };
+        }
+        let s = e("share_to", part.share_to(other, 0))?;
+        expect_eq(
+            "the view there (offset, size, device)",
+            (
+                s.offset(),
+                s.size(),
+                s.device().map(|d| d.path().to_owned()),
+            ),
+            (4096, len - 8192, Some(other.path().to_owned())),
+        )?;
+        expect_eq(
+            "bytes read there",
+            e("to_vec", s.to_vec())?,
+            p[4096..len - 4096].to_vec(),
+        )?;
+        // The other device's job copies out of the shared view and back in.
+        let dst = e(
+            "alloc there",
+            Tensor::allocate_on(other, 0, len - 8192, Some("there")),
+        )?;
+        let h = e(
+            "job there",
+            Job::new().copy_all(&s, &dst).and_then(|j| j.submit()),
+        )?;
+        e("job wait", h.wait_timeout(JOB_WAIT))?;
+        expect_eq(
+            "bytes the other device's job read",
+            e("to_vec", dst.to_vec())?,
+            p[4096..len - 4096].to_vec(),
+        )?;
+        e("fill there", dst.write(0, &vec![0xA7; len - 8192]))?;
+        let h = e(
+            "job back",
+            Job::new().copy_all(&dst, &s).and_then(|j| j.submit()),
+        )?;
+        e("job wait", h.wait_timeout(JOB_WAIT))?;
+        let back = e("to_vec", a.to_vec())?;
+        expect_eq("head untouched", back[..4096].to_vec(), p[..4096].to_vec())?;
+        expect_eq(
+            "what the other device's job wrote, seen here",
+            back[4096..len - 4096].iter().all(|&b| b == 0xA7),
+            true,
+        )?;
+        expect_eq(
+            "tail untouched",
+            back[len - 4096..].to_vec(),
+            p[len - 4096..].to_vec(),
+        )
+    })();
+    t.check(NAME, r);
+}
+
+/// Bytes of a job that moves `full` bytes elsewhere: the edu engine moves
+/// 4 KiB per 100 ms timer tick, so 64 KiB there (what these checks need
+/// of a job is that it runs for a while, not its size).
+fn job_size(c: &Ctx, full: usize) -> usize {
+    if c.dev.kind() == tdrv::DeviceKind::Edu {
+        full.min(64 << 10)
+    } else {
+        full
+    }
+}
+
 fn job_and_completion(c: &Ctx) -> R {
-    let src = c.alloc(1 << 20, "job_src")?;
-    let dst = c.alloc(1 << 20, "job_dst")?;
+    let size = job_size(c, 1 << 20);
+    let src = c.alloc(size, "job_src")?;
+    let dst = c.alloc(size, "job_dst")?;
     let early = e("slice before the job", dst.slice(0, 4096, None))?;
-    let data = pattern(1 << 20, 0x21);
+    let data = pattern(size, 0x21);
     e("write", src.write(0, &data))?;
     match dst.check_output_completion(Some(std::time::Duration::ZERO), 1) {
         Err(err) if err.is_timeout() => {}
         other => return Err(format!("poll before any job: {other:?}")),
     }
     let mut job = Job::new();
-    e("job copy", job.copy(&src, 0, &dst, 0, 1 << 19))?;
-    e("job copy", job.copy(&src, 1 << 19, &dst, 1 << 19, 1 << 19))?;
+    e("job copy", job.copy(&src, 0, &dst, 0, size / 2))?;
+    e(
+        "job copy",
+        job.copy(&src, size / 2, &dst, size / 2, size / 2),
+    )?;
     expect_eq("job length", job.len(), 2)?;
     let h = e("submit", job.submit())?;
     e(
@@ -575,7 +698,7 @@ fn job_and_completion(c: &Ctx) -> R {
 
 fn read_fenced_behind_job(c: &Ctx) -> R {
     // A host read right after submitting must wait for the job's writes.
-    let size = 4 << 20;
+    let size = job_size(c, 4 << 20);
     let src = c.alloc(size, "big_src")?;
     let dst = c.alloc(size, "big_dst")?;
     let data = pattern(size, 0x6b);
@@ -1032,8 +1155,8 @@ fn main() {
     ];
     // Opening the device is a precondition, not a check.
     let dev = tdrv_guest_tests::bail::require(&format!("opening {path}"), Device::open(&path));
-    // +1 cross channel, +1 failed job, +1 final accounting.
-    let mut t = Tap::new(tests.len() + 3);
+    // +1 cross channel, +1 failed job, +1 sharing, +1 final accounting.
+    let mut t = Tap::new(tests.len() + 4);
     t.note(format!(
         "{}: {} device, ABI {}.{}, {} channels, features {:#x}",
         path,
@@ -1055,6 +1178,7 @@ fn main() {
     }
     cross_channel(&c, &mut t);
     failed_job(&c, &mut t);
+    share_to_another_device(&c, &mut t);
 
     let now: Vec<_> = (0..c.dev.num_channels())
         .map(|ch| usage(&c.dev, ch))

@@ -70,6 +70,7 @@ fn main() {
             let completions = ok("buf_info", dev.buf_info(b.handle))?.completion_count;
             inject("stall").map_err(|e| format!("inject: {e}"))?;
             let stuck = ok("submit", dev.submit(&[desc(a.handle, b.handle, 8192)]))?;
+            ok("job_notify", dev.job_notify(stuck, 7))?;
             let queued: Vec<u64> = (0..3)
                 .map(|_| ok("submit", dev.submit(&[desc(a.handle, b.handle, 64)])))
                 .collect::<Result<_, _>>()?;
@@ -96,6 +97,15 @@ fn main() {
             // learns (EIO) that the bytes are not what the job promised.
             let i = ok("buf_info", dev.buf_info(b.handle))?;
             expect_eq("write still pending", i.pending_writes, 1)?;
+            // Its event came with the same status, also before the device
+            // let go (tdrv.h, struct tdrv_job_wait).
+            let mut ev = [tdrv_event::default(); 2];
+            let n = ok("read of events", dev.read_events(&mut ev))?;
+            expect_eq(
+                "the stuck job's event (type, job, status, user data)",
+                (n, ev[0].type_, ev[0].job_id, ev[0].status, ev[0].user_data),
+                (1, TDRV_EVENT_JOB_DONE, stuck, -libc::ETIMEDOUT, 7),
+            )?;
             expect_err(
                 "fence wait",
                 dev.fence_wait(b.handle, TDRV_FENCE_ALL, -1),
@@ -165,7 +175,18 @@ fn main() {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
             other => Err(format!("inject melt: {other:?}")),
         }?;
-        expect_err("nothing else changed", dev.buf_info(0), libc::ENOENT)
+        // Nothing was armed by it: the next job ends well, with no lost
+        // interrupt noticed and no watchdog timeout.
+        let spurious = stat("spurious_irqs")?;
+        let timeouts = stat("watchdog_timeouts")?;
+        let id = ok("submit", dev.submit(&[desc(a.handle, b.handle, 100)]))?;
+        expect_eq(
+            "a job after the refused command",
+            ok("wait", dev.job_wait(id, -1))?,
+            (TDRV_JOB_DONE, 0),
+        )?;
+        expect_eq("spurious_irqs", stat("spurious_irqs")?, spurious)?;
+        expect_eq("watchdog_timeouts", stat("watchdog_timeouts")?, timeouts)
     });
 
     t.finish();

@@ -56,6 +56,7 @@
 #include <stdint.h>
 
 #include "nrt_status.h"
+#include <ndl/neuron_driver_shared_tensor_batch_op.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -70,12 +71,6 @@ typedef enum {
 	NRT_TENSOR_PLACEMENT_HOST = 1,
 	NRT_TENSOR_PLACEMENT_VIRTUAL = 2,
 } nrt_tensor_placement_t;
-
-typedef struct nrt_tensor_batch_op {
-	uint64_t offset;
-	uint64_t size;
-	void *buffer;
-} nrt_tensor_batch_op_t;
 
 typedef struct nrt_tensor_batch {
 	const nrt_tensor_t *tensor;
@@ -116,16 +111,48 @@ NRT_STATUS nrt_tensor_reset_output_completion(nrt_tensor_t *output);
 
 /*
  * A dma-buf fd for device memory, e.g. to register it with an RDMA NIC
- * (ibv_reg_dmabuf_mr) or to pass it to another process. [va, va + size)
- * must lie inside the memory of one live device tensor of this library
- * (nrt_tensor_get_va of it or of a slice); size > 0. The fd (O_RDWR,
- * close-on-exec; the caller closes it) covers that tensor's whole device
- * allocation: va is at offset va - nrt_tensor_get_va(whole tensor) in it.
- * It is the same memory and outlives the tensor. NRT_INVALID for NULL fd,
- * size 0, or a range that is not inside one device tensor; NRT_CLOSED if
- * the device was removed; NRT_RESOURCE when out of fds or memory.
+ * (ibv_reg_dmabuf_mr) or to pass it to another process. The contract is
+ * the one libfabric's Neuron support relies on (it takes the fd's offset
+ * for va to be 0):
+ *  - va is the first byte of a device allocation: nrt_tensor_get_va of a
+ *    DEVICE tensor (or of a slice at offset 0 of one), and 0 < size and
+ *    [va, va + size) lies inside that tensor (or slice). The fd (O_RDWR,
+ *    close-on-exec; the caller closes it) covers the whole allocation,
+ *    which may be larger than size, from offset 0. It is the same memory
+ *    and outlives the tensor.
+ *  - A va inside a device allocation but not at its start is NRT_INVALID:
+ *    the allocation's dma-buf does not begin there. Ask for the
+ *    allocation's start and add the offset yourself.
+ *  - An address that is not device memory of this library (host memory,
+ *    another library's, a freed tensor's), size 0 or a NULL fd is
+ *    NRT_INVALID. Callers such as libfabric then fall back to registering
+ *    the memory another way; NRT_RESOURCE is reserved for real failures
+ *    (out of fds or memory), on which they give up. NRT_CLOSED if the
+ *    device was removed.
+ * Only tensors whose memory this process has mapped (nrt_tensor_get_va
+ * does) are looked at: nothing new is mapped to find va.
  */
 NRT_STATUS nrt_get_dmabuf_fd(uint64_t va, uint64_t size, int *fd);
+
+/*
+ * Copies size bytes from host memory at src to device memory at dest,
+ * where [dest, dest + size) lies inside a live DEVICE tensor (or slice) of
+ * this library, dest being nrt_tensor_get_va of it plus an offset. The
+ * same copy as nrt_tensor_write(tensor, src, dest - va, size): it waits for
+ * the device work in flight on the tensor, and src may overlap any
+ * tensor's memory. size 0 succeeds; NULL dest or src, or a range that is
+ * not inside one device tensor, is NRT_INVALID.
+ */
+NRT_STATUS nrt_memcpy_to_device(void *dest, const void *src, size_t size);
+
+/*
+ * The number of NeuronCores: here the HBM channels of the DEVICE
+ * placement's device ($TDRV_DEVICE, default /dev/tdrv0), i.e. the values
+ * of vnc that nrt_tensor_allocate accepts. May be called first (it opens
+ * the device); NRT_UNINITIALIZED if the device cannot be opened, NRT_INVALID
+ * for a NULL count.
+ */
+NRT_STATUS nrt_get_total_nc_count(uint32_t *count);
 
 NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result);
 void nrt_destroy_tensor_set(nrt_tensor_set_t **tensor_set);

@@ -92,9 +92,24 @@ NRT_STATUS tdrv_job_get_fd(tdrv_job_t *job, int *fd);
  * per device serves all its jobs, so a program can wait for thousands of
  * jobs with one poll entry. The fd belongs to the library: do not close
  * or read it. Each call queues one event. NRT_INVALID before
- * tdrv_job_submit; NRT_RESOURCE when 65,536 events wait to be read;
- * NRT_FAILURE with a driver older than ABI 1.4; NRT_CLOSED if the device
- * was removed.
+ * tdrv_job_submit; NRT_RESOURCE when the file's or the device's event
+ * limit is reached (module parameters file_max_events, 4096 by default,
+ * and device_max_events: read events to make room); NRT_FAILURE with a
+ * driver older than ABI 1.4; NRT_CLOSED if the device was removed.
+ *
+ * One stream per process and device: the library opens each device once
+ * per process, so every tdrv_job_notify of the process for jobs of that
+ * device (every thread's, every library's that uses libnrt.so.1 in it)
+ * queues its event on the same fd, and tdrv_read_events returns whatever
+ * is ready there, whoever asked for it. Read the events in one place (one
+ * event loop) and hand them out by user_data, or make user_data unique in
+ * the process (for example the address of the waiter's own state) and
+ * pass on events that are not yours: an event read by someone else does
+ * not come again (ask again with tdrv_job_notify, which answers at once
+ * for a job that has ended). A child after fork shares its parent's
+ * device files and so their event streams, which stay the parent's: there
+ * both calls fail with NRT_FAILURE (the parent's events would otherwise
+ * go to whichever process read first).
  */
 NRT_STATUS tdrv_job_notify(tdrv_job_t *job, uint64_t user_data, int *fd);
 

@@ -176,7 +176,7 @@ int main(int argc, char **argv)
 
 	/* dma-buf of a device tensor: the same memory; host memory has none */
 	int dfd = -1;
-	s = p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va + 100, 200, &dfd);
+	s = p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, 200, &dfd);
 	if (pl == NRT_TENSOR_PLACEMENT_DEVICE) {
 		unsigned char *m = MAP_FAILED;
 		if (s == NRT_SUCCESS && dfd >= 0)
@@ -195,11 +195,12 @@ int main(int argc, char **argv)
 	}
 	if (dfd >= 0)
 		close(dfd);
-	check(p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, N + 1, &dfd) == NRT_INVALID &&
+	check(p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va + 100, 200, &dfd) == NRT_INVALID &&
+		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, N + 1, &dfd) == NRT_INVALID &&
 		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, 0, &dfd) == NRT_INVALID &&
 		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)va, 1, NULL) == NRT_INVALID &&
 		      p_nrt_get_dmabuf_fd((uint64_t)(uintptr_t)a, 1, &dfd) == NRT_INVALID,
-	      "nrt_get_dmabuf_fd: ranges outside a device tensor and NULL are NRT_INVALID");
+	      "nrt_get_dmabuf_fd: a va past a tensor's start, ranges outside a device tensor and NULL are NRT_INVALID");
 
 	/* memset */
 	s = p_nrt_tensor_memset(t, 100, 0x1AB, 200); /* value converts to 0xAB */
