@@ -33,7 +33,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 16;
+const TESTS: usize = 17;
 /// Bound of every wait: only turns a hang into a failure.
 const HANG: Duration = Duration::from_secs(120);
 /// Jobs per file in the many-jobs checks (the default `file_max_jobs` is
@@ -266,6 +266,38 @@ fn reap(pid: libc::pid_t) -> Result<i32, String> {
             }
             r if r == pid => return Ok(status),
             _ => return Err(format!("waitpid: errno {}", errno())),
+        }
+    }
+}
+
+/// Polls `h` once (it must be pending: `Err` otherwise), calls
+/// `registered`, then polls it again only when woken, until it is ready
+/// (or `HANG` passes): a lost wake-up is a hang, never hidden by a poll
+/// that comes late enough to find the job done.
+fn woken_wait(
+    mut h: tdrv::JobHandle,
+    registered: impl FnOnce(),
+) -> Result<tdrv::Result<()>, String> {
+    let flag = Arc::new(Flag {
+        ready: AtomicBool::new(false),
+        thread: thread::current(),
+    });
+    let waker = Waker::from(flag.clone());
+    let mut cx = Context::from_waker(&waker);
+    if Pin::new(&mut h).poll(&mut cx).is_ready() {
+        return Err("a held job was ready".into());
+    }
+    registered();
+    let t0 = Instant::now();
+    loop {
+        while !flag.ready.swap(false, Ordering::SeqCst) {
+            if t0.elapsed() > HANG {
+                return Err(format!("not woken within {HANG:?}"));
+            }
+            thread::park_timeout(Duration::from_millis(100));
+        }
+        if let Poll::Ready(r) = Pin::new(&mut h).poll(&mut cx) {
+            return Ok(r);
         }
     }
 }
@@ -997,6 +1029,81 @@ fn main() {
             (TDRV_JOB_DONE, -want),
         )
     });
+
+    t.run(
+        "awaited handles own their file's events: a second reader is EventsBusy; a fork child awaits a job of the inherited file without its events",
+        || -> R {
+            let e = |what: &str, r: tdrv::Result<()>| r.map_err(|err| format!("{what}: {err}"));
+            let d = tdrv::Device::open(&path).map_err(|err| format!("open: {err}"))?;
+            let t = || {
+                tdrv::Tensor::allocate_on(&d, 0, 4096, None).map_err(|err| format!("alloc: {err}"))
+            };
+            let (a, b, c) = (t()?, t()?, t()?);
+            engine_ready(&dev)?;
+            let hold = Hold::new(&path)?;
+            let submit = |dst: &tdrv::Tensor| {
+                let mut j = tdrv::Job::new();
+                j.copy_all(&a, dst).map_err(|err| format!("copy: {err}"))?;
+                j.submit().map_err(|err| format!("submit: {err}"))
+            };
+            // The parent awaits a held job: the reactor reads d's events.
+            let h1 = submit(&b)?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            let parent = thread::spawn(move || woken_wait(h1, || {
+                let _ = tx.send(());
+            }));
+            rx.recv_timeout(HANG)
+                .map_err(|_| "the parent's waiter never registered".to_string())?;
+            let mut evs = Vec::new();
+            match d.read_events(&mut evs) {
+                Err(tdrv::SysError::EventsBusy { .. }) => {}
+                r => return Err(format!("a second reader: {r:?}, want EventsBusy")),
+            }
+            let mut fds = [0; 2];
+            // SAFETY: a fresh pipe.
+            if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+                return Err(format!("pipe: errno {}", errno()));
+            }
+            let child = fork_child(|| {
+                // A job of the file inherited from the parent, awaited.
+                let Ok(h2) = submit(&c) else { return 2 };
+                let r = woken_wait(h2, || {
+                    // SAFETY: one byte from a local into our pipe.
+                    unsafe { libc::write(fds[1], [1u8].as_ptr().cast(), 1) };
+                });
+                match r {
+                    Ok(Ok(())) => {}
+                    Err(_) => return 3,
+                    Ok(Err(_)) => return 4,
+                }
+                let mut evs = Vec::new();
+                match d.read_events(&mut evs) {
+                    Err(tdrv::SysError::EventsBusy { .. }) => 0,
+                    _ => 5,
+                }
+            })?;
+            // SAFETY: our copy of the write end.
+            unsafe { libc::close(fds[1]) };
+            let mut byte = [0u8; 1];
+            // SAFETY: reads one byte into a local; EOF if the child died.
+            let n = unsafe { libc::read(fds[0], byte.as_mut_ptr().cast(), 1) };
+            // SAFETY: our read end.
+            unsafe { libc::close(fds[0]) };
+            // Both jobs run once the engine goes on.
+            drop(hold);
+            let status = reap(child)?;
+            expect_eq(
+                "child (2: submit failed, 3: its await hung (or was ready while held), 4: its job failed, 5: it could read the parent's events)",
+                tdrv_guest_tests::exit_code(status)?,
+                0,
+            )?;
+            expect_eq("the child submitted", n, 1)?;
+            let r = parent
+                .join()
+                .map_err(|_| "the parent's waiter panicked".to_string())??;
+            e("the parent's await", r)
+        },
+    );
 
     t.run(
         "a failed job's awaited handle is JobFailed with its errno",
