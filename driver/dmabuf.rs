@@ -853,8 +853,12 @@ unsafe extern "C" fn tdrv_dmabuf_buffer_pfns(
 ) -> core::ffi::c_int {
     // SAFETY: The dma-buf holds a buffer reference during the call.
     let buf = unsafe { &*buf };
-    // Device memory has no struct pages for the DMA API or vmap.
-    if buf.on_device() {
+    // Device memory has no struct pages for the DMA API or vmap. A
+    // foreign import's pages are its exporter's, which may revoke them
+    // (see "Revocation of imports"): a tdrv re-export of it does not hand
+    // them to further importers, who would keep them beyond that (they
+    // import the original dma-buf instead; mmap of the re-export works).
+    if buf.on_device() || buf.is_foreign() {
         return crate::uapi::eopnotsupp().to_errno();
     }
     // SAFETY: The caller's guarantee; `c_ulong` is `usize` on Linux.
@@ -1029,6 +1033,11 @@ mod tests {
         };
         // the import is reachable before the unbind
         assert!(imported.fill(ByteRange { start: 0, len: PAGE_SIZE }, 1).is_ok());
+        // a re-export of the import hands its pages to nobody
+        let mut pfn: core::ffi::c_ulong = 0;
+        // SAFETY: `imported` is live; room for one frame.
+        let r = unsafe { super::tdrv_dmabuf_buffer_pfns(Arc::as_ptr(&imported), &mut pfn, 1) };
+        assert_eq!(r, crate::uapi::eopnotsupp().to_errno());
         // its mapping counts as the export's user
         // SAFETY: `dmabuf` is live (our reference).
         assert_eq!(unsafe { ffi::tdrv_dmabuf_users(dmabuf) }, 1);

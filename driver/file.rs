@@ -703,6 +703,11 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let buf = self.buffer(a.handle)?;
+        // A revoked import has no memory: ENODEV before its error latch
+        // (a job it ended may have latched one) is reported.
+        if buf.revoked() {
+            return Err(ENODEV);
+        }
         Ok((buf, a))
     }
 
@@ -779,6 +784,10 @@ impl TdrvFile {
             return Err(EINVAL);
         }
         let t = self.transfer(&a.desc)?;
+        // As in `xfer`.
+        if t.src.revoked() || t.dst.revoked() {
+            return Err(ENODEV);
+        }
         // A read of the source and a write of the destination, with jobs
         // kept off both until the copy is done.
         t.src.fence.cpu_begin(FENCE_WRITES)?;

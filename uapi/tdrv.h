@@ -559,7 +559,9 @@ struct tdrv_completion_reset {
  *    page is beyond the importer's DMA mask, with ENODEV after unbind,
  *    and with EOPNOTSUPP for device memory (TDRV_DEVICE_SIM: it is never
  *    mapped for another device, no peer-to-peer path is provided; the
- *    kernel log says so, rate-limited). On unbind, importers are told to
+ *    kernel log says so, rate-limited), also for a buffer this device
+ *    imported from another exporter (which may revoke its pages; other
+ *    devices import the original dma-buf instead). On unbind, importers are told to
  *    drop their mappings (dma_buf_invalidate_mappings); revocable ones
  *    (with an invalidate_mappings callback) get 10 s to unmap, and memory
  *    still mapped by any importer is freed only once it has unmapped.
