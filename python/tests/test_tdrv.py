@@ -473,8 +473,17 @@ def test_expected_devices_are_there():
     assert not missing, f"no {missing} device; the guest has {kinds}"
 
 
-# An empty list (no /dev/tdrv* node, as on the host) skips the test.
-@pytest.mark.parametrize("path", tdrv.devices())
+_NO_DEVICE = pytest.mark.skip(
+    reason="no /dev/tdrv* node on this machine (the host): make test's guest-python step runs this on every device kind"
+)
+
+
+def _device_paths():
+    """The device nodes here, or one skipped case that says why there is none."""
+    return tdrv.devices() or [pytest.param(None, marks=_NO_DEVICE)]
+
+
+@pytest.mark.parametrize("path", _device_paths())
 def test_device_tensors_jobs_and_views(path):
     dev = tdrv.Device(path)
     src = tdrv.from_buffer(np.arange(256, dtype=np.float32), device=dev)
@@ -506,7 +515,7 @@ def test_to_host_is_the_same_bytes_unless_a_copy_is_asked_for():
         t.to(3)
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_to_between_host_and_a_device_copies(path):
     dev = tdrv.Device(path)
     t = tdrv.from_buffer(np.arange(64, dtype=np.float32))
@@ -522,7 +531,11 @@ def test_to_between_host_and_a_device_copies(path):
 
 def _device_pairs():
     paths = tdrv.devices()
-    return [(a, b) for a in paths for b in paths if a != b]
+    pairs = [(a, b) for a in paths for b in paths if a != b]
+    if pairs:
+        return pairs
+    reason = "fewer than two /dev/tdrv* nodes here: the guest-python step runs this on every ordered pair of its devices"
+    return [pytest.param(None, None, marks=pytest.mark.skip(reason=reason))]
 
 
 # Every ordered pair of devices of the guest (none on the host).
@@ -623,7 +636,7 @@ def _inject(inject, cmd):
         f.write(cmd)
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_asyncio_awaits_many_jobs_without_a_thread_each(path, event_loop_self_pipe):
     inject = _inject_file(path)
     dev = tdrv.Device(path)
@@ -648,7 +661,7 @@ def test_asyncio_awaits_many_jobs_without_a_thread_each(path, event_loop_self_pi
         assert d.read() == src.read()
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_a_cancelled_await_leaves_the_job_running_and_loses_nothing(path, event_loop_self_pipe):
     inject = _inject_file(path)
     dev = tdrv.Device(path)
@@ -671,7 +684,7 @@ def test_a_cancelled_await_leaves_the_job_running_and_loses_nothing(path, event_
     assert dst.read() == src.read()
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_a_cancelled_awaits_late_event_resolves_no_later_await(path, event_loop_self_pipe):
     # Issue 32 item 13: keys restarted at 1 with each dispatcher, so the
     # event of a cancelled await of h1 resolved a later await of h2, which
@@ -711,7 +724,7 @@ def test_a_cancelled_awaits_late_event_resolves_no_later_await(path, event_loop_
     assert d1.read() == d2.read() == src.read()
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_two_loops_in_two_threads_await_jobs_of_one_device(path, event_loop_self_pipe):
     # Issue 32 item 13: each loop read the file's events for itself, so
     # one loop took (and dropped or misdelivered) the other's events. Here
@@ -780,7 +793,7 @@ def test_two_loops_in_two_threads_await_jobs_of_one_device(path, event_loop_self
         assert d.read() == src.read()
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_awaiting_a_failed_job_raises_with_its_errno(path, event_loop_self_pipe):
     inject = _inject_file(path)
     dev = tdrv.Device(path)
@@ -815,7 +828,7 @@ def _in_a_blocking_ioctl(native_id):
         return False
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 @pytest.mark.parametrize("op", ["numpy", "map_write", "dlpack", "memset", "copy_from"])
 def test_ctrl_c_ends_a_wait_for_a_held_job_writing_the_tensor(path, op):
     # Issue 32 item 14: these waited for the device in one call with the
@@ -868,7 +881,7 @@ def test_ctrl_c_ends_a_wait_for_a_held_job_writing_the_tensor(path, op):
     calls[op]()
 
 
-@pytest.mark.parametrize("path", tdrv.devices())
+@pytest.mark.parametrize("path", _device_paths())
 def test_a_failed_job_raises_with_its_errno(path):
     # Each engine's fault injection (debugfs, root): edu's stuck chunk ends
     # its job with ETIMEDOUT, the software engine's failure with EIO.
