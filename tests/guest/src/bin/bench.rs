@@ -2161,7 +2161,11 @@ fn new_eventfd() -> Arc<OwnedFd> {
 /// Runs on the software device (icount guest) and on sim (`--only sim`).
 fn fig10(c: &Ctx) {
     const WARM: usize = 20;
-    let n: usize = if c.dev.kind() == DeviceKind::Sim { 200 } else { 300 };
+    let n: usize = if c.dev.kind() == DeviceKind::Sim {
+        200
+    } else {
+        300
+    };
     let kind = c.dev.kind();
     let case = kind.to_string();
     let dev = ok("open", raw::Dev::open(&c.path));
@@ -2250,7 +2254,14 @@ fn fig10(c: &Ctx) {
     let samples = interleaved_wakes(WARM, n, methods);
     for (name, v) in names.into_iter().zip(samples) {
         emit_samples("10", &case, name, "us", &v);
-        emit("10", &case, name, "us", &summarize(v), &[("descs", descs.len() as f64)]);
+        emit(
+            "10",
+            &case,
+            name,
+            "us",
+            &summarize(v),
+            &[("descs", descs.len() as f64)],
+        );
     }
     if c.profile {
         profile_case("fig10 submit+notify+read (task)", false, 1, || {
@@ -2305,7 +2316,7 @@ fn fig11(c: &Ctx) {
     }
     let files = &files;
     let submit_all = |notify: bool| -> Vec<Vec<u64>> {
-        let mut ids = vec![Vec::with_capacity(per); EV_FILES];
+        let mut ids: Vec<Vec<u64>> = (0..EV_FILES).map(|_| Vec::with_capacity(per)).collect();
         // Round-robin over the files, as a server with many clients would.
         for _ in 0..per {
             for (f, (d, descs)) in files.iter().enumerate() {
@@ -2327,7 +2338,8 @@ fn fig11(c: &Ctx) {
             Box::new(|| {
                 let ids = submit_all(false);
                 for (f, (d, _)) in files.iter().enumerate() {
-                    d.job_wait(*ids[f].last().expect("a job"), -1).expect("JOB_WAIT");
+                    d.job_wait(*ids[f].last().expect("a job"), -1)
+                        .expect("JOB_WAIT");
                 }
             }),
         ),
@@ -2364,9 +2376,8 @@ fn fig11(c: &Ctx) {
                 let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
                 while got < EV_JOBS {
                     // SAFETY: `ready` has room for EV_FILES entries.
-                    let n = unsafe {
-                        libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1)
-                    };
+                    let n =
+                        unsafe { libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1) };
                     if n < 0 {
                         assert_eq!(raw::errno(), libc::EINTR, "epoll_wait");
                         continue;
@@ -2441,8 +2452,14 @@ fn fig12(c: &Ctx) {
     // A Device of its own: the reactor reads the events of a Device whose
     // handles are awaited, and the other figures' Device is not one.
     let dev = ok("open", Device::open(&c.path));
-    let src = ok("allocate_on", Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12s")));
-    let dst = ok("allocate_on", Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12d")));
+    let src = ok(
+        "allocate_on",
+        Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12s")),
+    );
+    let dst = ok(
+        "allocate_on",
+        Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12d")),
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .expect("tokio runtime");
