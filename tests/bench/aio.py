@@ -12,6 +12,7 @@ nothing to await. Usage: python3 aio.py [/dev/tdrvN]
 import asyncio
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -45,12 +46,53 @@ def job(src, dst):
     return j
 
 
+class _PipeEnd:
+    """A pipe end with the socket methods asyncio's self-pipe uses."""
+
+    def __init__(self, fd):
+        self._fd = fd
+
+    def fileno(self):
+        return self._fd
+
+    def setblocking(self, flag):
+        os.set_blocking(self._fd, flag)
+
+    def recv(self, n):
+        return os.read(self._fd, n)
+
+    def send(self, data):
+        return os.write(self._fd, data)
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def self_pipe_without_af_unix():
+    """asyncio's loop wakes itself through socket.socketpair(), which needs
+    AF_UNIX; the bench kernel, like the test kernel, has no networking.
+    There a pipe stands in for it."""
+    try:
+        a, b = socket.socketpair()
+        a.close()
+        b.close()
+    except OSError:
+        def pipe_pair(*_args, **_kwargs):
+            r, w = os.pipe()
+            return _PipeEnd(r), _PipeEnd(w)
+
+        socket.socketpair = pipe_pair
+
+
 def threads():
     return len(os.listdir("/proc/self/task"))
 
 
 def main():
     path = sys.argv[1] if len(sys.argv) > 1 else "/dev/tdrv0"
+    self_pipe_without_af_unix()
     dev = tdrv.Device(path)
     src = tdrv.from_buffer(np.arange(4096, dtype=np.uint8) % 251, device=dev)
     dst = dev.empty(4096, "uint8")
