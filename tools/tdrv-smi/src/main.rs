@@ -83,6 +83,18 @@ enum Command {
         #[arg(short = 'n', long, value_name = "N")]
         iterations: Option<u64>,
     },
+    /// Write the CDI spec of the tdrv devices (for podman, containerd and
+    /// CRI-O: `--device tdrv.dev/device=all`), or remove it when there is
+    /// no device. The package's udev rule runs this on every device added
+    /// or removed.
+    Cdi {
+        /// Where to write the spec; `-` prints it.
+        #[arg(short, long, value_name = "PATH", default_value = tdrv_smi::cdi::DEFAULT_OUTPUT)]
+        output: PathBuf,
+        /// Print nothing on success.
+        #[arg(short, long)]
+        quiet: bool,
+    },
 }
 
 /// The exit code for a set of problems: the most specific one wins.
@@ -119,6 +131,7 @@ fn main() -> ExitCode {
         paths.debugfs = d.clone();
     }
     match cli.command.unwrap_or(Command::List) {
+        Command::Cdi { output, quiet } => cdi(&paths, &output, quiet),
         Command::List => {
             let list =
                 collect::devices(&paths, &cli.devices, Duration::from_millis(cli.interval_ms));
@@ -184,6 +197,57 @@ fn main() -> ExitCode {
                     ExitCode::from(EXIT_FAILURE)
                 }
             }
+        }
+    }
+}
+
+/// `tdrv-smi cdi`: see [`Command::Cdi`].
+fn cdi(paths: &Paths, output: &std::path::Path, quiet: bool) -> ExitCode {
+    use tdrv_smi::cdi::{self, SpecError, Update};
+    let warn_missing = |missing: &[String]| {
+        for m in missing {
+            eprintln!("tdrv-smi: warning: {m} has no node in /dev: left out of the CDI spec");
+        }
+    };
+    if output.as_os_str() == "-" {
+        return match cdi::spec(paths) {
+            Ok((spec, missing)) => {
+                print!("{}", cdi::to_json(&spec));
+                warn_missing(&missing);
+                ExitCode::SUCCESS
+            }
+            Err(e @ SpecError::NoDevice) => {
+                eprintln!("tdrv-smi: error: {e}: no CDI spec");
+                ExitCode::from(EXIT_NO_DEVICE)
+            }
+            Err(e) => {
+                eprintln!("tdrv-smi: error: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
+    match cdi::update(paths, output) {
+        Ok((Update::Wrote(n), missing)) => {
+            warn_missing(&missing);
+            if !quiet {
+                println!(
+                    "{}: {n} tdrv device{} and all ({})",
+                    output.display(),
+                    if n == 1 { "" } else { "s" },
+                    cdi::KIND
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Ok((Update::Removed, _)) => {
+            if !quiet {
+                println!("{}: removed (no tdrv device)", output.display());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tdrv-smi: error: {e}");
+            ExitCode::from(EXIT_FAILURE)
         }
     }
 }
