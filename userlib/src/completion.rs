@@ -150,7 +150,7 @@ impl Tensor {
                 loop {
                     match b
                         .device
-                        .fence_wait(b.handle, kind, deadline.remaining_us(None))
+                        .fence_wait_sys(b.handle, kind, deadline.remaining_us(None))
                     {
                         Ok(()) => return Ok(()),
                         Err(SysError::Interrupted { .. }) if !deadline.expired() => continue,
@@ -206,7 +206,7 @@ impl Tensor {
         loop {
             match b
                 .device
-                .completion_wait(b.handle, target, deadline.remaining_us(cap))
+                .completion_wait_sys(b.handle, target, deadline.remaining_us(cap))
             {
                 Ok(_) => return Ok(()),
                 Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {

@@ -536,7 +536,9 @@ mod tests {
             size: 1,
         };
         let pin = dev.pin(7).unwrap();
-        let pinned = |r: Result<(), SysError>| matches!(r, Err(SysError::Pinned { .. }));
+        let pinned = |r: Result<(), crate::Error>| {
+            matches!(r, Err(crate::Error::Sys(SysError::Pinned { .. })))
+        };
         assert!(pinned(dev.copy_in(7, 0, &[1])));
         assert!(pinned(dev.memset(7, 0, 1, 0)));
         assert!(pinned(dev.copy(&desc(7))));
@@ -545,12 +547,12 @@ mod tests {
         // (here /dev/null: ENOTTY).
         assert!(matches!(
             dev.copy_in(8, 0, &[1]),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
         let mut b = [0];
         assert!(matches!(
             dev.copy_out(7, 0, &mut b),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
         let pin2 = dev.pin(7).unwrap();
         drop(pin);
@@ -558,7 +560,7 @@ mod tests {
         drop(pin2);
         assert!(matches!(
             dev.memset(7, 0, 1, 0),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
     }
 }

@@ -494,7 +494,7 @@ fn cross_channel(c: &Ctx, t: &mut Tap) {
             size: 64,
         };
         match c.dev.copy(&desc) {
-            Err(SysError::CrossChannel { .. }) => Ok(()),
+            Err(Error::Sys(SysError::CrossChannel { .. })) => Ok(()),
             other => Err(format!("COPY ioctl: {other:?}")),
         }
     })();
@@ -880,10 +880,7 @@ fn mapping_guards(c: &Ctx) -> R {
         )?;
         pinned("memset elsewhere in it", t.memset(4096, 0, 16))?;
         let raw = t.dma_handle().ok_or("no handle")?;
-        pinned(
-            "raw COPY_IN",
-            c.dev.copy_in(raw, 0, &[1]).map_err(Error::from),
-        )?;
+        pinned("raw COPY_IN", c.dev.copy_in(raw, 0, &[1]))?;
         match t.write(0, &[1]) {
             Err(Error::Busy { .. }) => {}
             other => return Err(format!("write under the guard: {other:?}")),
