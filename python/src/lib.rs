@@ -796,7 +796,7 @@ impl PyTensor {
         if copy == Some(true) || !versioned {
             idle_before(py, &self.t, tdrv::Access::Read)?;
             let bytes = py.detach(|| self.t.to_vec()).map_err(to_py)?;
-            let c = tdrv::Tensor::from_vec(bytes).map_err(to_py)?;
+            let c = tdrv::Tensor::from_vec(bytes).map_err(to_py)?.into_tensor();
             let guard = Arc::new(Guard::new(&c, true, None).map_err(to_py)?);
             return dlpack::export(py, guard, self.dtype, &self.shape, versioned, true);
         }

@@ -888,7 +888,7 @@ mod tests {
         let mut back = [0u8; 32];
         t.read(4, &mut back).unwrap();
         assert_eq!(back[..], pattern(32, 3)[..]);
-        let h = Tensor::from_slice(&[5u8; 16]).unwrap();
+        let h = Tensor::from_slice(&[5u8; 16]).unwrap().into_tensor();
         Tensor::copy(&h, 0, &t, 40, 16).unwrap();
         Tensor::copy(&t, 36, &h, 0, 8).unwrap();
         assert_eq!(h.to_vec().unwrap()[..8], [0, 0, 0, 0, 5, 5, 5, 5]);

@@ -488,7 +488,7 @@ impl Tensor {
     /// ```
     /// use tdrv::Tensor;
     ///
-    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?.into_tensor();
     /// let mut two = [0f32; 2];
     /// t.read_into(8, &mut two)?; // bytes 8..16: elements 2 and 3
     /// assert_eq!(two, [3.0, 4.0]);

@@ -184,7 +184,7 @@ impl Tensor {
     /// ```
     /// use tdrv::Tensor;
     ///
-    /// let t = Tensor::from_slice(&[1u8, 2, 3, 4, 5])?;
+    /// let t = Tensor::from_slice(&[1u8, 2, 3, 4, 5])?.into_tensor();
     /// {
     ///     let bytes = t.map_read(1..4)?;
     ///     assert_eq!(&*bytes, [2, 3, 4]);
@@ -387,7 +387,7 @@ impl Tensor {
     /// view (a quiet clone) rather than borrowing `self`.
     ///
     /// ```
-    /// let t = tdrv::Tensor::from_slice(&[1u8, 2, 3])?;
+    /// let t = tdrv::Tensor::from_slice(&[1u8, 2, 3])?.into_tensor();
     /// let bytes = t.map_read_owned(1..)?;
     /// drop(t); // the guard keeps the view and its storage alive
     /// assert_eq!(&*bytes, [2, 3]);
@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn guards_exclude_conflicting_host_access_without_waiting() {
-        let t = Tensor::from_slice(&[0u8; 64]).unwrap();
+        let t = Tensor::from_slice(&[0u8; 64]).unwrap().into_tensor();
         let other = t.clone();
         let mut third = t.clone();
         let s = t.slice(32, 32, None).unwrap();
@@ -468,7 +468,7 @@ mod tests {
 
     #[test]
     fn owned_guards_outlive_their_handle_and_keep_excluding() {
-        let t = Tensor::from_slice(&[3u8; 32]).unwrap();
+        let t = Tensor::from_slice(&[3u8; 32]).unwrap().into_tensor();
         let keep = t.clone();
         let mut w = t.map_write_owned(8..16).unwrap();
         drop(t);
@@ -497,7 +497,7 @@ mod tests {
 
     #[test]
     fn a_guard_and_a_writer_thread_never_race() {
-        let t = Tensor::from_slice(&[0u32; 16]).unwrap();
+        let t = Tensor::from_slice(&[0u32; 16]).unwrap().into_tensor();
         let writer = {
             let t = t.clone();
             std::thread::spawn(move || {
