@@ -802,6 +802,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use crate::compat::TensorCompat;
     use crate::io::{Fencing, ReadOp, WriteOp};
     use crate::job::Job;
     use crate::storage::StorageKind;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::compat::TensorCompat;
 
 use NeuronMemcpyMethod::{CMemcpy, Dma, VecMemcpy};
 

@@ -8,6 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tdrv::compat::TensorCompat;
 use tdrv::sys::FenceKind;
 use tdrv::{
     sys::DeviceKind, Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError,
