@@ -1440,7 +1440,7 @@ impl RawHeader {
     }
 
     fn word(&self, off: usize) -> *mut u32 {
-        assert!(off % 4 == 0 && off < 4096);
+        assert!(off.is_multiple_of(4) && off < 4096);
         // SAFETY: in the mapped page (asserted).
         unsafe { self.0.add(off / 4) }
     }
