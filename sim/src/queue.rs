@@ -64,7 +64,23 @@ pub struct QueueStats {
     pub resets: AtomicU64,
     /// Doorbells seen (wakes by the doorbell).
     pub doorbells: AtomicU64,
+    /// Descriptors of at least [`BIG_DESC`] bytes: the ones the time
+    /// split below is kept for (`make bench`, figure 9).
+    pub big_descs: AtomicU64,
+    /// Bytes those descriptors copied.
+    pub big_bytes: AtomicU64,
+    /// Host nanoseconds they spent being read from the ring (descriptor
+    /// fetch).
+    pub big_fetch_ns: AtomicU64,
+    /// Host nanoseconds they spent being checked and copied.
+    pub big_copy_ns: AtomicU64,
+    /// Host nanoseconds they spent being completed (the completion entry,
+    /// the indices and the interrupt).
+    pub big_complete_ns: AtomicU64,
 }
+
+/// Descriptors from this size on get the time split of [`QueueStats`].
+pub const BIG_DESC: u32 = 1 << 20;
 
 impl QueueStats {
     fn add(c: &AtomicU64, n: u64) {
@@ -78,7 +94,8 @@ impl fmt::Display for QueueStats {
         write!(
             f,
             "descs={} ok={} bad_addr={} bad_desc={} fault={} bytes={} irqs={} lost_irqs={} \
-             injected={} stalls={} resets={} doorbells={}",
+             injected={} stalls={} resets={} doorbells={} big_descs={} big_bytes={} \
+             big_fetch_ns={} big_copy_ns={} big_complete_ns={}",
             g(&self.descs),
             g(&self.ok),
             g(&self.bad_addr),
@@ -90,7 +107,12 @@ impl fmt::Display for QueueStats {
             g(&self.injected),
             g(&self.stalls),
             g(&self.resets),
-            g(&self.doorbells)
+            g(&self.doorbells),
+            g(&self.big_descs),
+            g(&self.big_bytes),
+            g(&self.big_fetch_ns),
+            g(&self.big_copy_ns),
+            g(&self.big_complete_ns)
         )
     }
 }
@@ -319,6 +341,7 @@ impl Engine {
                 return done;
             }
             self.set_status(qstatus::BUSY);
+            let fetch = std::time::Instant::now();
             let d = self.read_desc(self.sq_head);
             let started = std::time::Instant::now();
             let (status, len_done) = if self.fail_next {
@@ -337,7 +360,17 @@ impl Engine {
                     std::thread::sleep(rest.min(STOP_SLICE));
                 }
             }
+            let copied = std::time::Instant::now();
             self.complete(&d, status, len_done, irq);
+            if d.len >= BIG_DESC {
+                let s = &self.stats;
+                let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
+                QueueStats::add(&s.big_descs, 1);
+                QueueStats::add(&s.big_bytes, u64::from(len_done));
+                QueueStats::add(&s.big_fetch_ns, ns(fetch, started));
+                QueueStats::add(&s.big_copy_ns, ns(started, copied));
+                QueueStats::add(&s.big_complete_ns, ns(copied, std::time::Instant::now()));
+            }
             done += 1;
         }
     }

@@ -34,7 +34,7 @@
 
 use std::ffi::CString;
 use std::hint::black_box;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -2022,6 +2022,507 @@ fn fig8(c: &Ctx) {
 }
 
 // ---------------------------------------------------------------------
+// Figures 10-12: the completion plane (issue 36)
+
+/// The descriptors of a 4 KiB copy from `src` to `dst` that the device
+/// queues rather than running inside SUBMIT: on the software device, 17
+/// descriptors (it runs a job of at most 16 inline when idle, see
+/// driver/backends/soft.rs); other devices never run jobs inline, so one.
+fn queued_4k(kind: DeviceKind, src: u64, dst: u64) -> Vec<tdrv_uapi::tdrv_copy_desc> {
+    let pieces: u64 = if kind == DeviceKind::Soft { 17 } else { 1 };
+    let total = 4 * KIB as u64;
+    let step = total / pieces;
+    (0..pieces)
+        .map(|i| {
+            let off = i * step;
+            let size = if i + 1 == pieces { total - off } else { step };
+            tdrv_uapi::tdrv_copy_desc {
+                src_handle: src,
+                src_offset: off,
+                dst_handle: dst,
+                dst_offset: off,
+                size,
+            }
+        })
+        .collect()
+}
+
+/// A `Job` copying 4 KiB from `src` to `dst` in the shape of [`queued_4k`].
+fn queued_job(kind: DeviceKind, src: &Tensor, dst: &Tensor) -> Job {
+    let mut job = Job::new();
+    let pieces = if kind == DeviceKind::Soft { 17 } else { 1 };
+    let step = 4 * KIB / pieces;
+    for i in 0..pieces {
+        let off = i * step;
+        let len = if i + 1 == pieces { 4 * KIB - off } else { step };
+        job.copy(src, off, dst, off, len).expect("job copy");
+    }
+    job
+}
+
+/// One method of an interleaved wake-up measurement: `arm` prepares a
+/// round and returns the token the waiter waits with; the waiter blocks in
+/// `wait(token)` on a thread of its own (CPU 1); after a pause `fire(token)`
+/// wakes it (CPU 0). A sample is the time from `fire` until the waiter runs.
+struct WakeMethod<'a> {
+    name: &'static str,
+    arm: Box<dyn FnMut() -> u64 + 'a>,
+    wait: Box<dyn Fn(u64) + Send + Sync + 'a>,
+    fire: Box<dyn FnMut(u64) + 'a>,
+}
+
+/// Runs the methods round by round (each round one wake-up of every
+/// method, in turn), `warm` rounds discarded; the µs samples per method.
+fn interleaved_wakes(warm: usize, n: usize, methods: Vec<WakeMethod<'_>>) -> Vec<Vec<f64>> {
+    let mut out = vec![Vec::with_capacity(n); methods.len()];
+    let mut arms = Vec::new();
+    let mut waits = Vec::new();
+    let mut fires = Vec::new();
+    for m in methods {
+        arms.push(m.arm);
+        waits.push(m.wait);
+        fires.push(m.fire);
+    }
+    let _pin = Pinned::to(0);
+    std::thread::scope(|s| {
+        let mut chans = Vec::new();
+        for wait in &waits {
+            let (go_tx, go_rx) = mpsc::channel::<u64>();
+            let (done_tx, done_rx) = mpsc::channel::<Instant>();
+            s.spawn(move || {
+                let _pin = Pinned::to(1);
+                while let Ok(t) = go_rx.recv() {
+                    wait(t);
+                    done_tx.send(Instant::now()).expect("send");
+                }
+            });
+            chans.push((go_tx, done_rx));
+        }
+        for round in 0..warm + n {
+            for (i, (arm, fire)) in arms.iter_mut().zip(fires.iter_mut()).enumerate() {
+                let token = arm();
+                chans[i].0.send(token).expect("send");
+                std::thread::sleep(WAKE_PAUSE);
+                let t0 = Instant::now();
+                fire(token);
+                let t1 = chans[i].1.recv().expect("recv");
+                if round >= warm {
+                    out[i].push((t1 - t0).as_nanos() as f64 / 1000.0);
+                }
+            }
+        }
+        drop(chans);
+    });
+    out
+}
+
+/// Blocks in read(2) of `dev`'s completion events until at least one comes.
+fn read_one_event(dev: &raw::Dev) {
+    let mut evs = [tdrv_uapi::tdrv_event::default(); 4];
+    loop {
+        match dev.read_events(&mut evs) {
+            Ok(n) => {
+                assert!(n >= 1);
+                for e in &evs[..n] {
+                    assert_eq!(e.status, 0, "job {} failed", e.job_id);
+                }
+                return;
+            }
+            Err(libc::EINTR) => continue,
+            Err(e) => panic!("read of events: errno {e}"),
+        }
+    }
+}
+
+/// An eventfd for the baseline methods.
+fn new_eventfd() -> Arc<OwnedFd> {
+    // SAFETY: eventfd has no memory-safety preconditions.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(efd >= 0, "eventfd: {}", errno_str());
+    // SAFETY: the descriptor was just created and is owned by nobody else.
+    Arc::new(unsafe { OwnedFd::from_raw_fd(efd) })
+}
+
+/// Figure 10 (issue 36 item 1): event wake latency. A thread blocked in
+/// read(2) of the file's completion events, woken by a queued 4 KiB job,
+/// against the same job waited with JOB_WAIT, an eventfd write → read and
+/// sw_sync → poll. Two triggers:
+///
+/// - from SUBMIT (`event_submit`): SUBMIT, then JOB_NOTIFY, until the
+///   reader runs; the baseline is `eventfd`. JOB_WAIT cannot be timed so:
+///   it needs the job's id, which exists only once SUBMIT returned.
+/// - from a gate (`event_gated`, `job_wait_gated`): the job is submitted
+///   behind an sw_sync in-fence and (for the event) JOB_NOTIFY'd, the
+///   waiter blocks, and the sample runs from the gate's SW_SYNC_IOC_INC
+///   until the waiter runs: the engine starting the job, the copy, the
+///   completion and the wake-up, the same for both waits. `sw_sync` alone
+///   (the gate's own wake of a poll(2)er) is its floor.
+///
+/// Runs on the software device (icount guest) and on sim (`--only sim`).
+fn fig10(c: &Ctx) {
+    const WARM: usize = 20;
+    let n: usize = if c.dev.kind() == DeviceKind::Sim {
+        200
+    } else {
+        300
+    };
+    let kind = c.dev.kind();
+    let case = kind.to_string();
+    let dev = ok("open", raw::Dev::open(&c.path));
+    let src = ok("alloc", dev.alloc(4 * KIB as u64, 0)).handle;
+    let dst = ok("alloc", dev.alloc(4 * KIB as u64, 0)).handle;
+    let descs = queued_4k(kind, src, dst);
+    let efd = new_eventfd();
+    let sw = peer_open("sw_sync", peer::SwSync::open());
+    let timeline = std::cell::Cell::new(0u32);
+    let dev = &dev;
+    let descs = &descs;
+    let mut methods: Vec<WakeMethod> = vec![
+        WakeMethod {
+            name: "event_submit",
+            arm: Box::new(|| 0),
+            wait: Box::new(move |_| read_one_event(dev)),
+            fire: Box::new(move |_| {
+                let id = dev.submit(descs).expect("SUBMIT");
+                dev.job_notify(id, id).expect("JOB_NOTIFY");
+            }),
+        },
+        WakeMethod {
+            name: "eventfd",
+            arm: Box::new(|| 0),
+            wait: {
+                let efd = efd.clone();
+                Box::new(move |_| {
+                    let mut v = 0u64;
+                    // SAFETY: reads 8 bytes into `v`, a live u64.
+                    let r = unsafe { libc::read(efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                    assert_eq!(r, 8, "eventfd read: {}", errno_str());
+                })
+            },
+            fire: Box::new(|_| {
+                let one = 1u64;
+                // SAFETY: writes the 8 bytes of `one`.
+                let r = unsafe { libc::write(efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+                assert_eq!(r, 8, "eventfd write: {}", errno_str());
+            }),
+        },
+    ];
+    if let Some(sw) = &sw {
+        let tl = &timeline;
+        // A gated job: submitted behind the next value of the timeline.
+        let gated = move |notify: bool| -> u64 {
+            tl.set(tl.get() + 1);
+            let fence = sw.fence(tl.get()).expect("sw_sync fence");
+            let (id, _) = dev
+                .submit_fences(descs, &[fence.as_raw_fd()], false)
+                .expect("SUBMIT with an in-fence");
+            if notify {
+                dev.job_notify(id, id).expect("JOB_NOTIFY");
+            }
+            id
+        };
+        methods.push(WakeMethod {
+            name: "event_gated",
+            arm: Box::new(move || gated(true)),
+            wait: Box::new(move |_| read_one_event(dev)),
+            fire: Box::new(move |_| sw.inc().expect("sw_sync inc")),
+        });
+        methods.push(WakeMethod {
+            name: "job_wait_gated",
+            arm: Box::new(move || gated(false)),
+            wait: Box::new(move |id| {
+                let (state, status) = dev.job_wait(id, -1).expect("JOB_WAIT");
+                assert_eq!((state, status), (tdrv_uapi::TDRV_JOB_DONE, 0));
+            }),
+            fire: Box::new(move |_| sw.inc().expect("sw_sync inc")),
+        });
+        methods.push(WakeMethod {
+            name: "sw_sync",
+            arm: Box::new(move || {
+                tl.set(tl.get() + 1);
+                sw.fence(tl.get()).expect("sw_sync fence").into_raw_fd() as u64
+            }),
+            wait: Box::new(|fd| {
+                // SAFETY: `arm` gave up this descriptor to the waiter.
+                let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+                poll_in(fd.as_raw_fd());
+            }),
+            fire: Box::new(move |_| sw.inc().expect("sw_sync inc")),
+        });
+    }
+    let names: Vec<&str> = methods.iter().map(|m| m.name).collect();
+    let samples = interleaved_wakes(WARM, n, methods);
+    for (name, v) in names.into_iter().zip(samples) {
+        emit_samples("10", &case, name, "us", &v);
+        emit(
+            "10",
+            &case,
+            name,
+            "us",
+            &summarize(v),
+            &[("descs", descs.len() as f64)],
+        );
+    }
+    if c.profile {
+        profile_case("fig10 submit+notify+read (task)", false, 1, || {
+            for _ in 0..2000 {
+                let id = dev.submit(descs).expect("SUBMIT");
+                dev.job_notify(id, id).expect("JOB_NOTIFY");
+                read_one_event(dev);
+            }
+        });
+    }
+    for h in [src, dst] {
+        dev.free(h).expect("FREE");
+    }
+}
+
+/// Jobs and files of figure 11.
+const EV_FILES: usize = 10;
+const EV_JOBS: usize = 10_000;
+
+/// Figure 11 (issue 36 item 2): event throughput. 10,000 queued 4 KiB
+/// jobs spread over 10 files, all submitted, then awaited through one
+/// epoll set with reads of up to 64 events (`events_epoll`), against the
+/// same jobs each waited with JOB_WAIT (`job_wait_each`) and the floor:
+/// SUBMIT alone (`submit_only`, then one JOB_WAIT per file for the last
+/// job, so the round ends with the engine idle) and one refused ioctl
+/// (`ioctl_enotty`). In ns per job.
+fn fig11(c: &Ctx) {
+    let kind = c.dev.kind();
+    let per = EV_JOBS / EV_FILES;
+    let files: Vec<(raw::Dev, Vec<tdrv_uapi::tdrv_copy_desc>)> = (0..EV_FILES)
+        .map(|_| {
+            let d = ok("open", raw::Dev::open(&c.path));
+            let s = ok("alloc", d.alloc(4 * KIB as u64, 0)).handle;
+            let t = ok("alloc", d.alloc(4 * KIB as u64, 0)).handle;
+            let descs = queued_4k(kind, s, t);
+            (d, descs)
+        })
+        .collect();
+    // SAFETY: epoll_create1 has no memory-safety preconditions.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    assert!(ep >= 0, "epoll_create1: {}", errno_str());
+    // SAFETY: just created, owned here.
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    for (i, (d, _)) in files.iter().enumerate() {
+        let mut ev = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: i as u64,
+        };
+        // SAFETY: a live epoll_event; both fds are open.
+        let r = unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, d.fd(), &mut ev) };
+        assert_eq!(r, 0, "epoll_ctl: {}", errno_str());
+    }
+    let files = &files;
+    let submit_all = |notify: bool| -> Vec<Vec<u64>> {
+        let mut ids: Vec<Vec<u64>> = (0..EV_FILES).map(|_| Vec::with_capacity(per)).collect();
+        // Round-robin over the files, as a server with many clients would.
+        for _ in 0..per {
+            for (f, (d, descs)) in files.iter().enumerate() {
+                let id = d.submit(descs).expect("SUBMIT");
+                if notify {
+                    d.job_notify(id, id).expect("JOB_NOTIFY");
+                }
+                ids[f].push(id);
+            }
+        }
+        ids
+    };
+    let null = open_rw("/dev/null");
+    let unknown = (3u64 << 30) | (88 << 16) | (0xD7 << 8) | 0x7f;
+    let ep_fd = ep.as_raw_fd();
+    let mut cases: Vec<Case> = vec![
+        (
+            "submit_only",
+            Box::new(|| {
+                let ids = submit_all(false);
+                for (f, (d, _)) in files.iter().enumerate() {
+                    d.job_wait(*ids[f].last().expect("a job"), -1)
+                        .expect("JOB_WAIT");
+                }
+            }),
+        ),
+        (
+            "ioctl_enotty",
+            Box::new(|| {
+                let mut buf = [0u8; 88];
+                for (d, _) in files.iter().cycle().take(EV_JOBS) {
+                    // SAFETY: `buf` is as large as the size the request
+                    // encodes; tdrv refuses it before touching it.
+                    let r = unsafe { libc::ioctl(d.fd(), unknown as _, buf.as_mut_ptr()) };
+                    assert!(r < 0);
+                }
+                let _ = &null;
+            }),
+        ),
+        (
+            "job_wait_each",
+            Box::new(|| {
+                let ids = submit_all(false);
+                for (f, (d, _)) in files.iter().enumerate() {
+                    for &id in &ids[f] {
+                        d.job_wait(id, -1).expect("JOB_WAIT");
+                    }
+                }
+            }),
+        ),
+        (
+            "events_epoll",
+            Box::new(|| {
+                submit_all(true);
+                let mut got = 0;
+                let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EV_FILES];
+                let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
+                while got < EV_JOBS {
+                    // SAFETY: `ready` has room for EV_FILES entries.
+                    let n =
+                        unsafe { libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1) };
+                    if n < 0 {
+                        assert_eq!(raw::errno(), libc::EINTR, "epoll_wait");
+                        continue;
+                    }
+                    for r in &ready[..n as usize] {
+                        let (d, _) = &files[r.u64 as usize];
+                        match d.read_events(&mut evs) {
+                            Ok(k) => got += k,
+                            Err(libc::EAGAIN) => {}
+                            Err(e) => panic!("read of events: errno {e}"),
+                        }
+                    }
+                }
+            }),
+        ),
+    ];
+    // The reads must not block once epoll said ready, but another read
+    // may have taken the events: non-blocking files.
+    for (d, _) in files.iter() {
+        d.set_nonblock(true).expect("O_NONBLOCK");
+    }
+    let samples = interleave(1, 7, 1, &mut cases);
+    for ((name, _), s) in cases.iter().zip(samples) {
+        let per_job: Vec<f64> = s.iter().map(|ns| ns / EV_JOBS as f64).collect();
+        emit(
+            "11",
+            &kind.to_string(),
+            name,
+            "ns",
+            &summarize(per_job),
+            &[("jobs", EV_JOBS as f64), ("files", EV_FILES as f64)],
+        );
+    }
+    drop(cases);
+    if c.profile {
+        // JOB_NOTIFY + the reads, with nobody blocked: what the event
+        // path adds to SUBMIT.
+        let (d, descs) = &files[0];
+        profile_case("fig11 submit+notify+read (task)", false, 1, || {
+            let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
+            for _ in 0..50 {
+                let mut last = 0;
+                for _ in 0..64 {
+                    last = d.submit(descs).expect("SUBMIT");
+                    d.job_notify(last, last).expect("JOB_NOTIFY");
+                }
+                d.job_wait(last, -1).expect("JOB_WAIT");
+                let mut got = 0;
+                while got < 64 {
+                    got += d.read_events(&mut evs).unwrap_or(0);
+                }
+            }
+        });
+    }
+}
+
+/// Threads of this process now.
+fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+}
+
+/// Figure 12 (issue 36 item 3, Rust): 10,000 `JobHandle`s of queued 4 KiB
+/// jobs awaited on a tokio current-thread runtime, each in a task of its
+/// own, in 10 batches of 1,000 submitted together, against blocking
+/// `wait()`s of the same jobs. ns per job; the threads the process has
+/// while the tasks wait are recorded (`threads_during`, against
+/// `threads_before`): the library's one reactor thread, not one per wait.
+fn fig12(c: &Ctx) {
+    const BATCH: usize = 1000;
+    const BATCHES: usize = 10;
+    let kind = c.dev.kind();
+    // A Device of its own: the reactor reads the events of a Device whose
+    // handles are awaited, and the other figures' Device is not one.
+    let dev = ok("open", Device::open(&c.path));
+    let src = ok(
+        "allocate_on",
+        Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12s")),
+    );
+    let dst = ok(
+        "allocate_on",
+        Tensor::allocate_on(&dev, 0, 4 * KIB, Some("fig12d")),
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("tokio runtime");
+    let before = thread_count();
+    let during = std::cell::Cell::new(0usize);
+    let (src, dst) = (&src, &dst);
+    let local = tokio::task::LocalSet::new();
+    let mut cases: Vec<Case> = vec![
+        (
+            "blocking_wait",
+            Box::new(|| {
+                for _ in 0..BATCHES {
+                    let hs: Vec<_> = (0..BATCH)
+                        .map(|_| queued_job(kind, src, dst).submit().expect("submit"))
+                        .collect();
+                    for h in hs {
+                        h.wait().expect("wait");
+                    }
+                }
+            }),
+        ),
+        (
+            "tokio_await",
+            Box::new(|| {
+                local.block_on(&rt, async {
+                    for _ in 0..BATCHES {
+                        let tasks: Vec<_> = (0..BATCH)
+                            .map(|_| {
+                                let h = queued_job(kind, src, dst).submit().expect("submit");
+                                tokio::task::spawn_local(async move { h.await.expect("await") })
+                            })
+                            .collect();
+                        // Let every task poll once (and register) before
+                        // counting the threads.
+                        tokio::task::yield_now().await;
+                        during.set(during.get().max(thread_count()));
+                        for t in tasks {
+                            t.await.expect("task");
+                        }
+                    }
+                });
+            }),
+        ),
+    ];
+    let samples = interleave(1, 7, 1, &mut cases);
+    for ((name, _), s) in cases.iter().zip(samples) {
+        let per_job: Vec<f64> = s.iter().map(|ns| ns / (BATCH * BATCHES) as f64).collect();
+        emit(
+            "12",
+            &kind.to_string(),
+            name,
+            "ns",
+            &summarize(per_job),
+            &[
+                ("jobs", (BATCH * BATCHES) as f64),
+                ("threads_before", before as f64),
+                ("threads_during", during.get() as f64),
+            ],
+        );
+    }
+}
+
+// ---------------------------------------------------------------------
 // Figure 9: the sim device (issue 14)
 
 /// Opens the first /dev/tdrvN whose kind is the sim device.
@@ -2249,7 +2750,7 @@ fn main() {
         profile,
         only_scaling,
     };
-    let figs: [Figure; 8] = [
+    let figs: [Figure; 11] = [
         ("fig4", fig4),
         ("fig1", fig1),
         ("fig6", fig6),
@@ -2258,17 +2759,22 @@ fn main() {
         ("fig7", fig7),
         ("fig8", fig8),
         ("fig9", fig9),
+        ("fig10", fig10),
+        ("fig11", fig11),
+        ("fig12", fig12),
     ];
     let start = Instant::now();
     for (name, f) in figs {
         // Figure 9 needs the sim device and a host-clock guest: it runs
-        // only when asked for (`--only sim`).
+        // only when asked for (`--only sim`, which runs figure 10 on the
+        // sim device too).
         let wanted = match &only {
             None => name != "fig9",
             Some(l) => l.iter().any(|x| {
                 x == name
                     || (name == "fig2" && x == "fig3")
                     || (name == "fig9" && (x == "sim" || x == "simq"))
+                    || (name == "fig10" && x == "sim")
             }),
         };
         if !wanted {
