@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import tdrv
+from selfpipe import pipe_pair, socketpair_works
 
 
 def host(values, dtype="float32"):
@@ -583,44 +584,12 @@ def _threads():
     raise AssertionError("no Threads: line")
 
 
-class _PipeEnd:
-    """One end of a pipe with the socket methods asyncio's self-pipe uses."""
-
-    def __init__(self, fd):
-        self._fd = fd
-
-    def fileno(self):
-        return self._fd
-
-    def setblocking(self, flag):
-        os.set_blocking(self._fd, flag)
-
-    def recv(self, n):
-        return os.read(self._fd, n)
-
-    def send(self, data):
-        return os.write(self._fd, data)
-
-    def close(self):
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 @pytest.fixture
 def event_loop_self_pipe(monkeypatch):
     """asyncio's event loop wakes itself through socket.socketpair(), which
     needs AF_UNIX; the test kernel has no networking (no CONFIG_NET). There
     a pipe stands in for it; elsewhere nothing changes."""
-    try:
-        a, b = socket.socketpair()
-        a.close()
-        b.close()
-    except OSError:
-        def pipe_pair(*_args, **_kwargs):
-            r, w = os.pipe()
-            return _PipeEnd(r), _PipeEnd(w)
-
+    if not socketpair_works():
         monkeypatch.setattr(socket, "socketpair", pipe_pair)
 
 

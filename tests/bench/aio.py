@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import tdrv
+from selfpipe import pipe_pair, socketpair_works
 
 JOBS = 1000
 PIECES = 17
@@ -46,43 +47,12 @@ def job(src, dst):
     return j
 
 
-class _PipeEnd:
-    """A pipe end with the socket methods asyncio's self-pipe uses."""
-
-    def __init__(self, fd):
-        self._fd = fd
-
-    def fileno(self):
-        return self._fd
-
-    def setblocking(self, flag):
-        os.set_blocking(self._fd, flag)
-
-    def recv(self, n):
-        return os.read(self._fd, n)
-
-    def send(self, data):
-        return os.write(self._fd, data)
-
-    def close(self):
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 def self_pipe_without_af_unix():
     """asyncio's loop wakes itself through socket.socketpair(), which needs
     AF_UNIX; the bench kernel, like the test kernel, has no networking.
-    There a pipe stands in for it."""
-    try:
-        a, b = socket.socketpair()
-        a.close()
-        b.close()
-    except OSError:
-        def pipe_pair(*_args, **_kwargs):
-            r, w = os.pipe()
-            return _PipeEnd(r), _PipeEnd(w)
-
+    There a pipe stands in for it (selfpipe.py, shipped next to this file
+    from python/tests)."""
+    if not socketpair_works():
         socket.socketpair = pipe_pair
 
 
