@@ -171,11 +171,6 @@ pub fn to_py(e: tdrv::Error) -> PyErr {
     }
 }
 
-/// `to_py` for the `sys` layer's errors.
-pub fn sys_to_py(e: SysError) -> PyErr {
-    to_py(e.into())
-}
-
 /// `tdrv.Error` and every subclass, for the module.
 pub fn register(m: &Bound<'_, pyo3::types::PyModule>) -> PyResult<()> {
     let py = m.py();

@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PySlice, PyTuple};
 
 use crate::dtype::DType;
-use crate::errors::{sys_to_py, to_py};
+use crate::errors::to_py;
 use crate::guard::Guard;
 
 type TResult<T> = tdrv::Result<T>;
@@ -216,7 +216,7 @@ impl PyDevice {
     #[new]
     #[pyo3(signature = (path = "/dev/tdrv0"))]
     fn new(py: Python<'_>, path: &str) -> PyResult<Self> {
-        let dev = py.detach(|| tdrv::Device::open(path)).map_err(sys_to_py)?;
+        let dev = py.detach(|| tdrv::Device::open(path)).map_err(to_py)?;
         Ok(PyDevice { dev })
     }
 
@@ -287,10 +287,7 @@ fn target_device(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Arc<tdrv:
         return Ok(Some(d.get().dev.clone()));
     }
     if let Ok(p) = d.extract::<String>() {
-        let dev = d
-            .py()
-            .detach(|| tdrv::Device::open(&p))
-            .map_err(sys_to_py)?;
+        let dev = d.py().detach(|| tdrv::Device::open(&p)).map_err(to_py)?;
         return Ok(Some(dev));
     }
     Err(PyTypeError::new_err(
@@ -799,7 +796,7 @@ impl PyTensor {
         if copy == Some(true) || !versioned {
             idle_before(py, &self.t, tdrv::Access::Read)?;
             let bytes = py.detach(|| self.t.to_vec()).map_err(to_py)?;
-            let c = tdrv::Tensor::from_vec(bytes).map_err(to_py)?;
+            let c = tdrv::Tensor::from_vec(bytes).map_err(to_py)?.into_tensor();
             let guard = Arc::new(Guard::new(&c, true, None).map_err(to_py)?);
             return dlpack::export(py, guard, self.dtype, &self.shape, versioned, true);
         }
@@ -1072,17 +1069,14 @@ impl PyJobHandle {
     /// For the asyncio glue: asks for the job's completion event, tagged
     /// with `key`.
     fn _notify(&self, key: u64) -> PyResult<()> {
-        self.h
-            .device()
-            .job_notify(self.h.id(), key)
-            .map_err(sys_to_py)
+        self.h.device().job_notify(self.h.id(), key).map_err(to_py)
     }
 
     /// For the asyncio glue: the device file's ready events, as
     /// `(job_id, key, errno)` tuples (errno 0 for success); never blocks.
     fn _read_events(&self) -> PyResult<Vec<(u64, u64, i32)>> {
         let mut evs = Vec::new();
-        self.h.device().read_events(&mut evs).map_err(sys_to_py)?;
+        self.h.device().read_events(&mut evs).map_err(to_py)?;
         Ok(evs
             .into_iter()
             .map(|e| {

@@ -33,6 +33,11 @@ pub mod hdr {
     pub const SIM_PEER_ID: usize = 0x38;
     /// u32 1 once the header is valid, written last.
     pub const READY: usize = 0x3C;
+    /// u32 drv: non-zero stops the device's DMA as a whole (the driver's
+    /// bus mastering off): each queue discards what is pending, moves no
+    /// more bytes and says so in its `DMA_OFF`, whatever state it is in
+    /// (also hung). 0 lets the queues run again.
+    pub const DMA_STOP: usize = 0x40;
     /// u32 inject[q] at INJECT + 4 * q.
     pub const INJECT: usize = 0x100;
 }
@@ -51,6 +56,10 @@ pub mod qb {
     pub const RESET: usize = 0x10;
     /// u32 sim: 0 idle, 1 busy, 2 stalled.
     pub const STATUS: usize = 0x14;
+    /// u32 sim: 1 once the queue saw the header's `DMA_STOP` between two
+    /// descriptors (nothing of it moves bytes from then on), 0 once it
+    /// saw it cleared.
+    pub const DMA_OFF: usize = 0x18;
     /// The descriptor ring.
     pub const DESC: usize = 0x1000;
     /// The completion ring.

@@ -134,6 +134,9 @@ pub struct Engine {
     hung: bool,
     /// RESUME: executing what was pending before answering a reset.
     draining: bool,
+    /// The header's `DMA_STOP` was set when the queue last looked: it
+    /// executes nothing.
+    dma_off: bool,
     /// Bytes per second the engine copies at most (None: as fast as the
     /// host copies).
     rate: Option<u64>,
@@ -160,6 +163,7 @@ impl Engine {
             stalled: false,
             hung: false,
             draining: false,
+            dma_off: false,
             rate: None,
             log: crate::log::stderr(),
         };
@@ -201,6 +205,20 @@ impl Engine {
     /// Handles a requested reset and takes a fault command; called on
     /// every wake and before each descriptor.
     pub fn poll_control(&mut self) {
+        // The bus side of the engine: it obeys a DMA stop in every state,
+        // also hung, as a PCI device obeys bus mastering off.
+        let stop = self.mem.bar.u32(hdr::DMA_STOP).load(Acquire) != 0;
+        if stop != self.dma_off {
+            if stop {
+                // What is pending names memory the driver is about to
+                // free: it never runs, and no completion says otherwise.
+                self.sq_head = self.field(qb::SQ_TAIL).load(Acquire);
+                self.field(qb::SQ_HEAD).store(self.sq_head, Release);
+            }
+            self.dma_off = stop;
+            // Release: after the discarded descriptors' head.
+            self.field(qb::DMA_OFF).store(u32::from(stop), Release);
+        }
         // A hung queue, and one still executing what it had when it
         // resumed, leaves a reset request pending.
         if !self.hung && !self.draining && self.field(qb::RESET).load(Acquire) != 0 {
@@ -298,7 +316,7 @@ impl Engine {
                 return done;
             }
             self.poll_control();
-            if self.stalled {
+            if self.stalled || self.dma_off {
                 return done;
             }
             // Acquire: the descriptors up to sq_tail were written before it.
@@ -752,6 +770,80 @@ mod tests {
         drv.post(h2d(3, 1));
         assert_eq!(e.service(&irqs), 1);
         assert_eq!(drv.reap(), vec![(3, 0, 1)]);
+    }
+
+    fn set_dma_stop(drv: &Drv, on: bool) {
+        drv.mem.bar.u32(hdr::DMA_STOP).store(u32::from(on), Release);
+    }
+
+    #[test]
+    fn dma_stop_discards_what_is_pending_and_moves_nothing_until_cleared() {
+        let (drv, mut e, _) = Drv::new(16);
+        let irqs = Irqs::default();
+        let ram = drv.mem.ram.as_ref().unwrap();
+        ram.write_bytes(0, b"x");
+        // Device to host: a late write would change RAM byte 100.
+        let d2h = |id| Desc {
+            src: 0,
+            dst: 100,
+            id,
+            len: 1,
+            flags: FLAG_SRC_DEV | FLAG_IRQ,
+        };
+        drv.mem.bar.write_bytes(drv.l.hbm_offset, b"L");
+        drv.post(d2h(1));
+        drv.post(d2h(2));
+        set_dma_stop(&drv, true);
+        assert_eq!(e.service(&irqs), 0);
+        assert_eq!(drv.f(qb::DMA_OFF).load(Acquire), 1);
+        assert_eq!(drv.f(qb::SQ_HEAD).load(Acquire), 2, "pending discarded");
+        assert!(drv.reap().is_empty(), "no completion for discarded work");
+        // New work while stopped does not run either.
+        drv.post(d2h(3));
+        assert_eq!(e.service(&irqs), 0);
+        assert_eq!(ram.read_bytes(100, 1), b"\0");
+        assert_eq!(irqs.count(), 0);
+        // Cleared: the queue says so, and a reset restarts it.
+        set_dma_stop(&drv, false);
+        assert!(reset_answered(&drv, &mut e, &irqs));
+        assert_eq!(drv.f(qb::DMA_OFF).load(Acquire), 0);
+        drv.post(d2h(4));
+        assert_eq!(e.service(&irqs), 1);
+        assert_eq!(drv.reap(), vec![(4, 0, 1)]);
+        assert_eq!(ram.read_bytes(100, 1), b"L");
+    }
+
+    #[test]
+    fn hung_queue_obeys_dma_stop_and_runs_nothing_of_it_after_resume() {
+        let (drv, mut e, _) = Drv::new(16);
+        let irqs = Irqs::default();
+        let ram = drv.mem.ram.as_ref().unwrap();
+        drv.mem.bar.write_bytes(drv.l.hbm_offset, b"L");
+        drv.inject(inject::HANG);
+        drv.post(Desc {
+            src: 0,
+            dst: 100,
+            id: 1,
+            len: 1,
+            flags: FLAG_SRC_DEV | FLAG_IRQ,
+        });
+        assert_eq!(e.service(&irqs), 0);
+        // The driver gives up on the reset, then stops DMA: a hung queue
+        // acknowledges that.
+        drv.f(qb::RESET).store(1, Release);
+        set_dma_stop(&drv, true);
+        e.poll_control();
+        assert_eq!(drv.f(qb::DMA_OFF).load(Acquire), 1);
+        assert_eq!(drv.f(qb::RESET).load(Acquire), 1, "still deaf to the reset");
+        // It wakes up: the discarded descriptor never runs.
+        drv.inject(inject::RESUME);
+        assert_eq!(e.service(&irqs), 0);
+        assert_eq!(ram.read_bytes(100, 1), b"\0");
+        // A driver bound again clears the stop and resets the queue.
+        set_dma_stop(&drv, false);
+        assert!(reset_answered(&drv, &mut e, &irqs));
+        assert!(drv.reap().is_empty());
+        assert_eq!(ram.read_bytes(100, 1), b"\0");
     }
 
     /// Requests a reset and services the queue; true if it was answered.

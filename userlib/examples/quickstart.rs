@@ -16,8 +16,8 @@ fn main() -> Result<(), tdrv::Error> {
     let dst = Tensor::builder()
         .on(&dev)
         .name("output")
-        .zeroed(src.size())?;
-    Job::new().copy_all(&src, &dst)?.submit()?.wait()?;
+        .zeroed(src.tensor().size())?;
+    Job::new().copy_all(src.tensor(), &dst)?.submit()?.wait()?;
     let out: Vec<f32> = dst.to_vec_of()?;
     assert!(out.iter().all(|x| *x == 1.5));
     println!("{path}: copied {} f32 values", out.len());

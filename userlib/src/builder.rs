@@ -25,6 +25,8 @@ enum Target {
 /// use tdrv::Tensor;
 ///
 /// let t = Tensor::builder().name("weights").from_slice(&[0.5f32; 256])?;
+/// assert_eq!(t.len(), 256); // a TypedTensor<f32>: 256 elements
+/// let t = t.into_tensor(); // the untyped view: bytes
 /// assert_eq!((t.name(), t.size()), ("weights", 1024));
 /// let z = Tensor::builder().zeroed(64)?;
 /// assert_eq!(z.to_vec()?, [0; 64]);
@@ -102,12 +104,15 @@ impl TensorBuilder {
         self.zeroed(size)?.typed()
     }
 
-    /// Allocates room for `data` and writes it.
-    pub fn from_slice<T: bytemuck::Pod>(self, data: &[T]) -> Result<Tensor> {
+    /// Allocates room for `data` and writes it, as a [`TypedTensor`] of
+    /// `data.len()` elements (like [`TensorBuilder::zeros`]);
+    /// [`TypedTensor::tensor`] or [`TypedTensor::into_tensor`] gives the
+    /// untyped [`Tensor`].
+    pub fn from_slice<T: bytemuck::Pod>(self, data: &[T]) -> Result<TypedTensor<T>> {
         let bytes: &[u8] = bytemuck::cast_slice(data);
         let t = self.zeroed(bytes.len())?;
         t.write(0, bytes)?;
-        Ok(t)
+        t.typed()
     }
 }
 
@@ -139,22 +144,28 @@ impl Tensor {
     }
 
     /// A host tensor holding a copy of `data` (`Malloc` storage, aligned to
-    /// [`crate::HOST_ALIGN`]).
+    /// [`crate::HOST_ALIGN`]), as a [`TypedTensor`] of `data.len()`
+    /// elements, like [`Tensor::zeros`]. [`TypedTensor::tensor`] borrows
+    /// the untyped [`Tensor`], [`TypedTensor::into_tensor`] (or `.into()`)
+    /// gives it.
     ///
     /// ```
     /// let t = tdrv::Tensor::from_slice(&[1u16, 2, 3])?;
-    /// assert_eq!(t.to_vec_of::<u16>()?, [1, 2, 3]);
+    /// assert_eq!((t.len(), t.to_vec()?), (3, vec![1, 2, 3]));
+    /// let bytes: tdrv::Tensor = t.into_tensor();
+    /// assert_eq!(bytes.size(), 6);
     /// # Ok::<(), tdrv::Error>(())
     /// ```
-    pub fn from_slice<T: bytemuck::Pod>(data: &[T]) -> Result<Tensor> {
+    pub fn from_slice<T: bytemuck::Pod>(data: &[T]) -> Result<TypedTensor<T>> {
         Self::builder().from_slice(data)
     }
 
-    /// A host tensor holding the elements of `data`. They are copied into
-    /// aligned storage, which the tensor layer's fences and accessors
-    /// manage (a `Vec`'s own allocation cannot be adopted: its alignment
-    /// and allocator are the vector's).
-    pub fn from_vec<T: bytemuck::Pod>(data: Vec<T>) -> Result<Tensor> {
+    /// A host tensor holding the elements of `data`, as a [`TypedTensor`]
+    /// ([`Tensor::from_slice`]). They are copied into aligned storage,
+    /// which the tensor layer's fences and accessors manage (a `Vec`'s own
+    /// allocation cannot be adopted: its alignment and allocator are the
+    /// vector's).
+    pub fn from_vec<T: bytemuck::Pod>(data: Vec<T>) -> Result<TypedTensor<T>> {
         Self::from_slice(&data)
     }
 
@@ -163,7 +174,7 @@ impl Tensor {
     /// an empty or inverted range past the end is an error, not a panic.
     ///
     /// ```
-    /// let t = tdrv::Tensor::from_slice(&[0u8, 1, 2, 3, 4, 5, 6, 7])?;
+    /// let t = tdrv::Tensor::from_slice(&[0u8, 1, 2, 3, 4, 5, 6, 7])?.into_tensor();
     /// assert_eq!(t.slice_range(2..5)?.to_vec()?, [2, 3, 4]);
     /// assert_eq!(t.slice_range(6..)?.to_vec()?, [6, 7]);
     /// assert!(t.slice_range(4..9).is_err());
@@ -242,7 +253,7 @@ mod tests {
 
     #[test]
     fn typed_io_round_trips_and_refuses_partial_elements() {
-        let t = Tensor::from_vec(vec![1u32, 2, 3]).unwrap();
+        let t = Tensor::from_vec(vec![1u32, 2, 3]).unwrap().into_tensor();
         assert_eq!(t.size(), 12);
         assert_eq!(t.to_vec_of::<u32>().unwrap(), [1, 2, 3]);
         let h = [half::bf16::from_f32(1.0), half::bf16::from_f32(-2.0)];
@@ -271,6 +282,8 @@ mod tests {
             .name("b")
             .from_slice(&[[1u8, 2]; 3])
             .unwrap();
+        assert_eq!(b.len(), 3, "three [u8; 2] elements");
+        let b = b.into_tensor();
         assert_eq!(
             (b.name(), b.to_vec().unwrap()),
             ("b", vec![1, 2, 1, 2, 1, 2])

@@ -5,6 +5,10 @@
 //! - time-outs in microseconds (0 polls, negative waits without limit):
 //!   [`timeout_from_us`] and the `*_us` methods of [`TensorCompat`];
 //! - `tensor_get_reference`: [`TensorCompat::get_reference`] (a `clone`);
+//! - the seed's asynchronous-access marks of host storage
+//!   (`tensor_async_update`): [`TensorCompat::mark_async_start`] and
+//!   [`TensorCompat::mark_async_finish`] (the main API has jobs, which the
+//!   kernel tracks, and [`Tensor::pending_async`] to ask);
 //! - the seed's accessor-era names: [`TensorBase32`], the `neuron_memcpy`
 //!   family ([`neuron_memcpy_from_tensor`], ...).
 
@@ -30,6 +34,17 @@ pub trait TensorCompat {
 
     /// [`Tensor::wait_device_idle`] with a time-out in microseconds.
     fn wait_device_idle_us(&self, access: Access, timeout_us: i64) -> Result<()>;
+
+    /// Marks a device access of the storage as started (the seed's
+    /// `tensor_async_update(.., release = false)`). Host storages only: the
+    /// kernel tracks `Dma` buffers itself (`Unsupported` on one).
+    fn mark_async_start(&self, access: Access) -> Result<()>;
+
+    /// Marks a device access as finished (`tensor_async_update(..,
+    /// release = true)`); waiters wake when the counter reaches zero.
+    /// Finishing more accesses than were started is `InvalidArgument`
+    /// (the counter never wraps).
+    fn mark_async_finish(&self, access: Access) -> Result<()>;
 }
 
 impl TensorCompat for Tensor {
@@ -43,6 +58,14 @@ impl TensorCompat for Tensor {
 
     fn wait_device_idle_us(&self, access: Access, timeout_us: i64) -> Result<()> {
         self.wait_device_idle(access, timeout_from_us(timeout_us))
+    }
+
+    fn mark_async_start(&self, access: Access) -> Result<()> {
+        self.async_mark_start(access)
+    }
+
+    fn mark_async_finish(&self, access: Access) -> Result<()> {
+        self.async_mark_finish(access)
     }
 }
 

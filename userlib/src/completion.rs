@@ -73,10 +73,8 @@ impl Tensor {
         crate::io::latch_error(op, self.name(), b, e)
     }
 
-    /// Marks a device access of the storage as started (the seed's
-    /// `tensor_async_update(.., release = false)`). Host storages only: the
-    /// kernel tracks `Dma` buffers itself.
-    pub fn mark_async_start(&self, access: Access) -> Result<()> {
+    /// [`crate::compat::TensorCompat::mark_async_start`].
+    pub(crate) fn async_mark_start(&self, access: Access) -> Result<()> {
         let st = self.storage_for("mark_async_start")?;
         if st.dma().is_some() {
             return Err(Error::Unsupported {
@@ -88,10 +86,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// Marks a device access as finished; waiters wake when the counter
-    /// reaches zero. Finishing more accesses than were started is an error
-    /// (the counter never wraps).
-    pub fn mark_async_finish(&self, access: Access) -> Result<()> {
+    /// [`crate::compat::TensorCompat::mark_async_finish`].
+    pub(crate) fn async_mark_finish(&self, access: Access) -> Result<()> {
         let st = self.storage_for("mark_async_finish")?;
         if st.dma().is_some() {
             return Err(Error::Unsupported {
@@ -150,7 +146,7 @@ impl Tensor {
                 loop {
                     match b
                         .device
-                        .fence_wait(b.handle, kind, deadline.remaining_us(None))
+                        .fence_wait_sys(b.handle, kind, deadline.remaining_us(None))
                     {
                         Ok(()) => return Ok(()),
                         Err(SysError::Interrupted { .. }) if !deadline.expired() => continue,
@@ -206,7 +202,7 @@ impl Tensor {
         loop {
             match b
                 .device
-                .completion_wait(b.handle, target, deadline.remaining_us(cap))
+                .completion_wait_sys(b.handle, target, deadline.remaining_us(cap))
             {
                 Ok(_) => return Ok(()),
                 Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {

@@ -802,6 +802,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use crate::compat::TensorCompat;
     use crate::io::{Fencing, ReadOp, WriteOp};
     use crate::job::Job;
     use crate::storage::StorageKind;
@@ -888,7 +889,7 @@ mod tests {
         let mut back = [0u8; 32];
         t.read(4, &mut back).unwrap();
         assert_eq!(back[..], pattern(32, 3)[..]);
-        let h = Tensor::from_slice(&[5u8; 16]).unwrap();
+        let h = Tensor::from_slice(&[5u8; 16]).unwrap().into_tensor();
         Tensor::copy(&h, 0, &t, 40, 16).unwrap();
         Tensor::copy(&t, 36, &h, 0, 8).unwrap();
         assert_eq!(h.to_vec().unwrap()[..8], [0, 0, 0, 0, 5, 5, 5, 5]);

@@ -128,7 +128,7 @@ fn dma_fence_until(
         Fencing::Skip => match b.device.buf_info(b.handle) {
             Ok(info) if info.error != 0 => Err(Error::Sys(SysError::from_errno(op, libc::EIO))),
             Ok(_) => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(e),
         },
     };
     match r {
@@ -190,7 +190,7 @@ unsafe fn copy_in_latched(
         ptr::copy(src, tmp.as_mut_ptr(), len);
         tmp.set_len(len);
     }
-    Ok(b.device.copy_in(b.handle, abs as u64, &tmp)?)
+    b.device.copy_in(b.handle, abs as u64, &tmp)
 }
 
 /// Holds host spans (`hold`) once the device accesses that `quiet` waits
@@ -488,7 +488,7 @@ impl Tensor {
     /// ```
     /// use tdrv::Tensor;
     ///
-    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?;
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])?.into_tensor();
     /// let mut two = [0f32; 2];
     /// t.read_into(8, &mut two)?; // bytes 8..16: elements 2 and 3
     /// assert_eq!(two, [3.0, 4.0]);
@@ -670,7 +670,7 @@ impl Tensor {
                     |_| acquire_pair(ss, &src_span, ds, &dst_span, &both).map(Some),
                 )?;
                 a.device
-                    .copy(&tdrv_copy_desc {
+                    .copy_sys(&tdrv_copy_desc {
                         src_handle: a.handle,
                         src_offset: sa as u64,
                         dst_handle: b.handle,
@@ -778,7 +778,7 @@ fn host_copy(
             let mut tmp = try_vec(size)?;
             tmp.resize(size, 0);
             a.device
-                .copy_out(a.handle, sa as u64, &mut tmp)
+                .copy_out_sys(a.handle, sa as u64, &mut tmp)
                 .map_err(|e| latch_error(OP, src.name(), a, e))?;
             Ok(b.device.copy_in(b.handle, da as u64, &tmp)?)
         }

@@ -319,7 +319,7 @@ impl JobHandle {
 
     /// The job's state now; a failed job is [`Error::JobFailed`].
     pub fn poll(&self) -> Result<JobState> {
-        match self.device.job_wait(self.id, 0) {
+        match self.device.job_wait_sys(self.id, 0) {
             Ok(s) => self.state(s),
             Err(SysError::TimedOut { .. }) => Ok(JobState::Pending),
             Err(e) => Err(self.wait_error(e)),
@@ -377,7 +377,9 @@ impl JobHandle {
         // interval, so a job that never ends is logged rather than silent.
         let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
-            let r = self.device.job_wait(self.id, deadline.remaining_us(cap));
+            let r = self
+                .device
+                .job_wait_sys(self.id, deadline.remaining_us(cap));
             match r {
                 Ok(s) => match self.state(s)? {
                     JobState::Done => return Ok(()),
@@ -499,7 +501,7 @@ impl JobHandle {
             .name("tdrv-job-wait".into())
             .spawn(move || {
                 // Ends when the job does (or the device goes: ENODEV).
-                while let Err(SysError::Interrupted { .. }) = device.job_wait(id, -1) {}
+                while let Err(SysError::Interrupted { .. }) = device.job_wait_sys(id, -1) {}
                 let waker = s.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some(w) = waker {
                     w.wake();

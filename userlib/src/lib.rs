@@ -10,7 +10,7 @@
 //! # /*
 //! let dev = Device::open("/dev/tdrv0")?;
 //! # */
-//! let src = Tensor::builder().on(&dev).from_slice(&[1.5f32; 1024])?;
+//! let src = Tensor::builder().on(&dev).from_slice(&[1.5f32; 1024])?.into_tensor();
 //! let dst = Tensor::builder().on(&dev).zeroed(src.size())?;
 //! Job::new().copy_all(&src, &dst)?.submit()?.wait()?;
 //! let out: Vec<f32> = dst.to_vec_of()?;

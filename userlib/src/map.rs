@@ -184,7 +184,7 @@ impl Tensor {
     /// ```
     /// use tdrv::Tensor;
     ///
-    /// let t = Tensor::from_slice(&[1u8, 2, 3, 4, 5])?;
+    /// let t = Tensor::from_slice(&[1u8, 2, 3, 4, 5])?.into_tensor();
     /// {
     ///     let bytes = t.map_read(1..4)?;
     ///     assert_eq!(&*bytes, [2, 3, 4]);
@@ -387,7 +387,7 @@ impl Tensor {
     /// view (a quiet clone) rather than borrowing `self`.
     ///
     /// ```
-    /// let t = tdrv::Tensor::from_slice(&[1u8, 2, 3])?;
+    /// let t = tdrv::Tensor::from_slice(&[1u8, 2, 3])?.into_tensor();
     /// let bytes = t.map_read_owned(1..)?;
     /// drop(t); // the guard keeps the view and its storage alive
     /// assert_eq!(&*bytes, [2, 3]);
@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn guards_exclude_conflicting_host_access_without_waiting() {
-        let t = Tensor::from_slice(&[0u8; 64]).unwrap();
+        let t = Tensor::from_slice(&[0u8; 64]).unwrap().into_tensor();
         let other = t.clone();
         let mut third = t.clone();
         let s = t.slice(32, 32, None).unwrap();
@@ -468,7 +468,7 @@ mod tests {
 
     #[test]
     fn owned_guards_outlive_their_handle_and_keep_excluding() {
-        let t = Tensor::from_slice(&[3u8; 32]).unwrap();
+        let t = Tensor::from_slice(&[3u8; 32]).unwrap().into_tensor();
         let keep = t.clone();
         let mut w = t.map_write_owned(8..16).unwrap();
         drop(t);
@@ -497,7 +497,7 @@ mod tests {
 
     #[test]
     fn a_guard_and_a_writer_thread_never_race() {
-        let t = Tensor::from_slice(&[0u32; 16]).unwrap();
+        let t = Tensor::from_slice(&[0u32; 16]).unwrap().into_tensor();
         let writer = {
             let t = t.clone();
             std::thread::spawn(move || {
@@ -536,7 +536,9 @@ mod tests {
             size: 1,
         };
         let pin = dev.pin(7).unwrap();
-        let pinned = |r: Result<(), SysError>| matches!(r, Err(SysError::Pinned { .. }));
+        let pinned = |r: Result<(), crate::Error>| {
+            matches!(r, Err(crate::Error::Sys(SysError::Pinned { .. })))
+        };
         assert!(pinned(dev.copy_in(7, 0, &[1])));
         assert!(pinned(dev.memset(7, 0, 1, 0)));
         assert!(pinned(dev.copy(&desc(7))));
@@ -545,12 +547,12 @@ mod tests {
         // (here /dev/null: ENOTTY).
         assert!(matches!(
             dev.copy_in(8, 0, &[1]),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
         let mut b = [0];
         assert!(matches!(
             dev.copy_out(7, 0, &mut b),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
         let pin2 = dev.pin(7).unwrap();
         drop(pin);
@@ -558,7 +560,7 @@ mod tests {
         drop(pin2);
         assert!(matches!(
             dev.memset(7, 0, 1, 0),
-            Err(SysError::NotTdrv { .. })
+            Err(crate::Error::Sys(SysError::NotTdrv { .. }))
         ));
     }
 }

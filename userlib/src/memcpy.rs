@@ -645,7 +645,7 @@ fn hold_both<'a>(
 /// every heartbeat interval while it runs.
 fn wait_job(device: &Device, id: u64) -> Result<()> {
     loop {
-        match device.job_wait(id, Deadline::Never.remaining_us(Some(heartbeat_interval()))) {
+        match device.job_wait_sys(id, Deadline::Never.remaining_us(Some(heartbeat_interval()))) {
             Ok(JobStatus::Done) => return Ok(()),
             Ok(JobStatus::Failed(errno)) => return Err(Error::JobFailed { job_id: id, errno }),
             Ok(JobStatus::Pending) | Err(SysError::TimedOut { .. }) => {

@@ -147,7 +147,7 @@ impl DmaBuffer {
         loop {
             match self
                 .device
-                .fence_wait(self.handle, kind, deadline.remaining_us(cap))
+                .fence_wait_sys(self.handle, kind, deadline.remaining_us(cap))
             {
                 Ok(()) => return Ok(true),
                 Err(SysError::TimedOut { .. }) if matches!(deadline, Deadline::Never) => {
@@ -289,7 +289,7 @@ impl Storage {
             )));
         }
         let a = device
-            .alloc(size as u64, channel)
+            .alloc_sys(size as u64, channel)
             .map_err(|source| match source {
                 // Out of room: say where and how much (other errors are
                 // argument errors, reported as the driver's).

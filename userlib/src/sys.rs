@@ -5,6 +5,13 @@
 //! a [`SysError`], built from errno in one place ([`SysError::from_errno`]).
 //! Nothing here knows about tensors: this is the layer the tensor code (and
 //! tests that poke the driver directly) are built on.
+//!
+//! The crate has one error type at its surface: the public methods of
+//! [`Device`] return [`crate::Error`], whose [`crate::Error::Sys`] variant
+//! carries the `SysError` (match on it, or ask
+//! [`crate::Error::raw_os_error`] for the errno). The crate itself calls the
+//! `*_sys` twins, which keep the `SysError`, where it branches on the errno
+//! (a time-out, an interrupted wait).
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
@@ -340,7 +347,7 @@ pub struct JobEvent {
 ///     }
 ///     Err(e) => eprintln!("no tdrv device here: {e}"),
 /// }
-/// # Ok::<(), tdrv::SysError>(())
+/// # Ok::<(), tdrv::Error>(())
 /// ```
 #[derive(Debug)]
 pub struct Device {
@@ -506,7 +513,12 @@ impl Device {
     }
 
     /// Opens a device node and checks its ABI version.
-    pub fn open(path: impl AsRef<Path>) -> Result<Arc<Device>, SysError> {
+    pub fn open(path: impl AsRef<Path>) -> crate::Result<Arc<Device>> {
+        Ok(Self::open_sys(path)?)
+    }
+
+    /// [`Device::open`] with the sys layer's error.
+    pub(crate) fn open_sys(path: impl AsRef<Path>) -> Result<Arc<Device>, SysError> {
         let path = path.as_ref().to_path_buf();
         let cpath = CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::Open {
             path: path.clone(),
@@ -544,7 +556,7 @@ impl Device {
             return Err(SysError::last("fstat"));
         }
         dev.rdev = st.st_rdev;
-        dev.version = dev.version()?;
+        dev.version = dev.version_sys()?;
         if dev.version.abi_major != uapi::TDRV_ABI_MAJOR {
             return Err(SysError::AbiMismatch {
                 path: dev.path,
@@ -581,8 +593,13 @@ impl Device {
     }
 
     /// Opens every device node of [`Device::enumerate`].
-    pub fn open_all() -> Result<Vec<Arc<Device>>, SysError> {
-        Self::enumerate().into_iter().map(Self::open).collect()
+    pub fn open_all() -> crate::Result<Vec<Arc<Device>>> {
+        Ok(Self::open_all_sys()?)
+    }
+
+    /// [`Device::open_all`] with the sys layer's error.
+    pub(crate) fn open_all_sys() -> Result<Vec<Arc<Device>>, SysError> {
+        Self::enumerate().into_iter().map(Self::open_sys).collect()
     }
 
     /// The node this device was opened from.
@@ -640,7 +657,12 @@ impl Device {
     /// yours). Events belong to the open file, so two readers would take
     /// each other's: for a stream of your own beside awaited handles, open
     /// the device again.
-    pub fn claim_events(&self) -> Result<(), SysError> {
+    pub fn claim_events(&self) -> crate::Result<()> {
+        Ok(self.claim_events_sys()?)
+    }
+
+    /// [`Device::claim_events`] with the sys layer's error.
+    pub(crate) fn claim_events_sys(&self) -> Result<(), SysError> {
         self.claim_events_for("claim events", EVENTS_MANUAL)
     }
 
@@ -681,7 +703,12 @@ impl Device {
     /// 4096 jobs), `NoSpace` (65,536 events asked for and not yet read),
     /// `EventsBusy` (the library's reactor reads this file's events, or
     /// this is a child after `fork`: see [`Device::claim_events`]).
-    pub fn job_notify(&self, job_id: u64, user_data: u64) -> Result<(), SysError> {
+    pub fn job_notify(&self, job_id: u64, user_data: u64) -> crate::Result<()> {
+        Ok(self.job_notify_sys(job_id, user_data)?)
+    }
+
+    /// [`Device::job_notify`] with the sys layer's error.
+    pub(crate) fn job_notify_sys(&self, job_id: u64, user_data: u64) -> Result<(), SysError> {
         self.claim_events_for("JOB_NOTIFY", EVENTS_MANUAL)?;
         self.notify_unclaimed(job_id, user_data)
     }
@@ -702,13 +729,27 @@ impl Device {
     /// a `Device` has one reader, the first to ask ([`Device::claim_events`]):
     /// `EventsBusy` when the library's reactor reads them for awaited job
     /// handles, or in a child after `fork`. See `userlib/DESIGN.md`.
-    pub fn read_events(&self, out: &mut Vec<JobEvent>) -> Result<usize, SysError> {
-        self.read_events_max(out, usize::MAX)
+    pub fn read_events(&self, out: &mut Vec<JobEvent>) -> crate::Result<usize> {
+        Ok(self.read_events_sys(out)?)
+    }
+
+    /// [`Device::read_events`] with the sys layer's error.
+    pub(crate) fn read_events_sys(&self, out: &mut Vec<JobEvent>) -> Result<usize, SysError> {
+        self.read_events_max_sys(out, usize::MAX)
     }
 
     /// [`Device::read_events`], reading at most `max` events; the others
     /// stay queued for the next call.
-    pub fn read_events_max(&self, out: &mut Vec<JobEvent>, max: usize) -> Result<usize, SysError> {
+    pub fn read_events_max(&self, out: &mut Vec<JobEvent>, max: usize) -> crate::Result<usize> {
+        Ok(self.read_events_max_sys(out, max)?)
+    }
+
+    /// [`Device::read_events_max`] with the sys layer's error.
+    pub(crate) fn read_events_max_sys(
+        &self,
+        out: &mut Vec<JobEvent>,
+        max: usize,
+    ) -> Result<usize, SysError> {
         self.claim_events_for("read events", EVENTS_MANUAL)?;
         self.read_events_unclaimed(out, max)
     }
@@ -816,14 +857,24 @@ impl Device {
     }
 
     /// `TDRV_IOC_VERSION`: ABI version, features and device description.
-    pub fn version(&self) -> Result<tdrv_version, SysError> {
+    pub fn version(&self) -> crate::Result<tdrv_version> {
+        Ok(self.version_sys()?)
+    }
+
+    /// [`Device::version`] with the sys layer's error.
+    pub(crate) fn version_sys(&self) -> Result<tdrv_version, SysError> {
         let mut v = tdrv_version::default();
         self.ioctl("VERSION", uapi::TDRV_IOC_VERSION, &mut v, true)?;
         Ok(v)
     }
 
     /// `TDRV_IOC_CHANNEL_INFO`: memory accounting of one HBM channel.
-    pub fn channel_info(&self, channel: u32) -> Result<tdrv_channel_info, SysError> {
+    pub fn channel_info(&self, channel: u32) -> crate::Result<tdrv_channel_info> {
+        Ok(self.channel_info_sys(channel)?)
+    }
+
+    /// [`Device::channel_info`] with the sys layer's error.
+    pub(crate) fn channel_info_sys(&self, channel: u32) -> Result<tdrv_channel_info, SysError> {
         let mut info = tdrv_channel_info {
             channel,
             ..Default::default()
@@ -833,7 +884,12 @@ impl Device {
     }
 
     /// `TDRV_IOC_ALLOC`: a zeroed buffer of `size` bytes on `channel`.
-    pub fn alloc(&self, size: u64, channel: u32) -> Result<tdrv_alloc, SysError> {
+    pub fn alloc(&self, size: u64, channel: u32) -> crate::Result<tdrv_alloc> {
+        Ok(self.alloc_sys(size, channel)?)
+    }
+
+    /// [`Device::alloc`] with the sys layer's error.
+    pub(crate) fn alloc_sys(&self, size: u64, channel: u32) -> Result<tdrv_alloc, SysError> {
         let mut a = tdrv_alloc {
             size,
             channel,
@@ -844,7 +900,12 @@ impl Device {
     }
 
     /// `TDRV_IOC_FREE`: drops a buffer handle.
-    pub fn free(&self, handle: u64) -> Result<(), SysError> {
+    pub fn free(&self, handle: u64) -> crate::Result<()> {
+        Ok(self.free_sys(handle)?)
+    }
+
+    /// [`Device::free`] with the sys layer's error.
+    pub(crate) fn free_sys(&self, handle: u64) -> Result<(), SysError> {
         let mut f = uapi::tdrv_free {
             handle,
             reserved: 0,
@@ -862,7 +923,12 @@ impl Device {
     /// Inline: the cheapest query, polled in loops, costs little more than
     /// its system call, so the call frame around it is worth saving.
     #[inline]
-    pub fn buf_info(&self, handle: u64) -> Result<tdrv_buf_info, SysError> {
+    pub fn buf_info(&self, handle: u64) -> crate::Result<tdrv_buf_info> {
+        Ok(self.buf_info_sys(handle)?)
+    }
+
+    /// [`Device::buf_info`] with the sys layer's error.
+    pub(crate) fn buf_info_sys(&self, handle: u64) -> Result<tdrv_buf_info, SysError> {
         let mut info = tdrv_buf_info {
             handle,
             ..Default::default()
@@ -873,7 +939,12 @@ impl Device {
 
     /// `TDRV_IOC_COPY_IN`: copies `src` into the buffer at `offset`, after
     /// all pending device access to the buffer.
-    pub fn copy_in(&self, handle: u64, offset: u64, src: &[u8]) -> Result<(), SysError> {
+    pub fn copy_in(&self, handle: u64, offset: u64, src: &[u8]) -> crate::Result<()> {
+        Ok(self.copy_in_sys(handle, offset, src)?)
+    }
+
+    /// [`Device::copy_in`] with the sys layer's error.
+    pub(crate) fn copy_in_sys(&self, handle: u64, offset: u64, src: &[u8]) -> Result<(), SysError> {
         // SAFETY: `src` is borrowed, so valid and unchanged, for the call.
         unsafe { self.copy_in_raw(handle, offset, src.as_ptr(), src.len()) }
     }
@@ -905,7 +976,17 @@ impl Device {
 
     /// `TDRV_IOC_COPY_OUT`: copies the buffer at `offset` into `dst`, after
     /// pending device writes to the buffer.
-    pub fn copy_out(&self, handle: u64, offset: u64, dst: &mut [u8]) -> Result<(), SysError> {
+    pub fn copy_out(&self, handle: u64, offset: u64, dst: &mut [u8]) -> crate::Result<()> {
+        Ok(self.copy_out_sys(handle, offset, dst)?)
+    }
+
+    /// [`Device::copy_out`] with the sys layer's error.
+    pub(crate) fn copy_out_sys(
+        &self,
+        handle: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), SysError> {
         // SAFETY: `dst` is exclusively borrowed for the whole call, so the
         // kernel's writes race with nothing.
         unsafe { self.copy_out_raw(handle, offset, dst.as_mut_ptr(), dst.len()) }
@@ -935,7 +1016,18 @@ impl Device {
     }
 
     /// `TDRV_IOC_MEMSET`: fills `size` bytes at `offset` with `value`.
-    pub fn memset(&self, handle: u64, offset: u64, size: u64, value: u8) -> Result<(), SysError> {
+    pub fn memset(&self, handle: u64, offset: u64, size: u64, value: u8) -> crate::Result<()> {
+        Ok(self.memset_sys(handle, offset, size, value)?)
+    }
+
+    /// [`Device::memset`] with the sys layer's error.
+    pub(crate) fn memset_sys(
+        &self,
+        handle: u64,
+        offset: u64,
+        size: u64,
+        value: u8,
+    ) -> Result<(), SysError> {
         let mut m = uapi::tdrv_memset {
             handle,
             offset,
@@ -948,7 +1040,12 @@ impl Device {
     }
 
     /// `TDRV_IOC_COPY`: synchronous buffer-to-buffer copy (same channel).
-    pub fn copy(&self, desc: &tdrv_copy_desc) -> Result<(), SysError> {
+    pub fn copy(&self, desc: &tdrv_copy_desc) -> crate::Result<()> {
+        Ok(self.copy_sys(desc)?)
+    }
+
+    /// [`Device::copy`] with the sys layer's error.
+    pub(crate) fn copy_sys(&self, desc: &tdrv_copy_desc) -> Result<(), SysError> {
         let mut c = uapi::tdrv_copy {
             desc: *desc,
             reserved: [0; 2],
@@ -958,8 +1055,14 @@ impl Device {
     }
 
     /// `TDRV_IOC_SUBMIT`: queues an asynchronous copy job; returns its id.
-    pub fn submit(&self, descs: &[tdrv_copy_desc]) -> Result<u64, SysError> {
-        self.submit_with_fences(descs, &[], false).map(|(id, _)| id)
+    pub fn submit(&self, descs: &[tdrv_copy_desc]) -> crate::Result<u64> {
+        Ok(self.submit_sys(descs)?)
+    }
+
+    /// [`Device::submit`] with the sys layer's error.
+    pub(crate) fn submit_sys(&self, descs: &[tdrv_copy_desc]) -> Result<u64, SysError> {
+        self.submit_with_fences_sys(descs, &[], false)
+            .map(|(id, _)| id)
     }
 
     /// `TDRV_IOC_SUBMIT` with fence fds (ABI 1.2): the job starts only
@@ -969,6 +1072,16 @@ impl Device {
     /// job ends (its error is the job's). Fence fds on a kernel without
     /// them are [`SysError::FenceFdsUnsupported`].
     pub fn submit_with_fences(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[BorrowedFd<'_>],
+        out_fence: bool,
+    ) -> crate::Result<(u64, Option<OwnedFd>)> {
+        Ok(self.submit_with_fences_sys(descs, in_fences, out_fence)?)
+    }
+
+    /// [`Device::submit_with_fences`] with the sys layer's error.
+    pub(crate) fn submit_with_fences_sys(
         &self,
         descs: &[tdrv_copy_desc],
         in_fences: &[BorrowedFd<'_>],
@@ -1039,7 +1152,12 @@ impl Device {
     /// `TDRV_IOC_JOB_WAIT`: waits up to `timeout_us` (0 polls, < 0 forever)
     /// for a job of this file. A job still running after a positive timeout
     /// is `Ok(JobStatus::Pending)` or `Err(TimedOut)`, as the driver says.
-    pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> Result<JobStatus, SysError> {
+    pub fn job_wait(&self, job_id: u64, timeout_us: i64) -> crate::Result<JobStatus> {
+        Ok(self.job_wait_sys(job_id, timeout_us)?)
+    }
+
+    /// [`Device::job_wait`] with the sys layer's error.
+    pub(crate) fn job_wait_sys(&self, job_id: u64, timeout_us: i64) -> Result<JobStatus, SysError> {
         let mut w = tdrv_job_wait {
             job_id,
             timeout_us,
@@ -1055,7 +1173,12 @@ impl Device {
 
     /// `TDRV_IOC_FENCE_WAIT`: waits until the buffer has no pending device
     /// accesses of `kind`.
-    pub fn fence_wait(
+    pub fn fence_wait(&self, handle: u64, kind: FenceKind, timeout_us: i64) -> crate::Result<()> {
+        Ok(self.fence_wait_sys(handle, kind, timeout_us)?)
+    }
+
+    /// [`Device::fence_wait`] with the sys layer's error.
+    pub(crate) fn fence_wait_sys(
         &self,
         handle: u64,
         kind: FenceKind,
@@ -1073,6 +1196,16 @@ impl Device {
     /// `TDRV_IOC_COMPLETION_WAIT`: waits until the buffer's completion count
     /// is at least `expected`; returns the count.
     pub fn completion_wait(
+        &self,
+        handle: u64,
+        expected: u64,
+        timeout_us: i64,
+    ) -> crate::Result<u64> {
+        Ok(self.completion_wait_sys(handle, expected, timeout_us)?)
+    }
+
+    /// [`Device::completion_wait`] with the sys layer's error.
+    pub(crate) fn completion_wait_sys(
         &self,
         handle: u64,
         expected: u64,
@@ -1096,7 +1229,12 @@ impl Device {
     /// `TDRV_IOC_COMPLETION_RESET`: sets the buffer's completion count to 0.
     /// Every tensor view of the buffer then counts from 0 too (their
     /// baselines follow: see [`Device::completion_epoch`]).
-    pub fn completion_reset(&self, handle: u64) -> Result<(), SysError> {
+    pub fn completion_reset(&self, handle: u64) -> crate::Result<()> {
+        Ok(self.completion_reset_sys(handle)?)
+    }
+
+    /// [`Device::completion_reset`] with the sys layer's error.
+    pub(crate) fn completion_reset_sys(&self, handle: u64) -> Result<(), SysError> {
         let mut r = uapi::tdrv_completion_reset {
             handle,
             reserved: 0,
@@ -1203,7 +1341,12 @@ impl Device {
     /// buffer counts as shared ([`Device::is_shared`]); a buffer pinned by
     /// a mapping guard is refused with [`SysError::Pinned`], since whoever
     /// gets the dma-buf could write the bytes the guard lends.
-    pub fn export(&self, handle: u64) -> Result<OwnedFd, SysError> {
+    pub fn export(&self, handle: u64) -> crate::Result<OwnedFd> {
+        Ok(self.export_sys(handle)?)
+    }
+
+    /// [`Device::export`] with the sys layer's error.
+    pub(crate) fn export_sys(&self, handle: u64) -> Result<OwnedFd, SysError> {
         let mut e = uapi::tdrv_export {
             handle,
             ..Default::default()
@@ -1219,7 +1362,16 @@ impl Device {
     /// `TDRV_IOC_IMPORT` (ABI 1.2): a new handle in this file for the
     /// dma-buf `fd`. A tdrv export of this device resolves to its buffer;
     /// a foreign dma-buf is placed on `channel`.
-    pub fn import(&self, fd: BorrowedFd<'_>, channel: u32) -> Result<uapi::tdrv_import, SysError> {
+    pub fn import(&self, fd: BorrowedFd<'_>, channel: u32) -> crate::Result<uapi::tdrv_import> {
+        Ok(self.import_sys(fd, channel)?)
+    }
+
+    /// [`Device::import`] with the sys layer's error.
+    pub(crate) fn import_sys(
+        &self,
+        fd: BorrowedFd<'_>,
+        channel: u32,
+    ) -> Result<uapi::tdrv_import, SysError> {
         let mut i = uapi::tdrv_import {
             fd: fd.as_raw_fd(),
             channel,
@@ -1250,7 +1402,12 @@ impl Device {
 
     /// Maps a whole buffer: `mmap(NULL, round_up(size, page), PROT_READ |
     /// PROT_WRITE, MAP_SHARED, fd, mmap_offset)`.
-    pub fn map(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {
+    pub fn map(&self, mmap_offset: u64, size: u64) -> crate::Result<Mapping> {
+        Ok(self.map_sys(mmap_offset, size)?)
+    }
+
+    /// [`Device::map`] with the sys layer's error.
+    pub(crate) fn map_sys(&self, mmap_offset: u64, size: u64) -> Result<Mapping, SysError> {
         let len = round_up_to_page(size).ok_or(SysError::from_errno("mmap", libc::EINVAL))?;
         #[cfg(test)]
         if let Some(fake) = &self.fake {
@@ -1420,13 +1577,16 @@ mod tests {
     #[cfg_attr(miri, ignore = "ioctl(2) is not available under Miri")]
     fn open_errors_are_reported() {
         let err = Device::open("/nonexistent/tdrv0").unwrap_err();
-        assert_eq!(err.errno(), libc::ENOENT);
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
         // A regular file is not a tdrv device: VERSION fails with ENOTTY.
         let f = std::env::temp_dir().join(format!("tdrv-notdev-{}", std::process::id()));
         std::fs::write(&f, b"").unwrap();
         let err = Device::open(&f).unwrap_err();
         std::fs::remove_file(&f).unwrap();
-        assert!(matches!(err, SysError::NotTdrv { op: "VERSION" }), "{err}");
+        assert!(
+            matches!(err, crate::Error::Sys(SysError::NotTdrv { op: "VERSION" })),
+            "{err}"
+        );
     }
 
     #[test]

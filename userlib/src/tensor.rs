@@ -931,7 +931,7 @@ impl Tensor {
         storage.set_counted();
         // An import in this process resolves to this storage.
         storage.share()?;
-        Ok(b.device.export(b.handle)?)
+        b.device.export(b.handle)
     }
 
     /// A tensor over the dma-buf `fd` on `device` (`Dma` storage, the

@@ -17,7 +17,7 @@ use crate::tensor::Tensor;
 /// ```
 /// use tdrv::{Tensor, TypedTensor};
 ///
-/// let t: TypedTensor<f32> = Tensor::from_slice(&[0.0f32; 8])?.typed()?;
+/// let t: TypedTensor<f32> = Tensor::from_slice(&[0.0f32; 8])?;
 /// t.set(3, 1.5)?;
 /// assert_eq!(t.get(3)?, 1.5);
 /// let tail = t.slice(6..)?; // elements 6 and 7
@@ -71,6 +71,21 @@ impl Tensor {
             tensor: self.clone(),
             _elem: PhantomData,
         })
+    }
+}
+
+impl<T> From<TypedTensor<T>> for Tensor {
+    /// The untyped view ([`TypedTensor::into_tensor`]).
+    fn from(t: TypedTensor<T>) -> Tensor {
+        t.tensor
+    }
+}
+
+impl<T> TypedTensor<T> {
+    /// The untyped view, by value: the same bytes, with sizes and offsets
+    /// in bytes ([`TypedTensor::tensor`] borrows it).
+    pub fn into_tensor(self) -> Tensor {
+        self.tensor
     }
 }
 
@@ -213,7 +228,7 @@ mod tests {
 
     #[test]
     fn typed_views_count_and_check_in_elements() {
-        let t = Tensor::from_slice(&[0u16; 6]).unwrap();
+        let t = Tensor::from_slice(&[0u16; 6]).unwrap().into_tensor();
         let v = t.typed::<u16>().unwrap();
         assert_eq!(v.len(), 6);
         v.write(4, &[7, 8]).unwrap();

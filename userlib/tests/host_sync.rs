@@ -6,6 +6,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use tdrv::compat::TensorCompat;
 use tdrv::{Access, Error, PendingAccess, Tensor};
 
 /// Waits until `flag` is set or `limit` passes.

@@ -44,7 +44,8 @@
 //! its running op fails with ETIMEDOUT, the ops behind it with EIO, and
 //! the queue serves new work afterwards. A queue that does not acknowledge
 //! the reset is dead until it does (see `queue.rs`: its orphans keep what
-//! the device may still write). Debugfs `inject` takes `fail_desc`,
+//! the device may still write); unbind stops the device's DMA and then
+//! releases them. Debugfs `inject` takes `fail_desc`,
 //! `stall`, `lose_irq` and `hang` (a stall that ignores resets until
 //! `resume`), each optionally followed by a queue number; without one the
 //! fault goes to the queue of the next op (job or transfer), and `resume`
@@ -83,6 +84,7 @@ use kernel::{
         SetOnce, //
     },
     time::{
+        delay::fsleep,
         msecs_to_jiffies,
         Delta, //
     },
@@ -112,6 +114,7 @@ use super::{
         DESC_DST_DEV,
         DESC_MAX_LEN,
         DESC_SRC_DEV,
+        HDR_DMA_STOP,
         HDR_INJECT,
         INJECT_FAIL_NEXT,
         INJECT_HANG,
@@ -351,6 +354,28 @@ impl SimEngine {
         };
         // SAFETY: As above, for the deferred-ops work item.
         unsafe { bindings::flush_work(Work::<SimEngine>::raw_get(&raw const self.defer_work)) };
+    }
+
+    /// Stops the device's DMA as a whole (`HDR_DMA_STOP`) and waits up to
+    /// a second, as for a reset, until every queue acknowledged it; false
+    /// if one did not. For unbind only: the queues stay stopped until the
+    /// next probe.
+    fn stop_dma(&self) -> bool {
+        if self
+            .hw
+            .with_ctrl(|io| io.try_write32(1, HDR_DMA_STOP))
+            .and_then(|r| r.ok())
+            .is_none()
+        {
+            return false;
+        }
+        for _ in 0..1000 {
+            if self.queues.iter().all(|q| q.dma_off(&self.hw)) {
+                return true;
+            }
+            fsleep(Delta::from_millis(1));
+        }
+        false
     }
 
     fn arm_watchdog(self: &Arc<Self>) {
@@ -1231,27 +1256,34 @@ impl Engine for SimBackend {
             core::mem::take(&mut s.pending)
         };
         let mut ops = List::new();
+        let mut orphans = List::new();
         for q in e.queues.iter() {
-            let mut leak = List::new();
-            q.stop(&e.hw, &mut ops, &mut leak);
-            let mut leaked = 0;
-            while let Some(op) = leak.pop_front() {
-                // Reported, never freed: what it holds stays allocated and
-                // pinned, since the device may write there as long as the
-                // guest runs.
-                match op.job() {
-                    Some(job) => job.report(op.result()),
-                    None => op.signal(),
-                }
-                core::mem::forget(op);
-                leaked += 1;
-            }
-            if leaked > 0 {
-                pr_err!(
-                    "tdrv-sim: queue {} never acknowledged its reset: the memory of {} operations (pinned pages, bounce buffers, buffers) is leaked, the device may still write it\n",
-                    q.index,
-                    leaked
+            q.stop(&e.hw, &mut ops, &mut orphans);
+        }
+        if !orphans.is_empty() {
+            // Queues that ignored their reset may still run what their
+            // rings hold. Stop the device's DMA as a whole, which even a
+            // hung queue obeys: then nothing of theirs moves any more, and
+            // what their ops name (pinned pages, DMA mappings, bounce
+            // buffers, buffers) can be released before the device is
+            // released, as the DMA API requires.
+            let n = orphans.iter().count();
+            if e.stop_dma() {
+                pr_warn!(
+                    "tdrv-sim: unbind: queues ignored their reset; the device stopped its DMA, the memory of {} abandoned operations is released\n",
+                    n
                 );
+            } else {
+                // Nothing answers: a simulator that exited (its socket is
+                // gone), which writes nothing more.
+                pr_err!(
+                    "tdrv-sim: unbind: the device acknowledged neither a reset nor a DMA stop in 1 s: taken as gone, the memory of {} abandoned operations is released\n",
+                    n
+                );
+            }
+            // Ended below with the rest, once bus mastering is off too.
+            while let Some(op) = orphans.pop_front() {
+                ops.push_back(op);
             }
         }
         e.flush();

@@ -502,6 +502,10 @@ impl pci::Driver for SimDriver {
                 peer: layout.peer,
                 hbm_phys,
             };
+            // A previous binding may have stopped the device's DMA (an
+            // unbind with a queue that ignored its reset): let it run.
+            hw.with_ctrl(|io| io.try_write32(0, HDR_DMA_STOP))
+                .ok_or(ENODEV)??;
             let mut queues = KVec::with_capacity(layout.queues as usize, GFP_KERNEL)?;
             for q in 0..layout.queues {
                 let base = (layout.queue_offset + u64::from(q) * layout.queue_stride) as usize;

@@ -34,7 +34,9 @@
 //! those descriptors name (a job's buffers, a transfer's pinned pages,
 //! DMA mappings and bounce buffers) until the device acknowledges after
 //! all, since until then it may still write there. The watchdog keeps
-//! looking; unbind leaks what a device that never answered may write.
+//! looking. Unbind stops the device's DMA as a whole (`HDR_DMA_STOP`,
+//! which even a hung queue obeys, as a PCI device obeys bus mastering off)
+//! and then releases the orphans (see `SimBackend::shutdown`).
 //!
 //! All ring state is under the queue lock: the interrupt thread, the
 //! watchdog and submitters serialise on it.
@@ -615,9 +617,9 @@ impl Queue {
     /// Unbind: the queue takes no more work, the device stops it, and its
     /// ops move to `out` (the caller fails them once DMA is off). If the
     /// device does not acknowledge the reset (a dead queue gets one more
-    /// try), the ops it may still write for move to `leak` instead: the
-    /// caller reports them and leaks them rather than free what they hold.
-    pub(crate) fn stop(&self, hw: &impl Hw, out: &mut List<Op>, leak: &mut List<Op>) {
+    /// try), the ops it may still write for move to `orphans` instead: the
+    /// caller stops the device's DMA as a whole before it ends them.
+    pub(crate) fn stop(&self, hw: &impl Hw, out: &mut List<Op>, orphans: &mut List<Op>) {
         let mut st = self.st.lock();
         let acked = !st.dead && self.reset_locked(hw, &mut st);
         st.dead = true;
@@ -635,9 +637,18 @@ impl Queue {
                 out.push_back(op);
             } else {
                 op.fail(ENODEV);
-                leak.push_back(op);
+                orphans.push_back(op);
             }
         }
+    }
+
+    /// Whether the device acknowledged a DMA stop on this queue (see
+    /// `HDR_DMA_STOP`): it moves none of the queue's bytes any more.
+    pub(crate) fn dma_off(&self, hw: &impl Hw) -> bool {
+        matches!(
+            hw.with_ctrl(|io| io.try_read32(self.base + qr::DMA_OFF)),
+            Some(Ok(1))
+        )
     }
 
     /// One debugfs line: outstanding descriptors, ops, interrupts, and

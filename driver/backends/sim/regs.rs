@@ -99,6 +99,12 @@ register! {
     }
 }
 
+/// Header word, drv: non-zero stops the device's DMA as a whole (the
+/// simulator's model of bus mastering off, which it cannot see in config
+/// space): every queue, also a hung one, discards what is pending, moves no
+/// more bytes and sets its `DMA_OFF`. 0 lets the queues run again.
+pub(crate) const HDR_DMA_STOP: usize = 0x40;
+
 /// `inject[q]`: the next descriptor copies nothing and completes with
 /// `CPL_FAULT`.
 pub(crate) const INJECT_FAIL_NEXT: u32 = 1;
@@ -127,6 +133,9 @@ pub(crate) mod queue {
     pub(crate) const RESET: usize = 0x10;
     /// sim: 0 idle, 1 busy, 2 stalled.
     pub(crate) const STATUS: usize = 0x14;
+    /// sim: 1 once the queue saw `HDR_DMA_STOP` set between two
+    /// descriptors (it moves no more bytes), 0 once it saw it cleared.
+    pub(crate) const DMA_OFF: usize = 0x18;
     /// The descriptor ring: `ring_entries` descriptors of `DESC_SIZE` bytes.
     pub(crate) const DESC_RING: usize = 0x1000;
     /// The completion ring: `ring_entries` records of `CPL_SIZE` bytes.

@@ -246,7 +246,7 @@ pub unsafe extern "C" fn tdrv_job_notify(
             );
         }
         if let Err(e) = dev.job_notify(h.id(), user_data) {
-            return status(F, Err(e.into()));
+            return status(F, Err(e));
         }
         let raw = dev.as_fd().as_raw_fd();
         let mut files = event_files();
@@ -288,7 +288,7 @@ pub unsafe extern "C" fn tdrv_read_events(
             read.clear();
             let want = (max - n).min(64);
             if let Err(e) = dev.read_events_max(&mut read, want) {
-                return status(F, Err(e.into()));
+                return status(F, Err(e));
             }
             if read.is_empty() {
                 break;

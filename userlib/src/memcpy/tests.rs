@@ -1,4 +1,5 @@
 use super::*;
+use crate::compat::TensorCompat;
 
 use NeuronMemcpyMethod::{CMemcpy, Dma, VecMemcpy};
 
@@ -205,8 +206,9 @@ fn a_device_staging_buffer_refuses_raw_writes_while_it_lends_bytes() {
         let probed: Vec<u64> = (1..64).filter(|&h| dev.buf_info(h).is_ok()).collect();
         assert_eq!(probed.len(), 2, "the tensor and the staging buffer");
         let h = probed.into_iter().find(|&h| h != th).unwrap();
-        let pinned =
-            |r: std::result::Result<(), SysError>| matches!(r, Err(SysError::Pinned { .. }));
+        let pinned = |r: std::result::Result<(), crate::Error>| {
+            matches!(r, Err(crate::Error::Sys(SysError::Pinned { .. })))
+        };
         assert!(pinned(dev.memset(h, 0, 64, 0xff)), "MEMSET");
         assert!(pinned(dev.copy_in(h, 0, &[0xee; 64])), "COPY_IN");
         let desc = tdrv_copy_desc {

@@ -133,7 +133,7 @@ fn a_second_reader_of_an_awaited_device_gets_busy_and_every_await_completes() {
             while !stop.load(Ordering::Relaxed) {
                 let mut evs = Vec::new();
                 match dev.read_events(&mut evs) {
-                    Err(SysError::EventsBusy { .. }) => busy += 1,
+                    Err(crate::Error::Sys(SysError::EventsBusy { .. })) => busy += 1,
                     Err(e) => panic!("read_events: {e}"),
                     Ok(_) => stolen.extend(evs),
                 }
@@ -161,9 +161,12 @@ fn a_second_reader_of_an_awaited_device_gets_busy_and_every_await_completes() {
     // Asking for an event of the reactor's stream is refused too.
     assert!(matches!(
         dev.job_notify(handles[0].id(), 7),
-        Err(SysError::EventsBusy { .. })
+        Err(crate::Error::Sys(SysError::EventsBusy { .. }))
     ));
-    assert_eq!(dev.claim_events().unwrap_err().errno(), libc::EBUSY);
+    assert_eq!(
+        dev.claim_events().unwrap_err().raw_os_error(),
+        Some(libc::EBUSY)
+    );
 }
 
 #[test]
@@ -337,7 +340,7 @@ fn a_child_after_fork_awaits_jobs_of_inherited_and_new_devices() {
         // 3: the inherited device's events are the parent's.
         let mut evs = Vec::new();
         match dev.read_events(&mut evs) {
-            Err(SysError::EventsBusy { .. }) => 0,
+            Err(crate::Error::Sys(SysError::EventsBusy { .. })) => 0,
             _ => 3,
         }
     });

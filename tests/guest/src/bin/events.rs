@@ -1056,7 +1056,7 @@ fn main() {
                 .map_err(|_| "the parent's waiter never registered".to_string())?;
             let mut evs = Vec::new();
             match d.read_events(&mut evs) {
-                Err(tdrv::SysError::EventsBusy { .. }) => {}
+                Err(tdrv::Error::Sys(tdrv::SysError::EventsBusy { .. })) => {}
                 r => return Err(format!("a second reader: {r:?}, want EventsBusy")),
             }
             let mut fds = [0; 2];
@@ -1078,7 +1078,7 @@ fn main() {
                 }
                 let mut evs = Vec::new();
                 match d.read_events(&mut evs) {
-                    Err(tdrv::SysError::EventsBusy { .. }) => 0,
+                    Err(tdrv::Error::Sys(tdrv::SysError::EventsBusy { .. })) => 0,
                     _ => 5,
                 }
             })?;

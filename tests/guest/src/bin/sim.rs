@@ -565,7 +565,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(29);
+    let mut t = Tap::new(30);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -1360,8 +1360,210 @@ fn main() {
         "after a rebind, new buffers read as zero where the previous binding left bytes",
         rebind_zeroes,
     );
+    t.run(
+        "unbind with a dead queue releases its orphans' mappings, pages and buffers (no DMA-API report), and the queue writes nothing after it",
+        unbind_with_a_dead_queue,
+    );
     tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_SIM, DRIVER_DIR);
     t.finish();
+}
+
+/// The DMA-API debugging's error count (`None` without it: Debian's
+/// kernel). It counts every report, also those past the few it prints.
+fn dma_api_errors() -> Option<u64> {
+    fs::read_to_string("/sys/kernel/debug/dma-api/error_count")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// The kernel log's lines.
+fn kernel_log() -> Result<Vec<String>, String> {
+    let out = std::process::Command::new("dmesg")
+        .output()
+        .map_err(|e| format!("dmesg: {e}"))?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The lines of a kernel log `after` that are not in `before` and report
+/// a DMA-API error, a warning, a bug or a leak.
+fn new_reports(before: &[String], after: &[String]) -> Vec<String> {
+    after
+        .iter()
+        .skip(before.len())
+        .filter(|l| {
+            [
+                "DMA-API",
+                "pending DMA",
+                "WARNING:",
+                "BUG:",
+                "leak",
+                "Call Trace",
+            ]
+            .iter()
+            .any(|w| l.contains(w))
+        })
+        .cloned()
+        .collect()
+}
+
+/// The header page of the sim device's BAR2 through sysfs, for a device
+/// no driver is bound to.
+struct RawHeader(*mut u32);
+
+impl RawHeader {
+    fn map(pci: &str) -> Result<RawHeader, String> {
+        let path = format!("/sys/bus/pci/devices/{pci}/resource2");
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("{path}: {e}"))?;
+        // SAFETY: a new shared mapping of one page chosen by the kernel;
+        // checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(format!("mmap {path}: {}", std::io::Error::last_os_error()));
+        }
+        Ok(RawHeader(p.cast()))
+    }
+
+    fn word(&self, off: usize) -> *mut u32 {
+        assert!(off.is_multiple_of(4) && off < 4096);
+        // SAFETY: in the mapped page (asserted).
+        unsafe { self.0.add(off / 4) }
+    }
+
+    fn read(&self, off: usize) -> u32 {
+        // SAFETY: a mapped, aligned word (`word`); device memory, so
+        // volatile.
+        unsafe { self.word(off).read_volatile() }
+    }
+
+    fn write(&self, off: usize, v: u32) {
+        // SAFETY: as in `read`.
+        unsafe { self.word(off).write_volatile(v) }
+    }
+}
+
+impl Drop for RawHeader {
+    fn drop(&mut self) {
+        // SAFETY: the page `map` mapped, unmapped once.
+        unsafe { libc::munmap(self.0.cast(), 4096) };
+    }
+}
+
+/// Unbind while a queue ignores its reset (as a killed tdrv-sim's does):
+/// what its abandoned COPY_OUT and job hold (the caller's pinned pages and
+/// their DMA mappings, the job's buffers) must be released by the unbind,
+/// with no DMA-API report of allocations left behind, and the queue must
+/// write none of it when it wakes up afterwards.
+fn unbind_with_a_dead_queue() -> R {
+    let node = sim_nodes().first().cloned().ok_or("no sim device node")?;
+    let pci = bound_pci_address()?;
+    let dev = ok("open", Dev::open(&node))?;
+    let len = 256 << 10;
+    let a = ok("alloc", dev.alloc(len as u64, 0))?;
+    let d = ok("alloc", dev.alloc(len as u64, 0))?;
+    ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
+    let mut u = Anon::new(len, 0x11)?;
+    let u_pfns = u.pfns()?;
+    {
+        let _watchdog = SimWatchdog::set(&node, SimWatchdog::DEFAULT_MS)?;
+        inject(&node, "hang")?;
+        expect_err(
+            "COPY_OUT on a queue that ignores its reset",
+            dev.copy_out(a.handle, 0, u.slice_mut()),
+            libc::ETIMEDOUT,
+        )?;
+        inject(&node, "hang")?;
+        let id = ok(
+            "submit",
+            dev.submit(&[desc(a.handle, 0, d.handle, 0, len as u64)]),
+        )?;
+        expect_eq(
+            "the job on a queue that ignores its reset",
+            ok("job_wait", dev.job_wait(id, HANG_US))?,
+            (TDRV_JOB_DONE, -libc::ETIMEDOUT),
+        )?;
+    }
+    let orphans: u64 = queue_field(&node, "orphans")?.iter().sum();
+    if orphans < 2 {
+        return Err(format!("{orphans} orphaned ops before the unbind, want 2"));
+    }
+    let errors = dma_api_errors();
+    let log = kernel_log()?;
+    fs::write(format!("{DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind {pci}: {e}"))?;
+    let reports = new_reports(&log, &kernel_log()?);
+    let errors_after = dma_api_errors();
+    drop(dev);
+    // The pages are the kernel's again: fresh memory may reuse them.
+    drop(u);
+    let v = Anon::new(64 << 20, 0x22)?;
+    let v_pfns: std::collections::HashSet<u64> = v.pfns()?.into_iter().collect();
+    let reused = u_pfns.iter().filter(|p| v_pfns.contains(p)).count();
+    // The hung queues wake up with no driver bound: each takes its RESUME
+    // (the word reads 0 again) while nothing may move bytes any more.
+    // (Memory decoding is off without a driver: enable the device for the
+    // writes, and disable it again for the bind.)
+    let enable = format!("/sys/bus/pci/devices/{pci}/enable");
+    fs::write(&enable, "1").map_err(|e| format!("{enable}: {e}"))?;
+    let header = RawHeader::map(&pci)?;
+    let queues = header.read(0x0c) as usize;
+    for q in 0..queues {
+        header.write(0x100 + 4 * q, 5);
+    }
+    let t0 = Instant::now();
+    while (0..queues).any(|q| header.read(0x100 + 4 * q) != 0) {
+        if t0.elapsed() > HANG {
+            return Err(format!("RESUME not taken after {HANG:?}"));
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    drop(header);
+    fs::write(&enable, "0").map_err(|e| format!("{enable}: {e}"))?;
+    // Bound again: the probe resets every queue, which a queue answers
+    // only after it ran (or dropped) what it had when it resumed.
+    let node = tdrv_guest_tests::unbind::rebind(DRIVER_DIR, &pci, TDRV_DEVICE_SIM)?;
+    let mut errs = Vec::new();
+    if !reports.is_empty() {
+        errs.push(format!("the unbind logged {reports:?}"));
+    }
+    if let (Some(b), Some(a)) = (errors, errors_after) {
+        if a != b {
+            errs.push(format!(
+                "the unbind raised the DMA-API error count from {b} to {a}"
+            ));
+        }
+    }
+    if let Some(i) = v.slice().iter().position(|b| *b != 0x22) {
+        errs.push(format!(
+            "byte {i} of fresh memory ({reused} of its pages were the COPY_OUT's) changed by a late DMA"
+        ));
+    }
+    let dev = ok("open", Dev::open(&node))?;
+    let b = ok("alloc", dev.alloc(len as u64, 0))?;
+    ok("copy_in", dev.copy_in(b.handle, 0, &vec![0x3C; len]))?;
+    if read_all(&dev, b.handle, len)? != vec![0x3C; len] {
+        errs.push("the device bound again moves the wrong bytes".into());
+    }
+    ok("free", dev.free(b.handle))?;
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(errs.join("; "))
+    }
 }
 
 fn unbind_under_load(path: &str) -> R {

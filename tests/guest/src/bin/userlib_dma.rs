@@ -8,6 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tdrv::compat::TensorCompat;
 use tdrv::sys::FenceKind;
 use tdrv::{
     sys::DeviceKind, Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError,
@@ -494,7 +495,7 @@ fn cross_channel(c: &Ctx, t: &mut Tap) {
             size: 64,
         };
         match c.dev.copy(&desc) {
-            Err(SysError::CrossChannel { .. }) => Ok(()),
+            Err(Error::Sys(SysError::CrossChannel { .. })) => Ok(()),
             other => Err(format!("COPY ioctl: {other:?}")),
         }
     })();
@@ -880,10 +881,7 @@ fn mapping_guards(c: &Ctx) -> R {
         )?;
         pinned("memset elsewhere in it", t.memset(4096, 0, 16))?;
         let raw = t.dma_handle().ok_or("no handle")?;
-        pinned(
-            "raw COPY_IN",
-            c.dev.copy_in(raw, 0, &[1]).map_err(Error::from),
-        )?;
+        pinned("raw COPY_IN", c.dev.copy_in(raw, 0, &[1]))?;
         match t.write(0, &[1]) {
             Err(Error::Busy { .. }) => {}
             other => return Err(format!("write under the guard: {other:?}")),
