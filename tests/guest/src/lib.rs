@@ -7,6 +7,7 @@
 pub mod bail;
 pub mod dmabuf;
 pub mod inject;
+pub mod kmsg;
 pub mod raw;
 pub mod sync;
 pub mod uffd;

@@ -20,7 +20,9 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, expect_err, inject, ok, open_device_or_skip,
+    desc, expect_eq, expect_err, inject,
+    kmsg::{dma_api_errors, kernel_log, new_reports},
+    ok, open_device_or_skip,
     raw::Dev,
     stat, sync,
     wait::{until_asleep_in, HANG},
@@ -1366,47 +1368,6 @@ fn main() {
     );
     tdrv_guest_tests::unbind::checks(&mut t, TDRV_DEVICE_SIM, DRIVER_DIR);
     t.finish();
-}
-
-/// The DMA-API debugging's error count (`None` without it: Debian's
-/// kernel). It counts every report, also those past the few it prints.
-fn dma_api_errors() -> Option<u64> {
-    fs::read_to_string("/sys/kernel/debug/dma-api/error_count")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-}
-
-/// The kernel log's lines.
-fn kernel_log() -> Result<Vec<String>, String> {
-    let out = std::process::Command::new("dmesg")
-        .output()
-        .map_err(|e| format!("dmesg: {e}"))?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect())
-}
-
-/// The lines of a kernel log `after` that are not in `before` and report
-/// a DMA-API error, a warning, a bug or a leak.
-fn new_reports(before: &[String], after: &[String]) -> Vec<String> {
-    after
-        .iter()
-        .skip(before.len())
-        .filter(|l| {
-            [
-                "DMA-API",
-                "pending DMA",
-                "WARNING:",
-                "BUG:",
-                "leak",
-                "Call Trace",
-            ]
-            .iter()
-            .any(|w| l.contains(w))
-        })
-        .cloned()
-        .collect()
 }
 
 /// The header page of the sim device's BAR2 through sysfs, for a device

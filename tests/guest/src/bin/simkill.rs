@@ -22,7 +22,11 @@ use std::{
 };
 
 use tdrv_guest_tests::{
-    desc, expect_eq, inject, ok, open_device_or_skip, skip_all, wait::HANG, SimWatchdog, Tap,
+    desc, expect_eq, inject,
+    kmsg::{dma_api_errors, kernel_log, new_reports},
+    ok, open_device_or_skip, skip_all,
+    wait::HANG,
+    SimWatchdog, Tap,
 };
 use tdrv_uapi::*;
 
@@ -30,23 +34,6 @@ type R = Result<(), String>;
 
 const DRIVER_DIR: &str = "/sys/bus/pci/drivers/tdrv-sim";
 const HANG_US: i64 = HANG.as_micros() as i64;
-
-/// The DMA-API debugging's error count (`None` without it).
-fn dma_api_errors() -> Option<u64> {
-    fs::read_to_string("/sys/kernel/debug/dma-api/error_count")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-}
-
-fn kernel_log() -> Result<Vec<String>, String> {
-    let out = std::process::Command::new("dmesg")
-        .output()
-        .map_err(|e| format!("dmesg: {e}"))?;
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect())
-}
 
 fn main() {
     let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
@@ -223,22 +210,7 @@ fn main() {
             fs::write(format!("{DRIVER_DIR}/unbind"), &pci)
                 .map_err(|e| format!("unbind {pci}: {e}"))?;
             let after = kernel_log()?;
-            let bad: Vec<&String> = after
-                .iter()
-                .skip(before.len())
-                .filter(|l| {
-                    [
-                        "DMA-API",
-                        "pending DMA",
-                        "WARNING:",
-                        "BUG:",
-                        "leak",
-                        "Call Trace",
-                    ]
-                    .iter()
-                    .any(|w| l.contains(w))
-                })
-                .collect();
+            let bad = new_reports(&before, &after);
             if !bad.is_empty() {
                 return Err(format!("the unbind logged {bad:?}"));
             }
