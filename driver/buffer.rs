@@ -132,8 +132,14 @@ enum Backing {
     /// [`Buffer::new`]).
     System { _pieces: OwnedPieces<Pages> },
     /// A foreign dma-buf, mapped for the CPU and (for a DMA engine) for the
-    /// device.
-    Imported { _import: Import },
+    /// device. With `peer`, it is another tdrv device's device memory,
+    /// mapped peer-to-peer for this device only (no CPU address): that
+    /// device's buffer moves the bytes for the CPU paths (COPY_IN/OUT,
+    /// MEMSET) and gives the page frames mmap inserts.
+    Imported {
+        _import: Import,
+        peer: Option<Arc<Buffer>>,
+    },
     /// Device memory allocated by the backend; the piece's `dma` is its
     /// device address, its `cpu` address is null.
     Device(KBox<dyn DeviceMemory>),
@@ -149,7 +155,12 @@ impl Backing {
     /// ([`Import::flush_releases`]).
     fn release(self) {
         match self {
-            Self::Imported { _import } => _import.release_later(),
+            Self::Imported { _import, peer } => {
+                _import.release_later();
+                // Never the peer's last reference here: the imported
+                // dma-buf holds one until the queued release puts it.
+                drop(peer);
+            }
             other => drop(other),
         }
     }
@@ -207,6 +218,19 @@ pub(crate) trait DeviceMemory: Send + Sync {
     /// The CPU page frame (in the device's BAR) of the page at device
     /// address `dev_addr`, which lies inside the range.
     fn pfn(&self, dev_addr: u64) -> usize;
+
+    /// The range as other devices may reach it, peer-to-peer.
+    fn p2p(&self) -> P2pRange;
+}
+
+/// Device memory as a peer-to-peer importer reaches it (see `dmabuf.c`).
+#[derive(Clone, Copy)]
+pub(crate) struct P2pRange {
+    /// The `struct p2pdma_provider` of the BAR the memory is in, or null
+    /// if the device is none. Valid while the device is bound.
+    pub(crate) provider: *mut core::ffi::c_void,
+    /// The CPU physical address of byte 0 (in the BAR).
+    pub(crate) phys: u64,
 }
 
 impl Backing {
@@ -228,7 +252,9 @@ impl Backing {
             // SAFETY: The import's kernel mapping is a vmap of system
             // memory (`dmabuf.c` refuses I/O memory), live by the caller's
             // guarantee.
-            Self::Imported { .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            Self::Imported { peer: None, .. } => Some(unsafe { glue::kaddr_to_pfn(page.cpu) }),
+            // Not reached: `Buffer::page_pfns` asks the peer.
+            Self::Imported { peer: Some(_), .. } => None,
             Self::Device(mem) => Some(mem.pfn(page.dma)),
         }
     }
@@ -508,7 +534,7 @@ impl Buffer {
         };
         let resv = match &backing {
             // Held from here: a failure below drops it again.
-            Backing::Imported { _import } => _import.get_ref().into_raw(),
+            Backing::Imported { _import, .. } => _import.get_ref().into_raw(),
             _ => core::ptr::null_mut(),
         };
         let buf = Arc::pin_init(
@@ -556,6 +582,7 @@ impl Buffer {
         _active: &ActiveGuard<'_>,
         import: Import,
         channel: u32,
+        peer: Option<Arc<Buffer>>,
     ) -> Result<Arc<Self>> {
         let size = import.size();
         if size == 0 || size as u64 > MAX_BUFFER_SIZE {
@@ -566,11 +593,13 @@ impl Buffer {
         dma.resize(pages, 0, GFP_KERNEL_ACCOUNT)?;
         import.dma_pages(&mut dma);
         let mut pieces = KVVec::with_capacity(pages, GFP_KERNEL_ACCOUNT)?;
+        // Null for a peer-to-peer import: its pieces have no CPU address
+        // (which `Buffer::p2p_peer` tells by).
         let base = import.vaddr();
         for (i, dma) in dma.iter().enumerate() {
             pieces.push(
                 PieceAddr {
-                    cpu: base.wrapping_add(i * PAGE_SIZE),
+                    cpu: if base.is_null() { base } else { base.wrapping_add(i * PAGE_SIZE) },
                     dma: *dma,
                 },
                 GFP_KERNEL_ACCOUNT,
@@ -586,7 +615,7 @@ impl Buffer {
             charged: 0,
             channel,
         };
-        Self::from_backing(device, Backing::Imported { _import: import }, layout)
+        Self::from_backing(device, Backing::Imported { _import: import, peer }, layout)
     }
 
     /// The reservation object jobs of this buffer use (see `resv.rs`), or
@@ -641,6 +670,25 @@ impl Buffer {
         let active = self.device.enter()?;
         self.begin_access()?;
         Ok(MemGuard { active, buf: self })
+    }
+
+    /// For an import of another tdrv device's device memory (peer-to-peer,
+    /// no CPU address): that device's buffer, which moves the bytes for
+    /// the CPU paths; ENODEV once this device's unbind released it.
+    fn p2p_peer(&self) -> Option<Result<Arc<Buffer>>> {
+        if !self.is_p2p() {
+            return None;
+        }
+        Some(match &*self.mem.lock() {
+            MemState::Live(Backing::Imported { peer: Some(p), .. }) => Ok(p.clone()),
+            _ => Err(ENODEV),
+        })
+    }
+
+    /// True for an import of another device's memory peer-to-peer (see
+    /// [`Buffer::p2p_peer`]): user mappings of it are write-combined.
+    pub(crate) fn is_p2p(&self) -> bool {
+        self.foreign && self.pieces.first().is_some_and(|p| p.cpu.is_null())
     }
 
     /// The reservation object for an export of the buffer: made at the
@@ -760,6 +808,12 @@ impl Buffer {
     /// active guard of the device keeps the memory from being freed (see
     /// `mmap.rs`).
     pub(crate) fn page_pfns(&self, first: usize, out: &mut [usize]) -> Option<usize> {
+        if let Some(peer) = self.p2p_peer() {
+            // Peer-to-peer: the exporter's BAR pages (None once its unbind
+            // detached them; revoking the import zaps ours first). Asked
+            // without our lock held: both are `Buffer::mem` locks.
+            return peer.ok()?.page_pfns(first, out);
+        }
         let mem = self.mem.lock();
         let pages = self.span / PAGE_SIZE;
         let MemState::Live(backing) = &*mem else {
@@ -778,6 +832,15 @@ impl Buffer {
             n += 1;
         }
         (n > 0).then_some(n)
+    }
+
+    /// Device memory's range for peer-to-peer importers; `None` once
+    /// unbind detached it (or for host memory).
+    pub(crate) fn p2p_range(&self) -> Option<P2pRange> {
+        match &*self.mem.lock() {
+            MemState::Live(Backing::Device(mem)) => Some(mem.p2p()),
+            _ => None,
+        }
     }
 
     /// True while the buffer still holds its memory (live or detached), for
@@ -844,6 +907,11 @@ impl Buffer {
         if self.on_device {
             return self.device.engine().dma_from_user(&self.device, self, range, src);
         }
+        if let Some(peer) = self.p2p_peer() {
+            // Held across the peer's copy: revoking the import waits for it.
+            let _access = self.enter()?;
+            return peer?.copy_from_user(range, src);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -898,6 +966,10 @@ impl Buffer {
         if self.on_device {
             return self.device.engine().dma_to_user(&self.device, self, range, dst);
         }
+        if let Some(peer) = self.p2p_peer() {
+            let _access = self.enter()?;
+            return peer?.copy_to_user(range, dst);
+        }
         let mut bounce = KVec::<u8>::new();
         let mut done = 0;
         while done < range.len {
@@ -950,6 +1022,10 @@ impl Buffer {
         if self.on_device {
             return self.device.engine().dma_fill(&self.device, self, range, value);
         }
+        if let Some(peer) = self.p2p_peer() {
+            let _access = self.enter()?;
+            return peer?.fill(range, value);
+        }
         self.for_each_span(range, |_guard, cpu, _, n| {
             // SAFETY: `for_each_span` holds a guard (memory live) and gives
             // a span inside the allocation.
@@ -967,6 +1043,11 @@ impl Buffer {
         src: &Arc<Buffer>,
         src_range: ByteRange,
     ) -> Result {
+        if self.is_p2p() || src.is_p2p() {
+            // Another device's memory, reached only by this device's
+            // jobs (see TDRV_IOC_COPY in tdrv.h).
+            return Err(crate::uapi::eopnotsupp());
+        }
         if self.on_device || src.on_device {
             // Device memory is moved by the device.
             return self

@@ -7,6 +7,7 @@
  */
 
 #include <linux/dma-buf.h>
+#include <linux/dma-buf-mapping.h>
 #include <linux/dma-direct.h>
 #include <linux/dma-direction.h>
 #include <linux/dma-map-ops.h>
@@ -18,6 +19,7 @@
 #include <linux/iosys-map.h>
 #include <linux/mm.h>
 #include <linux/module.h>
+#include <linux/pci-p2pdma.h>
 #include <linux/scatterlist.h>
 #include <linux/slab.h>
 #include <linux/swiotlb.h>
@@ -117,29 +119,77 @@ static bool tdrv_pages_beyond_mask(struct device *dev, struct page **pages,
 }
 
 /*
- * Any device may attach. Device memory (the sim device's HBM behind its
- * BAR) has no struct pages the DMA API could map, and peer-to-peer
- * mapping of it is not provided: refused with a reason in the log. Pages
- * beyond the importer's DMA mask (with a direct mapping) are EIO.
+ * Whether device memory of a tdrv device (the sim device's HBM, behind a
+ * BAR) can be mapped for @attach's device, peer-to-peer: 0 if so, else
+ * -EOPNOTSUPP (the importer takes no P2P memory, the device is no P2P
+ * provider, or the PCI topology has no path between them) or -EIO (beyond
+ * the importer's DMA mask), with one rate-limited line saying why.
+ *
+ * Called with the reservation lock held. Unbind detaches the memory (after
+ * which the buffer reports -ENODEV) and then takes every export's
+ * reservation lock to revoke it, before the provider (device-managed) goes:
+ * so @provider is live here and in tdrv_dmabuf_map().
+ */
+static int tdrv_p2p_check(struct dma_buf_attachment *attach,
+			  struct p2pdma_provider *provider, u64 phys,
+			  size_t len)
+{
+	struct device *dev = attach->dev;
+	const char *why;
+	u64 limit;
+
+	if (!attach->peer2peer) {
+		why = "the importer takes no peer-to-peer memory";
+	} else if (!provider) {
+		why = "the device is no peer-to-peer DMA provider";
+	} else if (pci_p2pdma_distance(to_pci_dev(provider->owner), dev, false) < 0) {
+		why = "no peer-to-peer DMA path between the two devices";
+	} else if (tdrv_direct_dma_limit(dev, &limit) &&
+		   phys + provider->bus_offset + len - 1 > limit) {
+		/* Below a common bridge the bus address is used as it is
+		 * (the DMA API never sees it); through the host bridge the
+		 * direct mapping would refuse it the same. */
+		dev_info_ratelimited(dev,
+			"tdrv: cannot attach to tdrv device memory: its bus address is beyond this device's DMA mask\n");
+		return -EIO;
+	} else {
+		return 0;
+	}
+	dev_info_ratelimited(dev,
+		"tdrv: cannot attach to tdrv device memory: %s\n", why);
+	return -EOPNOTSUPP;
+}
+
+/*
+ * Host memory: any device may attach, but pages beyond the importer's DMA
+ * mask (with a direct mapping) are EIO. Device memory (the sim device's
+ * HBM behind its BAR) has no struct pages: it is mapped peer-to-peer
+ * where the PCI topology allows (tdrv_p2p_check) and refused otherwise;
+ * never copied through host memory behind the importer's back.
  */
 static int tdrv_dmabuf_attach(struct dma_buf *dmabuf,
 			      struct dma_buf_attachment *attach)
 {
 	struct tdrv_export *exp = dmabuf->priv;
 	size_t n = dmabuf->size >> PAGE_SHIFT;
+	struct p2pdma_provider *provider;
 	struct page **pages;
-	int ret = 0;
+	u64 phys;
+	int ret;
 
-	pages = tdrv_export_pages(exp, n);
-	if (IS_ERR(pages)) {
-		ret = PTR_ERR(pages);
-		if (ret == -EOPNOTSUPP)
-			dev_info_ratelimited(attach->dev,
-				"tdrv: cannot attach to tdrv device memory: no peer-to-peer DMA path to it (%s)\n",
-				attach->peer2peer ? "not a P2P provider" :
-						    "importer takes no P2P memory");
+	dma_resv_lock(dmabuf->resv, NULL);
+	ret = tdrv_dmabuf_buffer_p2p(exp->buf, (void **)&provider, &phys);
+	if (ret > 0)
+		ret = tdrv_p2p_check(attach, provider, phys, dmabuf->size);
+	else if (ret == 0)
+		ret = 1;
+	dma_resv_unlock(dmabuf->resv);
+	if (ret <= 0)
 		return ret;
-	}
+	pages = tdrv_export_pages(exp, n);
+	if (IS_ERR(pages))
+		return PTR_ERR(pages);
+	ret = 0;
 	if (tdrv_pages_beyond_mask(attach->dev, pages, n))
 		ret = -EIO;
 	kvfree(pages);
@@ -161,8 +211,10 @@ static struct sg_table *tdrv_dmabuf_map(struct dma_buf_attachment *attach,
 {
 	struct tdrv_export *exp = attach->dmabuf->priv;
 	size_t n = attach->dmabuf->size >> PAGE_SHIFT;
+	struct p2pdma_provider *provider;
 	struct sg_table *sgt;
 	struct page **pages;
+	u64 phys;
 	int ret;
 
 	if (!attach->dev->dma_mask)
@@ -173,6 +225,25 @@ static struct sg_table *tdrv_dmabuf_map(struct dma_buf_attachment *attach,
 	atomic_inc(&exp->users);
 	if (dma_buf_attach_revocable(attach))
 		atomic_inc(&exp->revocable);
+	ret = tdrv_dmabuf_buffer_p2p(exp->buf, (void **)&provider, &phys);
+	if (ret < 0)
+		goto err_user;
+	if (ret > 0) {
+		/* Device memory, peer-to-peer (under the reservation lock,
+		 * which the core holds for every map: see tdrv_p2p_check). */
+		struct phys_vec vec = { .paddr = phys, .len = attach->dmabuf->size };
+
+		ret = tdrv_p2p_check(attach, provider, phys, vec.len);
+		if (ret)
+			goto err_user;
+		sgt = dma_buf_phys_vec_to_sgt(attach, provider, &vec, 1,
+					      vec.len, dir);
+		if (IS_ERR(sgt)) {
+			ret = PTR_ERR(sgt);
+			goto err_user;
+		}
+		return sgt;
+	}
 	pages = tdrv_export_pages(exp, n);
 	if (IS_ERR(pages)) {
 		ret = PTR_ERR(pages);
@@ -213,9 +284,20 @@ static void tdrv_dmabuf_unmap(struct dma_buf_attachment *attach,
 {
 	struct tdrv_export *exp = attach->dmabuf->priv;
 
-	dma_unmap_sgtable(attach->dev, sgt, dir, 0);
-	sg_free_table(sgt);
-	kfree(sgt);
+	/* A peer-to-peer table has no CPU list (orig_nents 0); one of
+	 * pages always has. */
+	if (!sgt->orig_nents) {
+		/* dma_buf_phys_vec_to_sgt() zeroes orig_nents after filling
+		 * all nents entries it allocated, and dma_buf_free_sgt()'s
+		 * sg_free_table() frees orig_nents entries: without this,
+		 * the entries leak (kmemleak reported them in the guest). */
+		sgt->orig_nents = sgt->nents;
+		dma_buf_free_sgt(attach, sgt, dir);
+	} else {
+		dma_unmap_sgtable(attach->dev, sgt, dir, 0);
+		sg_free_table(sgt);
+		kfree(sgt);
+	}
 	tdrv_export_put_mapping(exp, attach);
 }
 
@@ -554,7 +636,10 @@ static void tdrv_import_unmap_locked(struct tdrv_import *imp)
 	if (imp->pinned)
 		dma_buf_unpin(imp->attach);
 	imp->pinned = false;
-	dma_buf_vunmap(imp->dmabuf, &imp->map);
+	/* A peer-to-peer import has no kernel mapping. */
+	if (!iosys_map_is_null(&imp->map))
+		dma_buf_vunmap(imp->dmabuf, &imp->map);
+	iosys_map_clear(&imp->map);
 	imp->mapped = false;
 }
 
@@ -595,8 +680,15 @@ static const struct dma_buf_attach_ops tdrv_import_ops = {
 	.invalidate_mappings = tdrv_import_invalidate,
 };
 
+/* A peer-to-peer import (of another device's memory behind a BAR): the
+ * same, but it takes mappings without struct pages and never vmaps. */
+static const struct dma_buf_attach_ops tdrv_import_p2p_ops = {
+	.allow_peer2peer = true,
+	.invalidate_mappings = tdrv_import_invalidate,
+};
+
 struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
-				    bool dma, const void *ctx)
+				    bool dma, const void *ctx, bool p2p)
 {
 	struct tdrv_import *imp;
 	int ret;
@@ -605,8 +697,14 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
 		ret = -EINVAL;
 		goto err_put;
 	}
+	/* Peer-to-peer needs a revocable DMA import: the exporter's BAR goes
+	 * with its binding. */
+	if (p2p && (!dma || !ctx)) {
+		ret = -EOPNOTSUPP;
+		goto err_put;
+	}
 	/* No kernel mapping at all (dma_buf_vmap would say EINVAL). */
-	if (!dmabuf->ops->vmap) {
+	if (!p2p && !dmabuf->ops->vmap) {
 		ret = -EOPNOTSUPP;
 		goto err_put;
 	}
@@ -625,7 +723,7 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
 	 * how the exporter tells it. */
 	if (ctx)
 		imp->attach = dma_buf_dynamic_attach(dmabuf, dev,
-						     &tdrv_import_ops, imp);
+				p2p ? &tdrv_import_p2p_ops : &tdrv_import_ops, imp);
 	else if (dma)
 		imp->attach = dma_buf_attach(dmabuf, dev);
 	if (IS_ERR(imp->attach)) {
@@ -637,9 +735,11 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
 	ret = -ENODEV;
 	if (tdrv_import_revoked(imp))
 		goto err_unlock;
-	ret = dma_buf_vmap(dmabuf, &imp->map);
-	if (ret)
-		goto err_unlock;
+	if (!p2p) {
+		ret = dma_buf_vmap(dmabuf, &imp->map);
+		if (ret)
+			goto err_unlock;
+	}
 	imp->mapped = true;
 	if (imp->map.is_iomem) {
 		ret = -EOPNOTSUPP;
@@ -656,7 +756,8 @@ struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
 	if (dma) {
 		struct sg_table *sgt;
 
-		if (tdrv_beyond_dma_mask(dev, imp->map.vaddr, dmabuf->size)) {
+		/* (The exporter checks a peer-to-peer mapping's reach.) */
+		if (!p2p && tdrv_beyond_dma_mask(dev, imp->map.vaddr, dmabuf->size)) {
 			ret = -EIO;
 			goto err_unmap;
 		}

@@ -7,7 +7,8 @@
  * dma-buf gives it back through tdrv_dmabuf_release_buffer() when its last
  * file reference goes. Other devices attach, pin and map it (an sg_table
  * of its pages mapped for the importer's device) and vmap it; device
- * memory is refused (-EOPNOTSUPP). mmap and DMA_BUF_IOCTL_SYNC go to the
+ * memory is mapped peer-to-peer where the PCI topology allows, else
+ * refused (-EOPNOTSUPP), and never vmapped. mmap and DMA_BUF_IOCTL_SYNC go to the
  * callbacks below.
  *
  * Importer: a foreign dma-buf is vmapped for CPU access (the software
@@ -76,9 +77,12 @@ int tdrv_dmabuf_lookup(int fd, struct dma_buf **dmabuf, const void **own);
  * mapping in system memory, -EINVAL if its DMA segments are not whole
  * pages, -ENODEV if revoked meanwhile, or the error of
  * dma_buf_vmap()/dma_buf_attach()/dma_buf_map_attachment(). The import
- * holds one reference (see tdrv_import_get), which its release drops. */
+ * holds one reference (see tdrv_import_get), which its release drops.
+ * With @p2p (which needs @dma and @ctx) the importer takes peer-to-peer
+ * memory (device memory behind another device's BAR) and makes no kernel
+ * mapping: tdrv_import_vaddr() is NULL. */
 struct tdrv_import *tdrv_import_new(struct dma_buf *dmabuf, struct device *dev,
-				    bool dma, const void *ctx);
+				    bool dma, const void *ctx, bool p2p);
 /* Takes a reference to the import's object (not its mappings): it and
  * the dma-buf stay until the last tdrv_import_put(). */
 struct tdrv_import *tdrv_import_get(struct tdrv_import *imp);
@@ -143,5 +147,11 @@ int tdrv_dmabuf_begin_cpu(const void *buf, bool write);
 /* The page frame of each of the buffer's first @n pages: -EOPNOTSUPP for
  * device memory, -ENODEV once unbind detached the memory. */
 int tdrv_dmabuf_buffer_pfns(const void *buf, unsigned long *pfns, size_t n);
+/* Where the buffer's memory is: 0 for host memory (see
+ * tdrv_dmabuf_buffer_pfns), 1 for device memory, one physically contiguous
+ * range starting at *@phys (in a BAR) whose peer-to-peer provider is
+ * *@provider (NULL if the device is none), -ENODEV once unbind detached
+ * the memory. */
+int tdrv_dmabuf_buffer_p2p(const void *buf, void **provider, u64 *phys);
 
 #endif

@@ -14,8 +14,9 @@
 //! module: `rmmod` fails while an exported fd exists. tdrv recognises its
 //! own dma-bufs by their ops table: IMPORT of one resolves to the original
 //! buffer (no copy), in any file of the same device; another tdrv device
-//! imports it like a foreign dma-buf (below), except device memory, which
-//! is EOPNOTSUPP.
+//! imports it like a foreign dma-buf (below); device memory only
+//! peer-to-peer, by a DMA engine with a PCI path to it (edu), with the
+//! exporting buffer moving the bytes of the import's CPU paths.
 //!
 //! - mmap of the dma-buf fd maps the buffer like tdrv's own mmap (shared,
 //!   not executable, pages inserted at fault time, SIGBUS after unbind).
@@ -34,9 +35,10 @@
 //! # Sharing
 //!
 //! The exporter serves any importer: `attach` checks that the pages are
-//! within the importer's DMA mask (EIO) and refuses device memory
-//! (EOPNOTSUPP, with a rate-limited line in the log: BAR memory has no
-//! struct pages, and no peer-to-peer provider is registered); `pin` has
+//! within the importer's DMA mask (EIO); device memory (BAR memory, no
+//! struct pages) it maps peer-to-peer for importers that take it and
+//! that the kernel's PCI P2P DMA reaches, and refuses otherwise
+//! (EOPNOTSUPP, with a rate-limited line in the log saying why); `pin` has
 //! nothing to do (the memory never moves); `map_dma_buf` builds an
 //! sg_table of every page of every piece and maps it for the importer's
 //! device; `vmap` maps the pages into the kernel for CPU importers.
@@ -169,6 +171,7 @@ mod ffi {
             dev: *mut Opaque,
             dma: bool,
             ctx: *const core::ffi::c_void,
+            p2p: bool,
         ) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_import_size(imp: *const core::ffi::c_void) -> usize;
         pub(super) fn tdrv_import_vaddr(imp: *const core::ffi::c_void) -> *mut core::ffi::c_void;
@@ -549,7 +552,8 @@ unsafe impl Send for Import {}
 unsafe impl Sync for Import {}
 
 impl Import {
-    /// Maps `dmabuf` for the CPU and, with `dma`, for DMA by `dev`. With
+    /// Maps `dmabuf` for the CPU (unless `p2p`: peer-to-peer memory, no
+    /// kernel mapping) and, with `dma`, for DMA by `dev`. With
     /// `owner` (the importing device) the import is revocable: the
     /// exporter's `invalidate_mappings` ends every access of the owner
     /// to it (see [`ImportRef`]), zaps the owner's user mappings and
@@ -567,6 +571,7 @@ impl Import {
         dma: bool,
         owner: Option<Arc<TdrvDevice>>,
         slot: ImportSlot,
+        p2p: bool,
     ) -> Result<Self> {
         let dmabuf = core::mem::ManuallyDrop::new(dmabuf).0;
         let ctx = owner.map_or(core::ptr::null(), |d| Arc::into_raw(d).cast::<core::ffi::c_void>());
@@ -574,7 +579,7 @@ impl Import {
         // failure; `dev` is bound (the caller's guarantee); `ctx` is null
         // or a device reference that the import gives back through
         // `tdrv_import_put_ctx`.
-        let raw = from_err_ptr(unsafe { ffi::tdrv_import_new(dmabuf, dev, dma, ctx) });
+        let raw = from_err_ptr(unsafe { ffi::tdrv_import_new(dmabuf, dev, dma, ctx, p2p) });
         match raw {
             Ok(raw) => Ok(Self { raw, slot }),
             Err(e) => {
@@ -600,7 +605,8 @@ impl Import {
         unsafe { ffi::tdrv_import_size(self.raw) }
     }
 
-    /// Kernel address of byte 0; the mapping is virtually contiguous.
+    /// Kernel address of byte 0; the mapping is virtually contiguous. Null
+    /// for a peer-to-peer import, which has none.
     pub(crate) fn vaddr(&self) -> *mut u8 {
         // SAFETY: `self.raw` is a live import.
         unsafe { ffi::tdrv_import_vaddr(self.raw) }.cast()
@@ -875,6 +881,37 @@ unsafe extern "C" fn tdrv_dmabuf_buffer_pfns(
     0
 }
 
+/// `dma_buf_ops` attach and map: where the buffer's memory is (see
+/// `tdrv_dmabuf_buffer_p2p` in `dmabuf.h`).
+///
+/// # Safety
+///
+/// Called by `dmabuf.c` with a live export's buffer and writable
+/// `provider` and `phys`.
+#[no_mangle]
+unsafe extern "C" fn tdrv_dmabuf_buffer_p2p(
+    buf: *const Buffer,
+    provider: *mut *mut core::ffi::c_void,
+    phys: *mut u64,
+) -> core::ffi::c_int {
+    // SAFETY: The dma-buf holds a buffer reference during the call.
+    let buf = unsafe { &*buf };
+    if !buf.on_device() {
+        return 0;
+    }
+    match buf.p2p_range() {
+        Some(range) => {
+            // SAFETY: The caller's guarantee.
+            unsafe {
+                *provider = range.provider;
+                *phys = range.phys;
+            }
+            1
+        }
+        None => ENODEV.to_errno(),
+    }
+}
+
 #[kunit_tests(tdrv_dmabuf_export)]
 mod tests {
     use super::{ffi, Opaque};
@@ -1027,9 +1064,9 @@ mod tests {
             // the import); `dev` is bound while `importer` lives, which
             // outlives the import (dropped below, before it).
             let import = unsafe {
-                super::Import::new(super::DmaBufRef(ffi_get(dmabuf)), dev, false, Some(idev.clone()), slot)?
+                super::Import::new(super::DmaBufRef(ffi_get(dmabuf)), dev, false, Some(idev.clone()), slot, false)?
             };
-            Buffer::import(&idev, &active, import, 0)?
+            Buffer::import(&idev, &active, import, 0, None)?
         };
         // the import is reachable before the unbind
         assert!(imported.fill(ByteRange { start: 0, len: PAGE_SIZE }, 1).is_ok());
@@ -1094,7 +1131,7 @@ mod tests {
         // SAFETY: A CPU-only import (no DMA, no owner: no device is
         // needed), which takes over our reference to the live `dmabuf`.
         let import = unsafe {
-            super::Import::new(super::DmaBufRef(dmabuf), core::ptr::null_mut(), false, None, a)?
+            super::Import::new(super::DmaBufRef(dmabuf), core::ptr::null_mut(), false, None, a, false)?
         };
         let dmabuf = kept;
         let b = count.reserve()?;

@@ -568,18 +568,30 @@ impl TdrvFile {
         {
             return Err(EINVAL);
         }
-        let buf = match dmabuf::lookup(a.fd)? {
+        let looked_up = dmabuf::lookup(a.fd)?;
+        // Device memory of another tdrv device: its buffer moves the bytes
+        // that this device's CPU paths cannot reach (see `Buffer::import`).
+        let peer = match &looked_up {
+            dmabuf::Lookup::Own(buf, _) if buf.on_device() => Some(buf.clone()),
+            _ => None,
+        };
+        let buf = match looked_up {
             dmabuf::Lookup::Own(buf, _) if Arc::ptr_eq(buf.device(), &self.device) => buf,
-            dmabuf::Lookup::Own(buf, _) if buf.on_device() => {
-                // Another device's memory behind its BAR: no peer-to-peer
-                // path (refused before vmap, whose failure the dma-buf core
-                // would WARN about).
+            dmabuf::Lookup::Own(buf, _)
+                if buf.on_device() && !(self.device.engine().does_dma() && self.device.engine().revocable_imports()) =>
+            {
+                // Another device's memory behind its BAR, and an engine
+                // that copies with the CPU (or whose imports cannot be
+                // revoked, as peer-to-peer memory must be): no
+                // peer-to-peer path (refused before vmap, whose failure
+                // the dma-buf core would WARN about).
                 dmabuf::log_no_p2p();
                 return Err(crate::uapi::eopnotsupp());
             }
             dmabuf::Lookup::Own(buf, _) if !buf.device().is_bound() => return Err(ENODEV),
-            // Another tdrv device's export in host memory: mapped like a
-            // foreign dma-buf (zero-copy, see `dmabuf.rs`).
+            // Another tdrv device's export: mapped like a foreign dma-buf
+            // (zero-copy, see `dmabuf.rs`); its device memory
+            // peer-to-peer, where the exporter finds a path.
             dmabuf::Lookup::Own(_, foreign) | dmabuf::Lookup::Foreign(foreign) => {
                 if a.channel >= self.device.channels.count() {
                     return Err(EINVAL);
@@ -602,8 +614,9 @@ impl TdrvFile {
                 // it bound until the buffer is registered, and unbind
                 // releases every registered buffer's import before the
                 // device goes away.
-                let import = unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner, slot)? };
-                Buffer::import(&self.device, &active, import, a.channel)?
+                let import =
+                    unsafe { dmabuf::Import::new(foreign, dev, engine.does_dma(), owner, slot, peer.is_some())? };
+                Buffer::import(&self.device, &active, import, a.channel, peer)?
             }
         };
         let size = buf.size() as u64;

@@ -20,6 +20,8 @@
 #include <linux/vmalloc.h>
 #include <linux/dma-mapping.h>
 #include <linux/io.h>
+#include <linux/pci.h>
+#include <linux/pci-p2pdma.h>
 #include <linux/sched/signal.h>
 #include <linux/uaccess.h>
 
@@ -104,6 +106,23 @@ int tdrv_io_reserve_wc(u64 start, u64 size)
 	if (ret)
 		return ret;
 	return 0;
+}
+
+/* The peer-to-peer DMA provider of BAR @bar of the PCI device @dev, for as
+ * long as its driver stays bound (device-managed), or NULL, logged once,
+ * if the kernel has no P2P DMA (CONFIG_PCI_P2PDMA) or the BAR cannot be
+ * one. */
+void *tdrv_p2p_provider(struct device *dev, int bar)
+{
+	struct pci_dev *pdev = to_pci_dev(dev);
+	int ret = pcim_p2pdma_init(pdev);
+
+	if (ret) {
+		dev_info(dev, "tdrv: device memory is not shared peer-to-peer: %pe\n",
+			 ERR_PTR(ret));
+		return NULL;
+	}
+	return pcim_p2pdma_provider(pdev, bar);
 }
 
 void tdrv_io_free_wc(u64 start, u64 size)
@@ -305,6 +324,9 @@ void tdrv_file_allow_nowait(struct file *file)
  * writes them after the load, so tdrv_params_get() needs no lock.
  * The ranges are checked by the Rust side (tdrv.rs: params()).
  */
+/* (Kbuild: the DKMS or Debian package version.) */
+MODULE_VERSION(TDRV_VERSION);
+
 static unsigned int tdrv_param_soft_devices = 1;
 module_param_named(soft_devices, tdrv_param_soft_devices, uint, 0444);
 MODULE_PARM_DESC(soft_devices, "Number of software devices to create (0-4)");

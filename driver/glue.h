@@ -20,6 +20,7 @@ int tdrv_vma_init(struct vm_area_struct *vma, bool wc);
 struct device;
 bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr);
 int tdrv_io_reserve_wc(u64 start, u64 size);
+void *tdrv_p2p_provider(struct device *dev, int bar);
 void tdrv_io_free_wc(u64 start, u64 size);
 void tdrv_zero_io_wc(void __iomem *addr, size_t len);
 bool tdrv_fatal_signal_pending(void);

@@ -24,6 +24,7 @@ mod ffi {
         pub(super) fn tdrv_dma_mapping_error(dev: *mut core::ffi::c_void, addr: u64) -> bool;
         pub(super) fn tdrv_io_reserve_wc(start: u64, size: u64) -> core::ffi::c_int;
         pub(super) fn tdrv_io_free_wc(start: u64, size: u64);
+        pub(super) fn tdrv_p2p_provider(dev: *mut core::ffi::c_void, bar: core::ffi::c_int) -> *mut core::ffi::c_void;
         pub(super) fn tdrv_zero_io_wc(addr: *mut core::ffi::c_void, len: usize);
         pub(super) fn tdrv_fatal_signal_pending() -> bool;
         pub(super) fn tdrv_cond_resched();
@@ -182,6 +183,16 @@ pub(crate) fn io_reserve_wc(start: u64, size: u64) -> Result {
     // SAFETY: Only records a memory type for the range; fails on a
     // conflicting reservation.
     kernel::error::to_result(unsafe { ffi::tdrv_io_reserve_wc(start, size) })
+}
+
+/// The peer-to-peer DMA provider of BAR `bar` of the bound PCI device
+/// `pdev` (a `struct p2pdma_provider`, device-managed: it goes when the
+/// driver unbinds), as an address; 0 if there is none (logged).
+pub(crate) fn p2p_provider(pdev: &kernel::pci::Device<kernel::device::Core<'_>>, bar: u32) -> usize {
+    let dev = crate::device::raw_device(pdev.as_ref());
+    // SAFETY: `dev` is a bound PCI device (the `Core` context is its
+    // probe); the C side allocates device-managed state for it.
+    unsafe { ffi::tdrv_p2p_provider(dev.cast(), bar as core::ffi::c_int) as usize }
 }
 
 /// Gives back a reservation made by [`io_reserve_wc`].

@@ -186,7 +186,7 @@ pub(crate) fn map_buffer(buf: Arc<Buffer>, vma: &VmaNew) -> Result {
         return Err(EINVAL);
     }
     // SAFETY: `vma` is under set-up (mmap write lock held).
-    unsafe { glue::vma_init(vma.as_ptr(), buf.on_device())? };
+    unsafe { glue::vma_init(vma.as_ptr(), buf.on_device() || buf.is_p2p())? };
     // SAFETY: As above, the VMA is ours to set up; the reference moved into
     // `vm_private_data` is given back by `vma_close`, which the kernel
     // calls for every VMA that gets these operations.

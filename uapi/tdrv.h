@@ -260,7 +260,9 @@ struct tdrv_copy_desc {
 /* TDRV_IOC_COPY: synchronous buffer-to-buffer copy. It waits like a read
  * of the source and a write of the destination, and no job is queued on
  * either buffer while it runs (SUBMIT waits for it; the same holds for
- * COPY_IN, COPY_OUT and MEMSET). */
+ * COPY_IN, COPY_OUT and MEMSET). EOPNOTSUPP when either buffer is an
+ * import of another device's memory mapped peer-to-peer (see struct
+ * tdrv_import): SUBMIT a job instead. */
 struct tdrv_copy {
 	struct tdrv_copy_desc desc; /* in */
 	__u64 reserved[2];	/* in: zero */
@@ -557,14 +559,21 @@ struct tdrv_completion_reset {
  *    for the importer's device, and several attachments may be mapped at
  *    once; the kernel may also vmap it. Attaching fails with EIO when a
  *    page is beyond the importer's DMA mask, with ENODEV after unbind,
- *    and with EOPNOTSUPP for device memory (TDRV_DEVICE_SIM: it is never
- *    mapped for another device, no peer-to-peer path is provided; the
- *    kernel log says so, rate-limited), also for a buffer this device
+ *    and with EOPNOTSUPP for a buffer this device
  *    imported from another exporter (which may revoke its pages; other
  *    devices import the original dma-buf instead). On unbind, importers are told to
  *    drop their mappings (dma_buf_invalidate_mappings); revocable ones
  *    (with an invalidate_mappings callback) get 10 s to unmap, and memory
  *    still mapped by any importer is freed only once it has unmapped.
+ *  - Device memory (TDRV_DEVICE_SIM: HBM behind a BAR, no struct pages)
+ *    is mapped peer-to-peer: for an importer that takes peer-to-peer
+ *    memory (a dynamic attachment with allow_peer2peer) and that the
+ *    kernel's PCI P2P DMA finds a path to (both below one PCI switch or
+ *    bridge, or a host bridge it allows), the sg_table holds the BAR's
+ *    bus or DMA addresses and no pages. Otherwise attaching fails with
+ *    EOPNOTSUPP (the kernel log says why, rate-limited), or with EIO
+ *    when the bus address is beyond the importer's DMA mask. It is never
+ *    vmapped, nor copied through host memory behind the importer's back.
  *    See docs/sharing.md.
  *
  * Errors: EINVAL (flags, pad, fd or reserved not zero), ENOENT (no such
@@ -601,9 +610,15 @@ struct tdrv_export {
  * zero-copy, with its own fence and completion count (jobs of the two
  * devices order through the reservation object). Which pairs work:
  * software (TDRV_DEVICE_SOFT) and edu (TDRV_DEVICE_EDU) devices import
- * each other's buffers in every direction. A sim (TDRV_DEVICE_SIM)
- * buffer is device memory behind a BAR with no peer-to-peer path to
- * other devices: its IMPORT into another device is EOPNOTSUPP. Like any
+ * each other's buffers in every direction, and a sim device imports
+ * theirs. A sim (TDRV_DEVICE_SIM) buffer is device memory behind a BAR:
+ * an edu device imports it peer-to-peer where the PCI topology has a
+ * path (see struct tdrv_export), and its jobs then reach the memory by
+ * DMA; COPY_IN, COPY_OUT and MEMSET of the import go through the sim
+ * device, mmap maps the BAR's pages (write-combined), and COPY with it
+ * is EOPNOTSUPP. IMPORT of a sim buffer into a software device (no DMA
+ * engine), into another sim device, or without a path is EOPNOTSUPP.
+ * Like any
  * import it lives on the channel named here: SUBMIT
  * and COPY need it on the same channel as the other buffers of a job
  * (the channel is the importer's accounting, not where the memory is).
@@ -647,8 +662,9 @@ struct tdrv_export {
  * flags, pad or reserved not zero, out fields not zero; @channel out of
  * range for a foreign dma-buf; its size is zero, not whole pages, above
  * TDRV_MAX_BUFFER_SIZE, or its DMA mapping is not in whole pages),
- * EOPNOTSUPP (a dma-buf without a kernel mapping in system memory, such
- * as another tdrv device's device memory), ENOSPC (this file's buffer or byte
+ * EOPNOTSUPP (a dma-buf without a kernel mapping in system memory;
+ * another tdrv device's device memory without a peer-to-peer path, see
+ * above), ENOSPC (this file's buffer or byte
  * limit, or for a foreign dma-buf file_max_imports or device_max_imports),
  * ENOMEM (also when the exporter cannot map the dma-buf into the
  * kernel; the dma-buf core then logs a warning once), ENODEV (device

@@ -655,6 +655,15 @@ impl Engine for EduBackend {
         true
     }
 
+    // A job begins its accesses when it starts (`start_next_from`) and
+    // stops at the next chunk once an import is revoked (`step`); a chunk
+    // is bounded by the watchdog, and a job the watchdog failed keeps its
+    // accesses (its fences) until the device lets go of its buffers, which
+    // a revocation then waits for (bounded too: see `dmabuf.c`).
+    fn revocable_imports(&self) -> bool {
+        true
+    }
+
     fn counters(&self) -> EngineCounters {
         let e = &self.0;
         EngineCounters {

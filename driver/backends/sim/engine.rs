@@ -1428,7 +1428,7 @@ impl Engine for SimBackend {
                 e.fill(device, range.dev_addr(), dirty, 0, None)?;
             }
             let mem: KBox<dyn DeviceMemory> =
-                KBox::new(SimMemory::new(range, e.hw.hbm_phys), GFP_KERNEL)?;
+                KBox::new(SimMemory::new(range, &e.hw), GFP_KERNEL)?;
             Ok(mem)
         };
         Some(alloc())

@@ -82,7 +82,7 @@ use self::{
     regs::*,
 };
 use crate::{
-    buffer::DeviceMemory,
+    buffer::{DeviceMemory, P2pRange},
     device::{
         DeviceIndex,
         TdrvDevice, //
@@ -187,6 +187,8 @@ pub(crate) struct SimHw {
     peer: u32,
     /// Physical address of HBM (BAR2 + `hbm_offset`).
     pub(crate) hbm_phys: u64,
+    /// BAR2's peer-to-peer DMA provider (`glue::p2p_provider`), 0 if none.
+    pub(crate) p2p: usize,
 }
 
 impl Hw for SimHw {
@@ -227,11 +229,16 @@ impl SimHw {
 pub(crate) struct SimMemory {
     range: HbmRange,
     hbm_phys: u64,
+    p2p: usize,
 }
 
 impl SimMemory {
-    pub(crate) fn new(range: HbmRange, hbm_phys: u64) -> Self {
-        Self { range, hbm_phys }
+    pub(crate) fn new(range: HbmRange, hw: &SimHw) -> Self {
+        Self {
+            range,
+            hbm_phys: hw.hbm_phys,
+            p2p: hw.p2p,
+        }
     }
 }
 
@@ -242,6 +249,13 @@ impl DeviceMemory for SimMemory {
 
     fn pfn(&self, dev_addr: u64) -> usize {
         ((self.hbm_phys + dev_addr) >> PAGE_SHIFT) as usize
+    }
+
+    fn p2p(&self) -> P2pRange {
+        P2pRange {
+            provider: self.p2p as *mut core::ffi::c_void,
+            phys: self.hbm_phys + self.range.dev_addr(),
+        }
     }
 }
 
@@ -501,6 +515,10 @@ impl pci::Driver for SimDriver {
                 bar0: bar0.into_devres()?,
                 peer: layout.peer,
                 hbm_phys,
+                // Where the PCI topology allows, other devices (an edu
+                // device below the same bridge) map buffers in HBM
+                // peer-to-peer (see docs/sharing.md).
+                p2p: glue::p2p_provider(pdev, 2),
             };
             // A previous binding may have stopped the device's DMA (an
             // unbind with a queue that ignored its reset): let it run.

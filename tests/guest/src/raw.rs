@@ -140,6 +140,13 @@ impl Dev {
         self.ioctl(TDRV_IOC_COPY_OUT, &mut x).map(drop)
     }
 
+    /// The first `len` bytes of a buffer (COPY_OUT into a new vector).
+    pub fn read_vec(&self, handle: u64, len: usize) -> Result<Vec<u8>, Errno> {
+        let mut out = vec![0u8; len];
+        self.copy_out(handle, 0, &mut out)?;
+        Ok(out)
+    }
+
     pub fn memset(&self, handle: u64, offset: u64, size: u64, value: u32) -> Result<(), Errno> {
         let mut m = tdrv_memset {
             handle,

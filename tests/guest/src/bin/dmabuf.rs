@@ -38,9 +38,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 fn read_buf(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
-    let mut out = vec![0u8; len];
-    ok("copy_out", dev.copy_out(handle, 0, &mut out))?;
-    Ok(out)
+    ok("copy_out", dev.read_vec(handle, len))
 }
 
 fn run_job(dev: &Dev, src: u64, dst: u64, size: u64) -> R {
