@@ -25,6 +25,7 @@ use pyo3::exceptions::{PyBufferError, PyIndexError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PySlice, PyTuple};
+use tdrv::ops::TensorOps;
 
 use crate::dtype::DType;
 use crate::errors::to_py;
@@ -690,13 +691,13 @@ impl PyTensor {
     ) -> PyResult<()> {
         let timeout = duration(timeout)?;
         wait_interruptibly(py, timeout, |slice| {
-            self.t.check_output_completion(Some(slice), expected)
+            self.t.completion().wait(expected, Some(slice))
         })
     }
 
     /// This view's output-completion count.
     fn output_completion_count(&self) -> PyResult<u64> {
-        self.t.output_completion_count().map_err(to_py)
+        self.t.completion().count().map_err(to_py)
     }
 
     /// Lends the bytes for reading, without a copy: a `tdrv.Mapping`

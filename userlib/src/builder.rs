@@ -79,7 +79,7 @@ impl TensorBuilder {
         let name = self.name.as_deref();
         match &self.target {
             Target::Host => Tensor::allocate_host(size, name),
-            Target::Default => Tensor::allocate(Placement::Device, self.channel, size, name),
+            Target::Default => Tensor::allocate_placed(Placement::Device, self.channel, size, name),
             Target::Device(d) => Tensor::allocate_on(d, self.channel, size, name),
         }
     }

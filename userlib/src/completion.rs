@@ -1,11 +1,17 @@
 //! Async-exec fences and the output-completion plane of a tensor.
 //!
 //! Host storages (Malloc, User, Fake) keep the seed's counters in user
-//! space: [`Tensor::mark_async_start`]/[`Tensor::mark_async_finish`] are the
-//! producer side of the fence the I/O operations wait on, and
-//! [`Tensor::record_output_completion`] is the producer of the completion
-//! count. `Dma` storage uses the kernel's counters, driven by jobs
-//! ([`crate::Job`]).
+//! space: [`crate::compat::TensorCompat::mark_async_start`] and
+//! [`crate::compat::TensorCompat::mark_async_finish`] are the producer side
+//! of the fence the I/O operations wait on, and [`Completion::record`] is
+//! the producer of the completion count. `Dma` storage uses the kernel's
+//! counters, driven by jobs ([`crate::Job`]).
+//!
+//! The count is reached through one small view,
+//! [`TensorOps::completion`](crate::ops::TensorOps::completion)
+//! ([`Completion`]: `count`, `wait`, `reset`, `record`); nrt's names for
+//! the same operations (`check_output_completion`, ...) are in
+//! [`crate::compat::TensorCompat`].
 //!
 //! Completion counts are per view, as in the seed: a new slice starts at 0.
 //! Unlike the seed, which guarded every tensor's count with one global
@@ -104,8 +110,8 @@ impl Tensor {
         Ok(())
     }
 
-    /// In-flight device accesses of the storage.
-    pub fn pending_async(&self) -> Result<PendingAccess> {
+    /// [`crate::ops::TensorOps::pending_async`].
+    pub(crate) fn pending_accesses(&self) -> Result<PendingAccess> {
         let st = self.storage_for("pending_async")?;
         match st.dma() {
             Some(b) => {
@@ -119,14 +125,8 @@ impl Tensor {
         }
     }
 
-    /// Waits until host access of kind `access` is safe from the device:
-    /// for `Read`, no device write in flight; for `Write`, no device access
-    /// at all. Call it before touching the bytes through [`Tensor::va`].
-    /// `timeout`: `None` waits without limit, `Some(ZERO)` polls.
-    ///
-    /// For a `Dma` tensor whose buffer a failed job wrote this is
-    /// [`Error::DeviceWriteFailed`] (see [`crate::Error`]).
-    pub fn wait_device_idle(&self, access: Access, timeout: Option<Duration>) -> Result<()> {
+    /// [`crate::ops::TensorOps::wait_device_idle`].
+    pub(crate) fn device_idle_wait(&self, access: Access, timeout: Option<Duration>) -> Result<()> {
         let st = self.storage_for("wait_device_idle")?;
         let write = access == Access::Write;
         let start = Instant::now();
@@ -161,8 +161,32 @@ impl Tensor {
             None => Err(timed_out()),
         }
     }
+}
 
-    /// Waits until this view's output-completion count reaches `expected`.
+/// The output-completion count of one view of a tensor, from
+/// [`TensorOps::completion`](crate::ops::TensorOps::completion).
+///
+/// A job counts one completion on each buffer it writes when it succeeds.
+/// Counts are per view: a new slice starts at 0, and [`Completion::reset`]
+/// zeroes this view's count only. A failed job counts none, and latches
+/// its error instead ([`Error::DeviceWriteFailed`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    tensor: &'a Tensor,
+}
+
+impl<'a> Completion<'a> {
+    /// The count of `tensor`'s view.
+    pub(crate) fn new(tensor: &'a Tensor) -> Self {
+        Completion { tensor }
+    }
+
+    /// The view whose count this is.
+    pub fn tensor(&self) -> &'a Tensor {
+        self.tensor
+    }
+
+    /// Waits until the view's count reaches `expected`.
     /// `timeout`: `None` waits without limit (logging a warning every
     /// 30 s), `Some(ZERO)` polls. Fails with [`Error::Timeout`] when time
     /// runs out.
@@ -172,32 +196,33 @@ impl Tensor {
     /// [`Error::DeviceWriteFailed`] instead, as soon as no other write that
     /// could still complete the buffer is in flight (the driver's error
     /// latch, ABI 1.1; on an older driver only the time-out ends it).
-    pub fn check_output_completion(&self, timeout: Option<Duration>, expected: u64) -> Result<()> {
-        let st = self.storage_for("check_output_completion")?;
+    pub fn wait(&self, expected: u64, timeout: Option<Duration>) -> Result<()> {
+        let t = self.tensor;
+        let st = t.storage_for("check_output_completion")?;
         let start = Instant::now();
         let deadline = Deadline::from_timeout(timeout);
         let timed_out = || Error::Timeout {
             op: "check_output_completion",
-            name: self.name().to_owned(),
+            name: t.name().to_owned(),
             waited: start.elapsed(),
         };
         let heartbeat = || {
             format!(
                 "still waiting for output tensor {:?} to reach completion count {expected}",
-                self.name()
+                t.name()
             )
         };
         let Some(b) = st.dma() else {
             return if st
                 .sync
-                .wait_count(self.completion_cell(), expected, deadline, &heartbeat)
+                .wait_count(t.completion_cell(), expected, deadline, &heartbeat)
             {
                 Ok(())
             } else {
                 Err(timed_out())
             };
         };
-        let target = self.dma_baseline(st, b).saturating_add(expected);
+        let target = t.dma_baseline(st, b).saturating_add(expected);
         let cap = matches!(deadline, Deadline::Never).then(heartbeat_interval);
         loop {
             match b
@@ -214,18 +239,19 @@ impl Tensor {
                     return Err(timed_out())
                 }
                 Err(SysError::TimedOut { .. } | SysError::Interrupted { .. }) => {}
-                Err(e) => return Err(self.dma_error("check_output_completion", b, e)),
+                Err(e) => return Err(t.dma_error("check_output_completion", b, e)),
             }
         }
     }
 
-    /// This view's output-completion count.
-    pub fn output_completion_count(&self) -> Result<u64> {
-        let st = self.storage_for("output_completion_count")?;
-        let cell = self.completion_cell();
+    /// The view's count now.
+    pub fn count(&self) -> Result<u64> {
+        let t = self.tensor;
+        let st = t.storage_for("output_completion_count")?;
+        let cell = t.completion_cell();
         match st.dma() {
             Some(b) => {
-                let base = self.dma_baseline(st, b);
+                let base = t.dma_baseline(st, b);
                 let now = b.device.buf_info(b.handle)?.completion_count;
                 Ok(now.saturating_sub(base))
             }
@@ -233,12 +259,13 @@ impl Tensor {
         }
     }
 
-    /// Sets this view's output-completion count to 0. Other views of the
-    /// storage keep theirs (for `Dma`, the kernel's count is not reset: the
-    /// view's baseline moves).
-    pub fn reset_output_completion(&self) -> Result<()> {
-        let st = self.storage_for("reset_output_completion")?;
-        let cell = self.completion_cell();
+    /// Sets the view's count to 0. Other views of the storage keep theirs
+    /// (for `Dma`, the kernel's count is not reset: the view's baseline
+    /// moves).
+    pub fn reset(&self) -> Result<()> {
+        let t = self.tensor;
+        let st = t.storage_for("reset_output_completion")?;
+        let cell = t.completion_cell();
         match st.dma() {
             Some(b) => {
                 st.set_counted();
@@ -247,7 +274,7 @@ impl Tensor {
                 let now = b.device.buf_info(b.handle)?.completion_count;
                 st.sync.locked(|| {
                     cell.store(now, Ordering::Relaxed);
-                    self.completion_epoch_cell().store(epoch, Ordering::Relaxed);
+                    t.completion_epoch_cell().store(epoch, Ordering::Relaxed);
                 });
             }
             None => st.sync.reset(cell),
@@ -255,17 +282,19 @@ impl Tensor {
         Ok(())
     }
 
-    /// Counts one output completion of this view and wakes its waiters (the
-    /// producer side for host storages, where no device counts for us).
-    pub fn record_output_completion(&self) -> Result<()> {
-        let st = self.storage_for("record_output_completion")?;
+    /// Counts one completion of the view and wakes its waiters: the
+    /// producer side for host storages, where no device counts for us.
+    /// [`Error::Unsupported`] on a `Dma` tensor (its jobs count).
+    pub fn record(&self) -> Result<()> {
+        let t = self.tensor;
+        let st = t.storage_for("record_output_completion")?;
         if st.dma().is_some() {
             return Err(Error::Unsupported {
                 op: "record_output_completion",
                 kind: st.kind(),
             });
         }
-        st.sync.complete(self.completion_cell());
+        st.sync.complete(t.completion_cell());
         Ok(())
     }
 }
@@ -273,6 +302,7 @@ impl Tensor {
 #[cfg(test)]
 mod tests {
     use super::effective_baseline;
+    use crate::compat::TensorCompat;
     use crate::storage::{DmaBuffer, Memory, Storage};
     use crate::sys::Device;
     use crate::Tensor;

@@ -121,12 +121,13 @@ pub enum Error {
     /// writing it (the driver's error latch, ABI 1.1): its bytes are
     /// undefined, so reads and completion or fence waits fail with this
     /// instead of returning stale bytes or waiting for ever. A successful
-    /// write (a job, [`Tensor::write`], [`Tensor::memset`], [`Tensor::copy`]
-    /// into it) or [`Device::completion_reset`] of the buffer clears it.
+    /// write (a job, [`Tensor::write`], [`TensorOps::memset`],
+    /// [`TensorOps::copy`] into it) or [`Device::completion_reset`] of the
+    /// buffer clears it.
     ///
     /// [`Tensor::write`]: crate::Tensor::write
-    /// [`Tensor::memset`]: crate::Tensor::memset
-    /// [`Tensor::copy`]: crate::Tensor::copy
+    /// [`TensorOps::memset`]: crate::TensorOps::memset
+    /// [`TensorOps::copy`]: crate::TensorOps::copy
     /// [`Device::completion_reset`]: crate::Device::completion_reset
     #[error(
         "{op}: tensor {name:?}: a job that wrote it failed ({}); its bytes are \

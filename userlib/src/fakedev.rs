@@ -799,6 +799,7 @@ impl std::fmt::Debug for FakeDevice {
 /// mapping copies, guards, the ioctl structs) for data races and aliasing.
 #[cfg(test)]
 mod tests {
+    use crate::ops::TensorOps;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -915,7 +916,8 @@ mod tests {
         let job = Job::new().copy_all(&a, &b).unwrap().submit().unwrap();
         job.wait_timeout(Duration::from_secs(30)).unwrap();
         assert_eq!(b.to_vec().unwrap(), pattern(64, 5));
-        b.check_output_completion(Some(Duration::from_secs(30)), 1)
+        b.completion()
+            .wait(1, Some(Duration::from_secs(30)))
             .unwrap();
     }
 

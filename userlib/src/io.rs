@@ -1,4 +1,5 @@
-//! Host I/O on tensors: read, write, their batch forms, memset and copy.
+//! Host I/O on tensors: read, write, their batch forms; and the code of
+//! the fill and copy operations ([`crate::ops::TensorOps`]).
 //!
 //! Every operation checks its ranges (with overflow checks) against the view
 //! and returns an error instead of asserting like the original. Fake
@@ -583,9 +584,8 @@ impl Tensor {
         unsafe { self.transfer("write_batch", Dir::Write, &mut it, fencing, None) }
     }
 
-    /// Fills `size` bytes at `offset` with `value`, after every in-flight
-    /// device access (Dma: `TDRV_IOC_MEMSET`, fenced by the kernel).
-    pub fn memset(&self, offset: usize, value: u8, size: usize) -> Result<()> {
+    /// [`crate::ops::TensorOps::memset`].
+    pub(crate) fn fill(&self, offset: usize, value: u8, size: usize) -> Result<()> {
         let _t = trace::scope(TraceOp::Memset, self.name(), size);
         let (st, abs) = self.locate("memset", offset, size)?;
         if size == 0 {
@@ -616,18 +616,8 @@ impl Tensor {
         }
     }
 
-    /// Copies `size` bytes from `src` at `src_offset` to `dst` at
-    /// `dst_offset`.
-    ///
-    /// Two `Dma` tensors of one device use the device's copy
-    /// (`TDRV_IOC_COPY`), and must be on the same HBM channel
-    /// ([`Error::CrossChannel`] otherwise). Every other combination does the
-    /// host round trip: a host-side memmove through the host addresses, or
-    /// `COPY_IN`/`COPY_OUT` for unmapped buffers. Overlapping ranges of one
-    /// storage are copied as by memmove. A `Fake` source reads as zeros (the
-    /// destination range is zero-filled, as by [`Tensor::memset`]); a
-    /// `Fake` destination discards the bytes.
-    pub fn copy(
+    /// [`crate::ops::TensorOps::copy`].
+    pub(crate) fn copy_bytes(
         src: &Tensor,
         src_offset: usize,
         dst: &Tensor,
@@ -642,7 +632,7 @@ impl Tensor {
         }
         match (&ss.mem, &ds.mem) {
             (_, Memory::Fake) => Ok(()),
-            (Memory::Fake, _) => dst.memset(dst_offset, 0, size),
+            (Memory::Fake, _) => dst.fill(dst_offset, 0, size),
             (Memory::Dma(a), Memory::Dma(b)) if std::sync::Arc::ptr_eq(&a.device, &b.device) => {
                 if a.channel != b.channel {
                     return Err(Error::CrossChannel {

@@ -4,7 +4,9 @@
 //! device and one HBM channel. The device runs it in the background: its
 //! sources get pending reads and its destinations pending writes until it
 //! ends, and each destination buffer's completion count goes up by one when
-//! it succeeds, which is what [`Tensor::check_output_completion`] waits for.
+//! it succeeds, which is what [`TensorOps::completion`] waits for.
+//!
+//! [`TensorOps::completion`]: crate::TensorOps::completion
 //!
 //! With an input dump directory set ([`crate::dump`]), submitting first
 //! writes the bytes of every source tensor of the job to that directory.
@@ -35,7 +37,7 @@ pub const MAX_IN_FENCES: usize = tdrv_uapi::TDRV_MAX_IN_FENCES as usize;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tdrv::{Device, Job, Tensor};
+/// use tdrv::{Device, Job, Tensor, TensorOps};
 ///
 /// // Runs anywhere: without the module loaded there is nothing to do.
 /// if let Ok(dev) = Device::open("/dev/tdrv0") {
@@ -48,7 +50,7 @@ pub const MAX_IN_FENCES: usize = tdrv_uapi::TDRV_MAX_IN_FENCES as usize;
 ///     handle.wait()?; // the job's own outcome
 ///     // One job wrote `dst`: its completion count is 1 (a failed job
 ///     // would make this an error, not a hang).
-///     dst.check_output_completion(Some(Duration::from_secs(1)), 1)?;
+///     dst.completion().wait(1, Some(Duration::from_secs(1)))?;
 ///     assert_eq!(dst.to_vec()?, vec![42; 4096]);
 /// }
 /// # Ok::<(), tdrv::Error>(())

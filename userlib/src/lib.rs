@@ -24,6 +24,12 @@
 //! [`Error::DeviceWriteFailed`] (never stale bytes, never an endless wait)
 //! until they are written again.
 //!
+//! Memory and operations are apart: [`Tensor`] is typed memory (allocation,
+//! views, storage, host reads and writes, mappings); [`TensorOps`] (in
+//! [`ops`]) is what runs on it: fills, copies, the fences of in-flight
+//! device accesses and the output-completion count; [`Job`] is the
+//! asynchronous device work. nrt's and the seed's names are in [`compat`].
+//!
 //! A [`Tensor`] is a cheap view (name, offset, size) over refcounted
 //! storage: host memory ([`StorageKind::Malloc`]), a tdrv device buffer
 //! ([`StorageKind::Dma`]), a size-only placeholder ([`StorageKind::Fake`])
@@ -40,14 +46,16 @@
 //!   a host write until no job reads or writes it. [`Fencing::Skip`] (batch
 //!   calls) skips the wait, not the error check.
 //! - A job counts one *output completion* on each buffer it writes when it
-//!   succeeds; [`Tensor::check_output_completion`] waits for a view's count.
+//!   succeeds; [`TensorOps::completion`] counts and waits for a view's count
+//!   ([`Completion::wait`]).
 //!   A failed job counts none, and latches its error on those buffers
 //!   instead: waits and reads end with [`Error::DeviceWriteFailed`].
 //! - Time-outs are `Option<Duration>`: `None` waits without limit,
 //!   `Some(Duration::ZERO)` polls. The C library's microseconds are in
 //!   [`compat`].
 //!
-//! Modules: [`sys`] (device and ioctls), [`job`] (asynchronous copy jobs),
+//! Modules: [`sys`] (device and ioctls), [`ops`] (operations on tensors),
+//! [`job`] (asynchronous copy jobs),
 //! [`trace`], [`dump`] (input dump), [`handles`] (the C ABI's table of live
 //! handles), [`accessor`] and [`coherency`] (typed accessors and their
 //! enforcer), [`memcpy`] (staging copies), [`compat`] (the seed's and nrt's
@@ -78,6 +86,7 @@ mod io;
 pub mod job;
 mod log;
 mod map;
+pub mod ops;
 mod reactor;
 mod set;
 mod storage;
@@ -97,17 +106,18 @@ use std::sync::{Arc, Mutex};
 
 pub use builder::TensorBuilder;
 pub use bytemuck;
-pub use completion::{Access, PendingAccess};
+pub use completion::{Access, Completion, PendingAccess};
 pub use error::{Error, Result};
 pub use half;
 pub use io::{Fencing, RawReadOp, RawWriteOp, ReadOp, WriteOp};
 pub use job::{Job, JobHandle, JobState};
 pub use log::{set_heartbeat_interval, set_logger, Level, Logger};
 pub use map::{MappedBytes, MappedBytesMut, OwnedMappedBytes, OwnedMappedBytesMut};
+pub use ops::TensorOps;
 pub use set::TensorSet;
 pub use storage::{StorageKind, HOST_ALIGN};
 pub use sys::{Device, DeviceKind, SysError};
-pub use tensor::{DeviceAllocationInfo, Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE};
+pub use tensor::{Placement, Tensor, DEFAULT_NAME, VIEW_HEAP_SIZE};
 pub use typed::TypedTensor;
 
 /// The node [`default_device`] opens unless [`set_default_device_path`]

@@ -427,6 +427,8 @@ impl Tensor {
 
 #[cfg(test)]
 mod tests {
+    use crate::accessor::TensorAccessors;
+    use crate::ops::TensorOps;
     use crate::{Error, Tensor};
 
     #[test]

@@ -26,7 +26,7 @@
 //! in-flight device access, and the host byte ranges are held as in
 //! [`Tensor::read`]/[`Tensor::write`]. A DMA write into a tensor counts as a
 //! job completion of its buffer, like any job
-//! ([`Tensor::check_output_completion`]).
+//! ([`crate::TensorOps::completion`]).
 
 mod kernels;
 

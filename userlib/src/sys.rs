@@ -155,10 +155,19 @@ pub enum SysError {
         /// Who reads them.
         owner: &'static str,
     },
-    /// EOPNOTSUPP: fence fds on a kernel without `sync_file`
-    /// (`CONFIG_SYNC_FILE`); see [`Device::supports_fence_fds`].
+    /// EOPNOTSUPP from SUBMIT with fence fds: a kernel without
+    /// `sync_file` (`CONFIG_SYNC_FILE`); see [`Device::supports_fence_fds`].
     #[error("{op}: fence fds need a kernel with CONFIG_SYNC_FILE (EOPNOTSUPP)")]
     FenceFdsUnsupported {
+        /// The operation.
+        op: &'static str,
+    },
+    /// EOPNOTSUPP otherwise: the call does not exist for this buffer or
+    /// device pair (for example IMPORT of another device's memory with no
+    /// peer-to-peer path to it, or COPY with such an import; see
+    /// `uapi/tdrv.h`).
+    #[error("{op}: not supported for this buffer or device (EOPNOTSUPP)")]
+    NotSupported {
         /// The operation.
         op: &'static str,
     },
@@ -208,7 +217,7 @@ impl SysError {
             libc::ENOTTY => Self::NotTdrv { op },
             libc::EAGAIN => Self::TooManyJobs { op },
             libc::ESTALE => Self::StaleJob { op },
-            libc::EOPNOTSUPP => Self::FenceFdsUnsupported { op },
+            libc::EOPNOTSUPP => Self::NotSupported { op },
             errno => Self::Os { op, errno },
         }
     }
@@ -235,7 +244,7 @@ impl SysError {
             Self::Pinned { .. } | Self::EventsBusy { .. } => libc::EBUSY,
             Self::TooManyJobs { .. } => libc::EAGAIN,
             Self::StaleJob { .. } => libc::ESTALE,
-            Self::FenceFdsUnsupported { .. } => libc::EOPNOTSUPP,
+            Self::FenceFdsUnsupported { .. } | Self::NotSupported { .. } => libc::EOPNOTSUPP,
             Self::Os { errno, .. } | Self::Open { errno, .. } => *errno,
             Self::AbiMismatch { .. } => libc::EPROTO,
         }
@@ -1138,7 +1147,14 @@ impl Device {
             ..Default::default()
         };
         let _pins = self.unpinned_but("SUBMIT", descs.iter().map(|d| d.dst_handle), owner)?;
-        self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)?;
+        self.ioctl("SUBMIT", uapi::TDRV_IOC_SUBMIT, &mut s, true)
+            .map_err(|e| match e {
+                // SUBMIT's EOPNOTSUPP is about the fence fds (tdrv.h).
+                SysError::NotSupported { op } if out_fence || !fds.is_empty() => {
+                    SysError::FenceFdsUnsupported { op }
+                }
+                e => e,
+            })?;
         let fence = if out_fence && s.out_fence >= 0 {
             // SAFETY: the driver installed this descriptor for this call
             // and nothing else owns it.
@@ -1545,6 +1561,12 @@ mod tests {
         ] {
             assert_eq!(SysError::from_errno("X", e).errno(), e);
         }
+        // EOPNOTSUPP is the fence-fd error only for SUBMIT with fences
+        // (submit_with_fences): an IMPORT without a peer-to-peer path
+        // must not blame CONFIG_SYNC_FILE.
+        let e = SysError::from_errno("IMPORT", libc::EOPNOTSUPP);
+        assert!(matches!(e, SysError::NotSupported { op: "IMPORT" }));
+        assert!(!e.to_string().contains("SYNC_FILE"), "{e}");
         assert!(matches!(
             SysError::from_errno("COPY", libc::EXDEV),
             SysError::CrossChannel { op: "COPY" }

@@ -27,7 +27,8 @@ use crate::trace::{self, TraceOp};
 /// Name given to tensors created without one.
 pub const DEFAULT_NAME: &str = "_unknown_";
 
-/// Where [`Tensor::allocate`] puts the bytes (nrt's placements).
+/// Where nrt's placements put the bytes: [`crate::TensorBuilder::placement`]
+/// and [`crate::compat::TensorCompat::allocate`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
     /// A tdrv device buffer (`Dma` storage) on the process-wide device.
@@ -36,17 +37,6 @@ pub enum Placement {
     Host,
     /// Plain host memory (`Malloc` storage).
     Virtual,
-}
-
-/// Physical placement of a device tensor (nrt's device allocation info).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeviceAllocationInfo {
-    /// Device (bus) address of the view's first byte.
-    pub physical_address: u64,
-    /// Size of the view in bytes.
-    pub size: usize,
-    /// HBM channel of the buffer.
-    pub hbm_index: u32,
 }
 
 /// The view behind a [`Tensor`] handle.
@@ -564,11 +554,8 @@ impl Tensor {
         }
     }
 
-    /// Allocates a tensor of `size` bytes. `Device` placement allocates on
-    /// HBM `channel` of the process-wide device ([`crate::default_device`]);
-    /// `Host` and `Virtual` allocate zeroed host memory and ignore
-    /// `channel`. The name defaults to `"_unknown_"`.
-    pub fn allocate(
+    /// [`crate::compat::TensorCompat::allocate`]: nrt's placements.
+    pub(crate) fn allocate_placed(
         placement: Placement,
         channel: u32,
         size: usize,
@@ -615,9 +602,9 @@ impl Tensor {
         Self::with_storage(name, Storage::new_fake(size))
     }
 
-    /// A tensor with no storage and size 0, to be given a buffer with
-    /// [`Tensor::attach_buffer`].
-    pub fn allocate_empty(name: Option<&str>) -> Result<Tensor> {
+    /// [`crate::compat::TensorCompat::allocate_empty`]: a tensor with no
+    /// storage and size 0.
+    pub(crate) fn empty(name: Option<&str>) -> Result<Tensor> {
         Self::new_view(name, None, 0, 0, (0, 0))
     }
 
@@ -625,29 +612,26 @@ impl Tensor {
     /// library.
     ///
     /// # Safety
-    /// See [`Tensor::attach_buffer`].
+    /// `ptr` must be valid for reads and writes of `size` bytes for as long
+    /// as any view of the new storage lives (slices included), and must not
+    /// be accessed by other means while a tensor operation on it runs. A
+    /// null `ptr` is allowed only with `size == 0`.
     pub unsafe fn from_user_buffer(
         ptr: *mut u8,
         size: usize,
         name: Option<&str>,
     ) -> Result<Tensor> {
-        let mut t = Self::allocate_empty(name)?;
+        let mut t = Self::empty(name)?;
         // SAFETY: forwarded to our caller.
-        unsafe { t.attach_buffer(ptr, size)? };
+        unsafe { t.attach_user_buffer(ptr, size)? };
         Ok(t)
     }
 
-    /// Drops the storage this view had (if it was the last user) and makes
-    /// the view cover the caller's buffer, which the library never frees.
-    /// Fails with [`Error::SharedView`] when other handles share the view
-    /// (clones, tensor sets): attach before sharing.
+    /// [`crate::compat::TensorCompat::attach_buffer`].
     ///
     /// # Safety
-    /// `ptr` must be valid for reads and writes of `size` bytes for as long
-    /// as any view of the new storage lives (slices included), and must not
-    /// be accessed by other means while a tensor operation on it runs. A
-    /// null `ptr` is allowed only with `size == 0`.
-    pub unsafe fn attach_buffer(&mut self, ptr: *mut u8, size: usize) -> Result<()> {
+    /// As [`Tensor::from_user_buffer`].
+    pub(crate) unsafe fn attach_user_buffer(&mut self, ptr: *mut u8, size: usize) -> Result<()> {
         if self.view_mut().is_none() {
             return Err(Error::SharedView(self.name().to_owned()));
         }
@@ -827,7 +811,7 @@ impl Tensor {
     /// and empty tensors, and for Dma buffers the driver cannot map.
     ///
     /// Writing through it bypasses the fences: see
-    /// [`Tensor::wait_device_idle`].
+    /// [`TensorOps::wait_device_idle`](crate::ops::TensorOps::wait_device_idle).
     pub fn va(&self) -> Option<NonNull<u8>> {
         let base = self.view().storage.as_ref()?.host_base()?;
         // SAFETY: offset <= storage size (checked when the view was made),
@@ -1002,8 +986,9 @@ impl Tensor {
     /// copies and jobs work.
     ///
     /// Errors: [`Error::Unsupported`] for a tensor not on a device;
-    /// [`Error::Sys`] with `EOPNOTSUPP` for device memory that cannot be
-    /// reached from another device (the sim device's HBM), `EINVAL` for a
+    /// [`Error::Sys`] with `EOPNOTSUPP` for device memory that `device`
+    /// cannot reach (the sim device's HBM, except peer-to-peer from an edu
+    /// device below the same PCI bridge), `EINVAL` for a
     /// `channel` `device` does not have, or the driver's error (see
     /// `docs/sharing.md` for which devices share with which).
     ///
@@ -1024,16 +1009,6 @@ impl Tensor {
         let fd = self.export_dmabuf()?;
         let whole = Tensor::from_dmabuf_on(device, channel, &fd, Some(self.name()))?;
         whole.slice(self.offset(), self.size(), Some(self.name()))
-    }
-
-    /// Physical address, size and HBM channel of a `Dma` tensor.
-    pub fn device_allocation_info(&self) -> Result<DeviceAllocationInfo> {
-        let physical_address = self.pa()?;
-        Ok(DeviceAllocationInfo {
-            physical_address,
-            size: self.view().size,
-            hbm_index: self.channel().unwrap_or(u32::MAX),
-        })
     }
 
     pub(crate) fn storage_for(&self, op: &'static str) -> Result<&Arc<Storage>> {
@@ -1068,8 +1043,8 @@ impl Tensor {
         &self.view().completion_epoch
     }
 
-    /// The accessor coherency enforcer of this view (`crate::accessor`).
-    pub fn coherency_enforcer(&self) -> &crate::coherency::CoherencyEnforcer {
+    /// [`crate::accessor::TensorAccessors::coherency_enforcer`].
+    pub(crate) fn enforcer(&self) -> &crate::coherency::CoherencyEnforcer {
         &self.view().coherency
     }
 }
@@ -1130,6 +1105,8 @@ pub const VIEW_HEAP_SIZE: usize = std::mem::size_of::<ViewInner>();
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compat::TensorCompat;
+    use crate::ops::TensorOps;
 
     #[test]
     fn a_view_takes_at_most_96_bytes() {
@@ -1159,7 +1136,7 @@ mod tests {
                     assert_eq!(s.name(), name.unwrap_or(DEFAULT_NAME));
                     assert_eq!(s.view_ref_count(), 1);
                     assert!(s.shares_storage_with(&t) && !s.same_view(&p));
-                    assert_eq!(s.output_completion_count().unwrap(), 0);
+                    assert_eq!(s.completion().count().unwrap(), 0);
                     let c = s.clone();
                     assert_eq!((s.view_ref_count(), c.view_ref_count()), (2, 2));
                     drop(s);
@@ -1226,7 +1203,7 @@ mod tests {
         assert!(!st.zero_baseline());
         // Host storage: counted or not, the view's own count starts at 0.
         let s = t.slice(0, 8, None).unwrap();
-        assert_eq!(s.output_completion_count().unwrap(), 0);
+        assert_eq!(s.completion().count().unwrap(), 0);
     }
 
     #[test]

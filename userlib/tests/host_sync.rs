@@ -7,6 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use tdrv::compat::TensorCompat;
+use tdrv::ops::TensorOps;
 use tdrv::{Access, Error, PendingAccess, Tensor};
 
 /// Waits until `flag` is set or `limit` passes.
@@ -207,33 +208,37 @@ fn timed_device_waits() {
 fn output_completion_counts_per_view() {
     let out = Tensor::allocate_host(128, Some("out")).unwrap();
     // 0 polls.
-    out.check_output_completion(Some(std::time::Duration::ZERO), 0)
+    out.completion()
+        .wait(0, Some(std::time::Duration::ZERO))
         .unwrap();
     assert!(out
-        .check_output_completion(Some(std::time::Duration::ZERO), 1)
+        .completion()
+        .wait(1, Some(std::time::Duration::ZERO))
         .unwrap_err()
         .is_timeout());
-    out.record_output_completion().unwrap();
-    out.record_output_completion().unwrap();
-    out.check_output_completion(Some(std::time::Duration::ZERO), 2)
+    out.completion().record().unwrap();
+    out.completion().record().unwrap();
+    out.completion()
+        .wait(2, Some(std::time::Duration::ZERO))
         .unwrap();
-    assert_eq!(out.output_completion_count().unwrap(), 2);
+    assert_eq!(out.completion().count().unwrap(), 2);
 
     // A slice starts at 0 and counts on its own.
     let s = out.slice(0, 64, None).unwrap();
-    assert_eq!(s.output_completion_count().unwrap(), 0);
-    s.record_output_completion().unwrap();
-    assert_eq!(s.output_completion_count().unwrap(), 1);
-    assert_eq!(out.output_completion_count().unwrap(), 2);
+    assert_eq!(s.completion().count().unwrap(), 0);
+    s.completion().record().unwrap();
+    assert_eq!(s.completion().count().unwrap(), 1);
+    assert_eq!(out.completion().count().unwrap(), 2);
 
-    out.reset_output_completion().unwrap();
-    assert_eq!(out.output_completion_count().unwrap(), 0);
-    assert_eq!(s.output_completion_count().unwrap(), 1);
+    out.completion().reset().unwrap();
+    assert_eq!(out.completion().count().unwrap(), 0);
+    assert_eq!(s.completion().count().unwrap(), 1);
 
     // Timed wait that runs out.
     let start = Instant::now();
     let err = out
-        .check_output_completion(Some(std::time::Duration::from_micros(20_000)), 1)
+        .completion()
+        .wait(1, Some(std::time::Duration::from_micros(20_000)))
         .unwrap_err();
     assert!(matches!(err, Error::Timeout { .. }));
     assert!(start.elapsed() >= Duration::from_millis(20));
@@ -242,20 +247,48 @@ fn output_completion_counts_per_view() {
     let waiter = {
         let out = out.clone();
         thread::spawn(move || {
-            out.check_output_completion(Some(std::time::Duration::from_micros(10_000_000)), 3)
+            out.completion()
+                .wait(3, Some(std::time::Duration::from_micros(10_000_000)))
         })
     };
     for _ in 0..3 {
         thread::sleep(Duration::from_millis(10));
-        out.record_output_completion().unwrap();
+        out.completion().record().unwrap();
     }
     waiter.join().unwrap().unwrap();
 
     // Fake storage has counters too.
     let f = Tensor::allocate_fake(8, None).unwrap();
-    f.record_output_completion().unwrap();
-    f.check_output_completion(Some(std::time::Duration::ZERO), 1)
+    f.completion().record().unwrap();
+    f.completion()
+        .wait(1, Some(std::time::Duration::ZERO))
         .unwrap();
+}
+
+/// nrt's names for the completion plane (`compat::TensorCompat`) are the
+/// same count as `Tensor::completion`: each name acts on it, and the view
+/// sees what the names did.
+#[test]
+fn nrt_completion_names_are_the_completion_view() {
+    let out = Tensor::allocate_host(16, Some("nrt_out")).unwrap();
+    let s = out.slice(0, 8, None).unwrap();
+    out.record_output_completion().unwrap();
+    assert_eq!(out.completion().count().unwrap(), 1);
+    assert_eq!(out.output_completion_count().unwrap(), 1);
+    out.check_output_completion(Some(Duration::ZERO), 1)
+        .unwrap();
+    assert!(out
+        .check_output_completion_us(0, 2)
+        .unwrap_err()
+        .is_timeout());
+    out.completion().record().unwrap();
+    out.check_output_completion_us(-1, 2).unwrap();
+    out.reset_output_completion().unwrap();
+    assert_eq!(out.completion().count().unwrap(), 0);
+    // Per view, under either name.
+    assert_eq!(s.output_completion_count().unwrap(), 0);
+    // The view borrows its tensor and names it.
+    assert!(out.completion().tensor().same_view(&out));
 }
 
 #[test]
@@ -271,7 +304,7 @@ fn unbounded_completion_wait_logs_a_heartbeat() {
     let out = Tensor::allocate_host(8, Some("slow_output")).unwrap();
     let waiter = {
         let out = out.clone();
-        thread::spawn(move || out.check_output_completion(None, 1))
+        thread::spawn(move || out.completion().wait(1, None))
     };
     // The heartbeat is the event: wait for it (the bound only turns a
     // missing heartbeat into a failure), then let the waiter through.
@@ -285,7 +318,7 @@ fn unbounded_completion_wait_logs_a_heartbeat() {
     while !heartbeat() && t0.elapsed() < Duration::from_secs(60) {
         thread::sleep(Duration::from_millis(2));
     }
-    out.record_output_completion().unwrap();
+    out.completion().record().unwrap();
     waiter.join().unwrap().unwrap();
     tdrv::set_heartbeat_interval(Duration::from_secs(30));
     tdrv::set_logger(None);

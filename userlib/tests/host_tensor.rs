@@ -1,6 +1,8 @@
 //! Host paths of the tensor layer: Malloc, Fake, user-attached and empty
 //! tensors, slices, refcounts, I/O, batches, copies and tensor sets.
 
+use tdrv::compat::TensorCompat;
+use tdrv::ops::TensorOps;
 use tdrv::{Error, Fencing, Placement, ReadOp, StorageKind, Tensor, TensorSet, WriteOp};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -156,8 +158,8 @@ fn get_reference_is_the_same_view() {
     assert!(r.same_view(&t));
     assert_eq!(t.view_ref_count(), 2);
     assert_eq!(t.storage_ref_count(), 1, "a reference is not a slice");
-    r.record_output_completion().unwrap();
-    assert_eq!(t.output_completion_count().unwrap(), 1);
+    r.completion().record().unwrap();
+    assert_eq!(t.completion().count().unwrap(), 1);
     drop(t);
     assert_eq!(r.view_ref_count(), 1);
     assert_eq!(r.name(), "r");
@@ -315,7 +317,8 @@ fn empty_tensors_have_no_storage() {
     assert!(matches!(e.slice(0, 0, None), Err(Error::NoStorage { .. })));
     assert!(e.memset(0, 0, 0).is_err());
     assert!(e
-        .check_output_completion(Some(std::time::Duration::ZERO), 0)
+        .completion()
+        .wait(0, Some(std::time::Duration::ZERO))
         .is_err());
     let h = Tensor::allocate_host(4, None).unwrap();
     assert!(Tensor::copy(&e, 0, &h, 0, 0).is_err());

@@ -7,6 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use tdrv::Tensor;
+use tdrv::TensorOps;
 
 static SEEN: Mutex<Vec<(log::Level, String, String)>> = Mutex::new(Vec::new());
 
@@ -32,7 +33,7 @@ fn warnings_reach_the_log_crate() {
     let out = Tensor::allocate_host(8, Some("logged_output")).unwrap();
     let waiter = {
         let out = out.clone();
-        thread::spawn(move || out.check_output_completion(None, 1))
+        thread::spawn(move || out.completion().wait(1, None))
     };
     // The heartbeat is the event: wait for it (the bound only turns a
     // missing heartbeat into a failure), then let the waiter through.
@@ -48,7 +49,7 @@ fn warnings_reach_the_log_crate() {
     while !heartbeat() && t0.elapsed() < Duration::from_secs(60) {
         thread::sleep(Duration::from_millis(2));
     }
-    out.record_output_completion().unwrap();
+    out.completion().record().unwrap();
     waiter.join().unwrap().unwrap();
     let seen = SEEN.lock().unwrap();
     assert!(

@@ -4,6 +4,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
+use tdrv::compat::TensorCompat;
 use tdrv::{Error, Tensor};
 
 /// The system allocator, failing every allocation of this thread while

@@ -32,7 +32,9 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 
+use tdrv::compat::TensorCompat;
 use tdrv::handles::{HandleTable, HandlesMut};
+use tdrv::ops::TensorOps;
 use tdrv::{Error, Fencing, Placement, RawReadOp, RawWriteOp, SysError, Tensor};
 
 /// Status codes (`NRT_STATUS`, `nrt/nrt_status.h`): every value of
@@ -1109,10 +1111,7 @@ pub extern "C" fn nrt_tensor_check_output_completion(
     const F: &str = "nrt_tensor_check_output_completion";
     guard(F, || {
         let t = tri!(borrow(F, output));
-        match t.check_output_completion(
-            tdrv::compat::timeout_from_us(timeout_us),
-            expected_completion_count,
-        ) {
+        match t.check_output_completion_us(timeout_us, expected_completion_count) {
             Ok(()) => NRT_SUCCESS,
             // A time-out is an answer, not an error worth a log line.
             Err(e) if e.is_timeout() => NRT_TIMEOUT,

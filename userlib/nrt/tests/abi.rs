@@ -5,6 +5,7 @@ use std::ffi::CString;
 use std::ptr::null_mut;
 
 use nrt::*;
+use tdrv::compat::TensorCompat;
 
 fn alloc(size: usize, name: &str) -> *mut nrt_tensor_t {
     let name = CString::new(name).unwrap();

@@ -68,6 +68,7 @@ unsafe fn store<T: Element>(p: *mut T, value: T) {
 /// read-only accessor).
 ///
 /// ```
+/// use tdrv::accessor::TensorAccessors;
 /// use tdrv::Tensor;
 ///
 /// let mut t = Tensor::allocate_host(6 * 4, Some("m"))?;
@@ -218,7 +219,7 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
                 .into())
             }
         }
-        let slot = tensor.coherency_enforcer().slot(AccessorKind::Unbuffered)?;
+        let slot = tensor.enforcer().slot(AccessorKind::Unbuffered)?;
         // Every element lies in the first `needed` bytes of the view.
         let needed = bytes_needed::<T>(&sizes, &strides).unwrap_or(0) as usize;
         let (storage, abs) = tensor.locate("accessor", 0, needed)?;
@@ -227,7 +228,7 @@ impl<'a, T: Element, const N: usize, M: Mode> TensorAccessor<'a, T, N, M> {
             Span::direct(abs, needed, access == Access::Write),
         )?;
         // The slot and span are released by their guards if the wait fails.
-        tensor.wait_device_idle(access, None)?;
+        tensor.device_idle_wait(access, None)?;
         Ok(TensorAccessor {
             slot,
             _span: span,

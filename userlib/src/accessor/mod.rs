@@ -1,5 +1,5 @@
 //! Typed accessors onto a tensor's memory, gated by its
-//! [`CoherencyEnforcer`](crate::coherency::CoherencyEnforcer) (seed 003, §5).
+//! [`CoherencyEnforcer`] (seed 003, §5).
 //!
 //! | accessor                       | slot        | data path                          |
 //! |--------------------------------|-------------|------------------------------------|
@@ -22,6 +22,7 @@
 //! active `neuron_memcpy` method applies.
 //!
 //! ```
+//! use tdrv::accessor::TensorAccessors;
 //! use tdrv::coherency::{CoherenceError, Policy};
 //! use tdrv::{Error, Tensor};
 //!
@@ -46,6 +47,7 @@
 //! A read-only accessor has no `set`:
 //!
 //! ```compile_fail
+//! use tdrv::accessor::TensorAccessors;
 //! let t = tdrv::Tensor::allocate_host(16, None).unwrap();
 //! let mut a = t.accessor::<u32, 1>([4]).unwrap();
 //! a.set([0], 1).unwrap();
@@ -62,7 +64,7 @@ pub use tcm::{TcmBuffer, TensorTcmAccessor};
 use std::mem::{align_of, size_of};
 use std::ptr::NonNull;
 
-use crate::coherency::Policy;
+use crate::coherency::{CoherencyEnforcer, Policy};
 use crate::storage::StorageKind;
 use crate::tensor::Tensor;
 
@@ -245,55 +247,94 @@ fn staged_kind(tensor: &Tensor, op: &'static str) -> Result<StorageKind> {
     }
 }
 
-/// The seed's tensor-side API (`TensorBase.h`): the enforcer, its policy,
-/// and the accessor factories.
-impl Tensor {
+mod sealed_tensor {
+    /// Only the crate implements [`super::TensorAccessors`].
+    pub trait Sealed {}
+    impl Sealed for crate::Tensor {}
+}
+
+/// The seed's tensor-side accessor API (`TensorBase.h`): the view's
+/// coherency enforcer, its policy, and the accessor factories. An
+/// extension trait of [`Tensor`] (sealed), so that the seed's typed
+/// accessors are one role apart from the tensor's own memory and views;
+/// `use tdrv::accessor::TensorAccessors` (also in [`crate::compat`]) to
+/// call them as methods.
+pub trait TensorAccessors: sealed_tensor::Sealed {
+    /// The accessor coherency enforcer of this view.
+    fn coherency_enforcer(&self) -> &CoherencyEnforcer;
+
     /// The view's accessor coherence policy (COHERENT when made).
-    pub fn get_accessor_coherence_policy(&self) -> Policy {
-        self.coherency_enforcer().policy()
-    }
+    fn get_accessor_coherence_policy(&self) -> Policy;
 
     /// Sets the policy; works through a shared tensor, like the seed's
     /// `const` setter on its `mutable` enforcer.
-    pub fn set_accessor_coherence_policy(&self, policy: Policy) {
-        self.coherency_enforcer().set_policy(policy);
-    }
+    fn set_accessor_coherence_policy(&self, policy: Policy);
 
     /// A read-only, unbuffered accessor over `sizes` (row-major strides).
-    pub fn accessor<T: Element, const N: usize>(
+    fn accessor<T: Element, const N: usize>(
+        &self,
+        sizes: [usize; N],
+    ) -> Result<TensorAccessor<'_, T, N, ReadOnly>>;
+
+    /// A read-write, unbuffered accessor over `sizes` (row-major strides).
+    fn accessor_mut<T: Element, const N: usize>(
+        &mut self,
+        sizes: [usize; N],
+    ) -> Result<TensorAccessor<'_, T, N, ReadWrite>>;
+
+    /// A buffered reader of the view's `size() / size_of::<T>()` elements.
+    fn read_stream_accessor<T: Element>(&self) -> Result<TensorReadStreamAccessor<'_, T>>;
+
+    /// The exclusive buffered writer of the view's elements.
+    fn write_stream_accessor<T: Element>(&mut self) -> Result<TensorWriteStreamAccessor<'_, T>>;
+
+    /// A read-only TCM (scratch) stager.
+    fn tcm_accessor(&self) -> Result<TensorTcmAccessor<'_, ReadOnly>>;
+
+    /// A read-write TCM (scratch) stager.
+    fn tcm_accessor_mut(&mut self) -> Result<TensorTcmAccessor<'_, ReadWrite>>;
+}
+
+impl TensorAccessors for Tensor {
+    fn coherency_enforcer(&self) -> &CoherencyEnforcer {
+        self.enforcer()
+    }
+
+    fn get_accessor_coherence_policy(&self) -> Policy {
+        self.enforcer().policy()
+    }
+
+    fn set_accessor_coherence_policy(&self, policy: Policy) {
+        self.enforcer().set_policy(policy);
+    }
+
+    fn accessor<T: Element, const N: usize>(
         &self,
         sizes: [usize; N],
     ) -> Result<TensorAccessor<'_, T, N, ReadOnly>> {
         TensorAccessor::new(self, sizes)
     }
 
-    /// A read-write, unbuffered accessor over `sizes` (row-major strides).
-    pub fn accessor_mut<T: Element, const N: usize>(
+    fn accessor_mut<T: Element, const N: usize>(
         &mut self,
         sizes: [usize; N],
     ) -> Result<TensorAccessor<'_, T, N, ReadWrite>> {
         TensorAccessor::new_mut(self, sizes)
     }
 
-    /// A buffered reader of the view's `size() / size_of::<T>()` elements.
-    pub fn read_stream_accessor<T: Element>(&self) -> Result<TensorReadStreamAccessor<'_, T>> {
+    fn read_stream_accessor<T: Element>(&self) -> Result<TensorReadStreamAccessor<'_, T>> {
         TensorReadStreamAccessor::new(self)
     }
 
-    /// The exclusive buffered writer of the view's elements.
-    pub fn write_stream_accessor<T: Element>(
-        &mut self,
-    ) -> Result<TensorWriteStreamAccessor<'_, T>> {
+    fn write_stream_accessor<T: Element>(&mut self) -> Result<TensorWriteStreamAccessor<'_, T>> {
         TensorWriteStreamAccessor::new(self)
     }
 
-    /// A read-only TCM (scratch) stager.
-    pub fn tcm_accessor(&self) -> Result<TensorTcmAccessor<'_, ReadOnly>> {
+    fn tcm_accessor(&self) -> Result<TensorTcmAccessor<'_, ReadOnly>> {
         TensorTcmAccessor::new(self)
     }
 
-    /// A read-write TCM (scratch) stager.
-    pub fn tcm_accessor_mut(&mut self) -> Result<TensorTcmAccessor<'_, ReadWrite>> {
+    fn tcm_accessor_mut(&mut self) -> Result<TensorTcmAccessor<'_, ReadWrite>> {
         TensorTcmAccessor::new_mut(self)
     }
 }

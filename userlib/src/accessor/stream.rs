@@ -31,6 +31,7 @@ const fn capacity<T>() -> usize {
 /// writers and with unbuffered accessors.
 ///
 /// ```
+/// use tdrv::accessor::TensorAccessors;
 /// use tdrv::Tensor;
 ///
 /// let t = Tensor::allocate_host(12, None)?;
@@ -62,9 +63,7 @@ impl<'a, T: Element> TensorReadStreamAccessor<'a, T> {
         const OP: &str = "read_stream_accessor";
         check_element::<T>(OP)?;
         staged_kind(tensor, OP)?;
-        let slot = tensor
-            .coherency_enforcer()
-            .slot(AccessorKind::BufferedReader)?;
+        let slot = tensor.enforcer().slot(AccessorKind::BufferedReader)?;
         let staging = LocalBuffer::staging_for(tensor, capacity::<T>() * size_of::<T>())?;
         let mut s = TensorReadStreamAccessor {
             slot: Some(slot),
@@ -220,9 +219,7 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
         let tensor: &'a Tensor = tensor;
         check_element::<T>(OP)?;
         staged_kind(tensor, OP)?;
-        let slot = tensor
-            .coherency_enforcer()
-            .slot(AccessorKind::BufferedWriter)?;
+        let slot = tensor.enforcer().slot(AccessorKind::BufferedWriter)?;
         let staging = LocalBuffer::staging_for(tensor, capacity::<T>() * size_of::<T>())?;
         Ok(TensorWriteStreamAccessor {
             slot: Some(slot),
@@ -289,7 +286,7 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
         #[cfg(test)]
         order_probe::record(order_probe::Event::Flushed {
             bytes: self.buffered * size,
-            writers_open: self.tensor.coherency_enforcer().counts().buffered_writers,
+            writers_open: self.tensor.enforcer().counts().buffered_writers,
         });
         self.buffered = 0;
         self.flushes += 1;
@@ -304,6 +301,7 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
     /// failure.
     ///
     /// ```
+    /// use tdrv::accessor::TensorAccessors;
     /// use tdrv::Tensor;
     ///
     /// let mut t = Tensor::allocate_host(8, None)?;
@@ -336,7 +334,7 @@ impl<'a, T: Element> TensorWriteStreamAccessor<'a, T> {
         }
         #[cfg(test)]
         order_probe::record(order_probe::Event::Released {
-            writers_open: self.tensor.coherency_enforcer().counts().buffered_writers,
+            writers_open: self.tensor.enforcer().counts().buffered_writers,
         });
         Ok(())
     }

@@ -40,6 +40,7 @@ use crate::tensor::Tensor;
 /// Offsets and counts are in elements of `T`, from the view's first byte.
 ///
 /// ```
+/// use tdrv::accessor::TensorAccessors;
 /// use tdrv::Tensor;
 ///
 /// let mut t = Tensor::allocate_host(64, None)?;
@@ -143,7 +144,7 @@ impl<'a> TensorTcmAccessor<'a, ReadWrite> {
 impl<'a, M: Mode> TensorTcmAccessor<'a, M> {
     fn make(tensor: &'a Tensor) -> Result<Self> {
         staged_kind(tensor, "tcm_accessor")?;
-        let slot = tensor.coherency_enforcer().slot(AccessorKind::Unbuffered)?;
+        let slot = tensor.enforcer().slot(AccessorKind::Unbuffered)?;
         Ok(TensorTcmAccessor {
             slot,
             tensor,

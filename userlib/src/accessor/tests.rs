@@ -1,6 +1,8 @@
 use super::stream::order_probe::{self, Event};
 use super::*;
 use crate::coherency::{AccessorKind, Admission, CoherenceError, OpenCounts};
+use crate::compat::TensorCompat;
+use crate::ops::TensorOps;
 use crate::Error;
 
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};

@@ -1,5 +1,6 @@
 use super::*;
 use crate::compat::TensorCompat;
+use crate::ops::TensorOps;
 
 use NeuronMemcpyMethod::{CMemcpy, Dma, VecMemcpy};
 

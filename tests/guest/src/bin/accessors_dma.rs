@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use tdrv::accessor::{ReadWrite, TensorAccessor};
+use tdrv::accessor::{ReadWrite, TensorAccessor, TensorAccessors};
 use tdrv::coherency::{CoherenceError, Policy};
 use tdrv::memcpy::{
     neuron_get_memcpy_method, neuron_memcpy_from_tensor_with, neuron_memcpy_read_with,

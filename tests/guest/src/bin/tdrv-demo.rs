@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tdrv::{Device, DeviceKind, Job, Tensor};
+use tdrv::{Device, DeviceKind, Job, Tensor, TensorOps};
 
 /// How many bytes the demo copies on a device of this kind. QEMU's edu
 /// device moves 4 KiB per DMA transfer and completes each one on a 100 ms
@@ -82,13 +82,14 @@ fn demo(path: &PathBuf) -> Result<(), String> {
     handle
         .wait_timeout(std::time::Duration::from_secs(60))
         .map_err(|e| e.to_string())?;
-    dst.check_output_completion(Some(std::time::Duration::from_secs(60)), 1)
+    dst.completion()
+        .wait(1, Some(std::time::Duration::from_secs(60)))
         .map_err(|e| e.to_string())?;
     let took = started.elapsed().as_secs_f64();
     println!(
         "  {} reached output completion {} after {:.3} ms: the copy job moved {} KiB at {}",
         dst.name(),
-        dst.output_completion_count().map_err(|e| e.to_string())?,
+        dst.completion().count().map_err(|e| e.to_string())?,
         took * 1e3,
         size >> 10,
         rate(size, took)

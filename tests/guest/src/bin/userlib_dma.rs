@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tdrv::compat::TensorCompat;
+use tdrv::ops::TensorOps;
 use tdrv::sys::FenceKind;
 use tdrv::{
     sys::DeviceKind, Access, Device, Error, Fencing, Job, Placement, ReadOp, StorageKind, SysError,
@@ -388,7 +389,7 @@ fn failed_job(c: &Ctx, t: &mut Tap) {
         // Waited for before the job's own outcome: ends, with the error.
         failed(
             "completion wait (no time limit)",
-            dst.check_output_completion(None, 1),
+            dst.completion().wait(1, None),
         )?;
         match h.wait() {
             Err(tdrv::Error::JobFailed { errno, .. }) if errno == want => {}
@@ -461,7 +462,7 @@ fn failed_job(c: &Ctx, t: &mut Tap) {
         };
         checks?;
         e("job after recovery", h.wait_timeout(JOB_WAIT))?;
-        e("completion", dst.check_output_completion(Some(JOB_WAIT), 1))
+        e("completion", dst.completion().wait(1, Some(JOB_WAIT)))
     });
 }
 
@@ -627,7 +628,7 @@ fn job_and_completion(c: &Ctx) -> R {
     let early = e("slice before the job", dst.slice(0, 4096, None))?;
     let data = pattern(size, 0x21);
     e("write", src.write(0, &data))?;
-    match dst.check_output_completion(Some(std::time::Duration::ZERO), 1) {
+    match dst.completion().wait(1, Some(std::time::Duration::ZERO)) {
         Err(err) if err.is_timeout() => {}
         other => return Err(format!("poll before any job: {other:?}")),
     }
@@ -641,52 +642,52 @@ fn job_and_completion(c: &Ctx) -> R {
     let h = e("submit", job.submit())?;
     e(
         "check_output_completion",
-        dst.check_output_completion(Some(JOB_WAIT), 1),
+        dst.completion().wait(1, Some(JOB_WAIT)),
     )?;
     e("job wait", h.wait_timeout(JOB_WAIT))?;
-    expect_eq("count", e("count", dst.output_completion_count())?, 1)?;
+    expect_eq("count", e("count", dst.completion().count())?, 1)?;
     expect_eq(
         "count of a slice made before the job",
-        e("count", early.output_completion_count())?,
+        e("count", early.completion().count())?,
         1,
     )?;
     let late = e("slice after the job", dst.slice(0, 4096, None))?;
     expect_eq(
         "count of a slice made after the job",
-        e("count", late.output_completion_count())?,
+        e("count", late.completion().count())?,
         0,
     )?;
-    match late.check_output_completion(Some(std::time::Duration::ZERO), 1) {
+    match late.completion().wait(1, Some(std::time::Duration::ZERO)) {
         Err(err) if err.is_timeout() => {}
         other => return Err(format!("a new slice starts at 0: {other:?}")),
     }
     same("job output", &read_all(&dst)?, &data)?;
 
     // Reset is per view; the next job counts from 0 again.
-    e("reset", dst.reset_output_completion())?;
+    e("reset", dst.completion().reset())?;
     expect_eq(
         "count after reset",
-        e("count", dst.output_completion_count())?,
+        e("count", dst.completion().count())?,
         0,
     )?;
     expect_eq(
         "other view keeps its count",
-        e("count", early.output_completion_count())?,
+        e("count", early.completion().count())?,
         1,
     )?;
     let mut job = Job::new();
     e("job copy", job.copy(&src, 0, &late, 0, 4096))?;
     let h = e("submit", job.submit())?;
-    e("wait forever", dst.check_output_completion(None, 1))?;
+    e("wait forever", dst.completion().wait(1, None))?;
     e("job wait", h.wait())?;
     expect_eq(
         "late slice count",
-        e("count", late.output_completion_count())?,
+        e("count", late.completion().count())?,
         1,
     )?;
     expect_eq(
         "early slice count",
-        e("count", early.output_completion_count())?,
+        e("count", early.completion().count())?,
         2,
     )?;
     let p = e("pending", dst.pending_async())?;
@@ -983,7 +984,7 @@ fn device_fences_and_misuse(c: &Ctx) -> R {
         Err(Error::Unsupported { .. }) => {}
         other => return Err(format!("async marks on Dma: {other:?}")),
     }
-    match t.record_output_completion() {
+    match t.completion().record() {
         Err(Error::Unsupported { .. }) => {}
         other => return Err(format!("host completion on Dma: {other:?}")),
     }
