@@ -39,7 +39,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tdrv::{Device, DeviceKind, Job, JobState, Tensor, VIEW_HEAP_SIZE};
+use tdrv::{Device, DeviceKind, Job, JobState, Tensor, TensorOps, VIEW_HEAP_SIZE};
 use tdrv_guest_tests::raw;
 
 const KIB: usize = 1024;
@@ -1625,7 +1625,8 @@ fn fence_wakes(
         let _pin = Pinned::to(1);
         while let Ok(k) = go_rx.recv() {
             waiter_view
-                .check_output_completion(None, k)
+                .completion()
+                .wait(k, None)
                 .expect("completion wait");
             done_tx.send(Instant::now()).expect("send");
         }
@@ -2523,6 +2524,223 @@ fn fig12(c: &Ctx) {
 }
 
 // ---------------------------------------------------------------------
+// Figure 13: cross-device jobs (issue 36 item 5, issue 33's bench row)
+
+/// Bytes of figure 13's job: 16 MiB, as issue 33 asks.
+const XDEV_BYTES: usize = 16 * MIB;
+
+/// Bytes of figure 13's job when edu runs it: edu's DMA engine moves 4 KiB
+/// per step, twice per chunk (into its buffer and out), each after 100 ms
+/// of virtual time, so a 16 MiB job on it takes minutes of host time per
+/// round even under -icount. The ratio does not depend on the size there
+/// (8,192 timer waits per 16 MiB against two CPU copies), so 1 MiB says
+/// the same in a sixteenth of the time.
+const XDEV_BYTES_EDU: usize = MIB;
+
+/// Every tdrv device of the guest, in node order.
+fn tdrv_devices() -> Vec<(String, Arc<Device>)> {
+    (0..16)
+        .filter_map(|i| {
+            let p = format!("/dev/tdrv{i}");
+            let d = Device::open(&p).ok()?;
+            Some((p, d))
+        })
+        .collect()
+}
+
+/// Figure 13 (issue 36 item 5): a 16 MiB copy job (1 MiB on edu: see
+/// `XDEV_BYTES_EDU`) on device B whose source is device A's buffer,
+/// imported zero-copy (`Tensor::share_to`: EXPORT on A, IMPORT on B),
+/// against the same bytes bounced through host memory
+/// (COPY_OUT from A into an anonymous buffer, then COPY_IN into B), and
+/// B's own copy job between two of its buffers (what the job costs
+/// without the import), and the bounce's two halves alone. MB/s; the
+/// report's ratio, zero-copy over bounce, is the bounce's time over the
+/// zero-copy job's.
+///
+/// Pairs (exporter > importer): two software devices (`soft_devices=2`)
+/// and both directions of soft and edu in the `-icount` guest; soft > sim
+/// and sim > soft in the host-clock sim guest. The pair the driver
+/// documents as refused (sim memory into a software device, which has no
+/// peer-to-peer path to it: EOPNOTSUPP) is reported as such
+/// (`13_unsupported`) instead of a number; any other refusal fails the
+/// run. (sim > edu works peer-to-peer, but a job on edu in a host-clock
+/// guest waits 100 ms of real time per DMA step: the sim guest has no
+/// edu.)
+fn fig13(c: &Ctx) {
+    let devs = tdrv_devices();
+    let of = |k: DeviceKind| -> Vec<&(String, Arc<Device>)> {
+        devs.iter().filter(|(_, d)| d.kind() == k).collect()
+    };
+    let (softs, edus, sims) = (
+        of(DeviceKind::Soft),
+        of(DeviceKind::Edu),
+        of(DeviceKind::Sim),
+    );
+    let mut pairs = Vec::new();
+    if let [a, b, ..] = softs[..] {
+        pairs.push((a, b));
+    } else {
+        note(format!(
+            "fig13: {} software device(s): soft > soft needs two (soft_devices=2)",
+            softs.len()
+        ));
+    }
+    if let (Some(&s), Some(&e)) = (softs.first(), edus.first()) {
+        pairs.push((e, s));
+        pairs.push((s, e));
+    }
+    if let (Some(&s), Some(&m)) = (softs.first(), sims.first()) {
+        pairs.push((s, m));
+        pairs.push((m, s));
+    }
+    if pairs.is_empty() {
+        note(format!(
+            "fig13: no pair of tdrv devices in {} ({} found): skipped",
+            c.path,
+            devs.len()
+        ));
+    }
+    for ((pa, a), (pb, b)) in pairs {
+        let case = format!("{}>{}", a.kind(), b.kind());
+        let size = if b.kind() == DeviceKind::Edu {
+            XDEV_BYTES_EDU
+        } else {
+            XDEV_BYTES
+        };
+        fig13_pair(&case, (pa.as_str(), a), (pb.as_str(), b), size);
+    }
+}
+
+/// One pair of figure 13: `a` exports, `b` imports and runs the job.
+fn fig13_pair(
+    case: &str,
+    (pa, a): (&str, &Arc<Device>),
+    (pb, b): (&str, &Arc<Device>),
+    size: usize,
+) {
+    let src = ok(
+        "allocate_on A",
+        Tensor::allocate_on(a, 0, size, Some("fig13a")),
+    );
+    let shared = match src.share_to(b, 0) {
+        Ok(t) => t,
+        // The one documented refusal (docs/sharing.md): a software device
+        // has no peer-to-peer path to sim memory. Any other error is a
+        // broken pair, not a row to report.
+        Err(e)
+            if a.kind() == DeviceKind::Sim
+                && b.kind() == DeviceKind::Soft
+                && e.raw_os_error() == Some(libc::EOPNOTSUPP) =>
+        {
+            // (The library words its EOPNOTSUPP for fence fds; the errno
+            // is what the driver documents for this pair.)
+            note(format!(
+                "fig13 {case} ({pa} > {pb}): IMPORT refused: EOPNOTSUPP ({e})"
+            ));
+            emit_info(
+                "13_unsupported",
+                &[
+                    ("case", case.to_owned()),
+                    ("errno", "EOPNOTSUPP".to_owned()),
+                    (
+                        "why",
+                        "the software device has no peer-to-peer path to sim device \
+                         memory (docs/sharing.md)"
+                            .to_owned(),
+                    ),
+                    ("exporter", pa.to_owned()),
+                    ("importer", pb.to_owned()),
+                ],
+            );
+            return;
+        }
+        Err(e) => panic!("fig13 {case} ({pa} > {pb}): share_to: {e}"),
+    };
+    let dst = ok(
+        "allocate_on B",
+        Tensor::allocate_on(b, 0, size, Some("fig13b")),
+    );
+    let dst2 = ok(
+        "allocate_on B",
+        Tensor::allocate_on(b, 0, size, Some("fig13c")),
+    );
+    let (ha, hb) = (
+        src.dma_handle().expect("Dma handle"),
+        dst.dma_handle().expect("Dma handle"),
+    );
+    let host = Anon::new(size, 0);
+    let hp = host.ptr;
+    let pattern: Vec<u8> = (0..size)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (i >> 12) as u8)
+        .collect();
+    ok("COPY_IN A", a.copy_in(ha, 0, &pattern));
+    // The bytes arrive through each path before any is timed: a broken
+    // path must not be measured as a fast one.
+    let check = |what: &str| {
+        let mut got = vec![0u8; size];
+        ok("COPY_OUT B", b.copy_out(hb, 0, &mut got));
+        assert!(
+            got == pattern,
+            "fig13 {case}: {what} did not deliver A's bytes to B"
+        );
+        ok("clear B", b.copy_in(hb, 0, &vec![0u8; size]));
+    };
+    job_copy(&shared, &dst, size);
+    check("the zero-copy job");
+    let bounce = || {
+        // SAFETY: `host` is `size` writable bytes for the whole figure;
+        // the cases run one at a time, so this is its only reference.
+        let h = unsafe { std::slice::from_raw_parts_mut(hp, size) };
+        a.copy_out(ha, 0, h).expect("COPY_OUT A");
+        b.copy_in(hb, 0, h).expect("COPY_IN B");
+    };
+    bounce();
+    check("the bounce");
+    note(format!("fig13 {case} ({pa} > {pb}): bytes checked, timing"));
+    let mut cases: Vec<Case> = vec![
+        ("zero_copy", Box::new(|| job_copy(&shared, &dst, size))),
+        ("bounce", Box::new(bounce)),
+        ("job_local", Box::new(|| job_copy(&dst2, &dst, size))),
+        // The bounce's two halves alone: where its time goes.
+        (
+            "bounce_out",
+            Box::new(|| {
+                // SAFETY: as in `bounce`.
+                let h = unsafe { std::slice::from_raw_parts_mut(hp, size) };
+                a.copy_out(ha, 0, h).expect("COPY_OUT A");
+            }),
+        ),
+        (
+            "bounce_in",
+            Box::new(|| {
+                // SAFETY: as in `bounce`; only read here.
+                let h = unsafe { std::slice::from_raw_parts(hp, size) };
+                b.copy_in(hb, 0, h).expect("COPY_IN B");
+            }),
+        ),
+    ];
+    let samples = interleave(1, 7, 1, &mut cases);
+    for ((name, _), s) in cases.iter().zip(samples) {
+        // MB/s, not GB/s: a job on edu runs at about 0.01 MB/s, which the
+        // six decimals of a BENCH line would round away in GB/s.
+        let mbs: Vec<f64> = s.iter().map(|ns| size as f64 * 1e3 / ns).collect();
+        emit(
+            "13",
+            case,
+            name,
+            "MB/s",
+            &summarize(mbs),
+            &[("bytes", size as f64)],
+        );
+    }
+    drop(cases);
+    job_copy(&shared, &dst, size);
+    check("the zero-copy job after the timed rounds");
+    note(format!("fig13 {case}: done"));
+}
+
+// ---------------------------------------------------------------------
 // Figure 9: the sim device (issue 14)
 
 /// Opens the first /dev/tdrvN whose kind is the sim device.
@@ -2750,7 +2968,7 @@ fn main() {
         profile,
         only_scaling,
     };
-    let figs: [Figure; 11] = [
+    let figs: [Figure; 12] = [
         ("fig4", fig4),
         ("fig1", fig1),
         ("fig6", fig6),
@@ -2762,6 +2980,7 @@ fn main() {
         ("fig10", fig10),
         ("fig11", fig11),
         ("fig12", fig12),
+        ("fig13", fig13),
     ];
     let start = Instant::now();
     for (name, f) in figs {
@@ -2775,6 +2994,7 @@ fn main() {
                     || (name == "fig2" && x == "fig3")
                     || (name == "fig9" && (x == "sim" || x == "simq"))
                     || (name == "fig10" && x == "sim")
+                    || (name == "fig13" && x == "sim")
             }),
         };
         if !wanted {
