@@ -352,6 +352,27 @@ struct Layout {
     channel: u32,
 }
 
+/// The piece shift for an import whose pages have the bus addresses
+/// `dma`: the largest piece size, at most [`MAX_PIECE`] and at least a
+/// page, such that every piece is one contiguous bus range (pieces are
+/// equal and aligned to the buffer's start, so a discontinuity before
+/// page `i` allows pieces of at most the largest power of two dividing
+/// `i` pages).
+fn import_shift(dma: &[u64]) -> u32 {
+    let page_shift = PAGE_SIZE.trailing_zeros();
+    let max = (dma.len() * PAGE_SIZE).next_power_of_two().min(MAX_PIECE).trailing_zeros();
+    let mut shift = max.max(page_shift);
+    for i in 1..dma.len() {
+        if dma[i] != dma[i - 1].wrapping_add(PAGE_SIZE as u64) {
+            shift = shift.min(i.trailing_zeros() + page_shift);
+            if shift == page_shift {
+                break;
+            }
+        }
+    }
+    shift
+}
+
 /// Allocates `size` bytes (a multiple of pages) as pieces of `1 << shift`
 /// bytes, each from `alloc(len)`.
 fn alloc_pieces<T>(
@@ -592,15 +613,25 @@ impl Buffer {
         let mut dma = KVVec::<u64>::new();
         dma.resize(pages, 0, GFP_KERNEL_ACCOUNT)?;
         import.dma_pages(&mut dma);
-        let mut pieces = KVVec::with_capacity(pages, GFP_KERNEL_ACCOUNT)?;
+        // The exporter's memory comes in contiguous runs (its own pieces,
+        // a BAR range), so the pieces are as large as the runs allow: an
+        // engine then moves a run with one descriptor or one chunk
+        // sequence, as on the device's own buffers, instead of one per
+        // page.
+        let shift = import_shift(&dma);
+        let per_piece = 1usize << (shift - PAGE_SIZE.trailing_zeros());
+        let count = pages.div_ceil(per_piece);
+        let mut pieces = KVVec::with_capacity(count, GFP_KERNEL_ACCOUNT)?;
         // Null for a peer-to-peer import: its pieces have no CPU address
-        // (which `Buffer::p2p_peer` tells by).
+        // (which `Buffer::p2p_peer` tells by). The kernel mapping is one
+        // contiguous range, so every piece's CPU address is base + offset.
         let base = import.vaddr();
-        for (i, dma) in dma.iter().enumerate() {
+        for i in 0..count {
+            let offset = i << shift;
             pieces.push(
                 PieceAddr {
-                    cpu: if base.is_null() { base } else { base.wrapping_add(i * PAGE_SIZE) },
-                    dma: *dma,
+                    cpu: if base.is_null() { base } else { base.wrapping_add(offset) },
+                    dma: dma[i * per_piece],
                 },
                 GFP_KERNEL_ACCOUNT,
             )?;
@@ -609,7 +640,7 @@ impl Buffer {
         device.channels.reserve(channel, 0)?;
         let layout = Layout {
             pieces: Pieces::from_vec(pieces),
-            shift: PAGE_SIZE.trailing_zeros(),
+            shift,
             size,
             span: size,
             charged: 0,
@@ -1169,6 +1200,46 @@ impl PinnedDrop for Buffer {
                 unsafe { resv::free_own(resv) };
             }
         }
+    }
+}
+
+#[kunit_tests(tdrv_import_pieces)]
+mod import_tests {
+    use super::{import_shift, MAX_PIECE};
+    use kernel::page::PAGE_SIZE;
+
+    const P: u64 = PAGE_SIZE as u64;
+    const PAGE: u32 = PAGE_SIZE.trailing_zeros();
+
+    /// Bus addresses of `n` pages in runs of `run` pages, the runs apart.
+    fn runs(n: usize, run: usize) -> [u64; 64] {
+        let mut a = [0u64; 64];
+        for (i, d) in a.iter_mut().enumerate().take(n) {
+            *d = 0x1000_0000 + (i / run) as u64 * 0x10_0000 + (i % run) as u64 * P;
+        }
+        a
+    }
+
+    #[test]
+    fn a_contiguous_import_is_one_piece_up_to_max_piece() {
+        let a = runs(64, 64);
+        assert_eq!(import_shift(&a[..1]), PAGE);
+        assert_eq!(import_shift(&a[..3]), PAGE + 2);
+        assert_eq!(import_shift(&a[..64]), (64 * PAGE_SIZE).min(MAX_PIECE).trailing_zeros());
+    }
+
+    #[test]
+    fn pieces_never_span_a_discontinuity() {
+        // Runs of 16 pages: pieces of 16 pages.
+        assert_eq!(import_shift(&runs(64, 16)[..64]), PAGE + 4);
+        // Runs of 12 pages (breaks at 12, 24, 36...): 4 pages.
+        assert_eq!(import_shift(&runs(64, 12)[..64]), PAGE + 2);
+        // Every page apart: one page each.
+        assert_eq!(import_shift(&runs(64, 1)[..64]), PAGE);
+        // A run that goes backwards is a discontinuity too.
+        let mut a = runs(8, 8);
+        a[5] = a[4] - P;
+        assert_eq!(import_shift(&a[..8]), PAGE);
     }
 }
 
