@@ -6,7 +6,10 @@ use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
 };
 
-use crate::raw::{errno, Errno};
+use crate::{
+    ok,
+    raw::{errno, Dev, Errno},
+};
 
 type R = Result<(), String>;
 
@@ -277,4 +280,17 @@ pub fn child_ok(pid: libc::pid_t) -> R {
     } else {
         Err(format!("child failed (status {status:#x})"))
     }
+}
+
+/// Bytes that tell every page and position of a shared buffer apart, with
+/// `seed` telling one write from the next.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
+}
+
+/// The first `len` bytes of buffer `handle` (COPY_OUT).
+pub fn read_buf(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
+    ok("copy_out", dev.read_vec(handle, len))
 }

@@ -19,7 +19,7 @@ use std::{
 use tdrv_guest_tests::{
     bail::require,
     desc, device_nodes,
-    dmabuf::{in_child, wait_child},
+    dmabuf::{in_child, pattern, read_buf, wait_child},
     expect_eq, expect_err,
     kmsg::{dma_api_errors, kernel_log, new_reports},
     ok, open_device_or_skip,
@@ -39,16 +39,6 @@ const HANG_US: i64 = 120_000_000;
 /// 4 KiB, each ~200 ms on the host clock, so it is still running when the
 /// unbind (issued right after SUBMIT) revokes the import.
 const REVOKE_LEN: usize = 256 << 10;
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
-}
-
-fn read_buf(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
-    ok("copy_out", dev.read_vec(handle, len))
-}
 
 fn job(dev: &Dev, src: u64, dst: u64, len: usize) -> R {
     let id = ok("submit", dev.submit(&[desc(src, 0, dst, 0, len as u64)]))?;

@@ -14,6 +14,7 @@ use std::{
 };
 
 use tdrv_guest_tests::{
+    dmabuf::{pattern, read_buf},
     expect_eq, expect_err, ok, open_device_or_skip,
     raw::{errno, map_fd, page_size, Dev, Errno},
     Tap,
@@ -23,16 +24,6 @@ use tdrv_uapi::*;
 type R = Result<(), String>;
 
 const BUFINFO: &str = "/sys/kernel/debug/dma_buf/bufinfo";
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 12) as u8)
-        .collect()
-}
-
-fn read_buf(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
-    ok("copy_out", dev.read_vec(handle, len))
-}
 
 fn run_job(dev: &Dev, src: u64, dst: u64, size: u64) -> R {
     let d = tdrv_copy_desc {
