@@ -400,9 +400,14 @@ pub fn all_jobs_ended(node: &str, limit: std::time::Duration) -> Result<(), Stri
 /// A child process holding its own mapping of a buffer (mappings are not
 /// inherited: DONTCOPY), for tests of what unbind does to mappings. On request it reads the mapping and exits 0; if
 /// the pages are gone it dies of SIGBUS instead.
+///
+/// A child the test did not wait for (a check that failed before
+/// [`MappedChild::touch_and_wait`]) is killed and reaped on drop, so that
+/// its mapping does not keep the module loaded for the checks after it.
 pub struct MappedChild {
     pid: libc::pid_t,
     go: i32,
+    reaped: std::cell::Cell<bool>,
 }
 
 impl MappedChild {
@@ -439,7 +444,17 @@ impl MappedChild {
         let mut byte = 0u8;
         // SAFETY: waits for the child to have mapped the buffer.
         unsafe { libc::read(ready[0], (&mut byte as *mut u8).cast(), 1) };
-        Ok(MappedChild { pid, go: go[1] })
+        // SAFETY: closing the ends this process does not use.
+        unsafe {
+            libc::close(ready[0]);
+            libc::close(ready[1]);
+            libc::close(go[0]);
+        }
+        Ok(MappedChild {
+            pid,
+            go: go[1],
+            reaped: std::cell::Cell::new(false),
+        })
     }
 
     /// Lets the child touch its mapping; returns its wait status.
@@ -452,7 +467,22 @@ impl MappedChild {
                 return Err("waitpid".into());
             }
         }
+        self.reaped.set(true);
         Ok(status)
+    }
+}
+
+impl Drop for MappedChild {
+    fn drop(&mut self) {
+        // SAFETY: our own child (killed and reaped only if not reaped
+        // yet) and our own pipe end.
+        unsafe {
+            if !self.reaped.get() {
+                libc::kill(self.pid, libc::SIGKILL);
+                libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+            }
+            libc::close(self.go);
+        }
     }
 }
 

@@ -1540,7 +1540,7 @@ fn unbind_under_load(path: &str) -> R {
     for w in 0..3 {
         let dev = dev.clone();
         let stop = stop.clone();
-        workers.push(thread::spawn(move || -> Result<i32, String> {
+        workers.push(thread::spawn(move || -> Result<(i32, bool), String> {
             let data = vec![w as u8; 1 << 20];
             let mut out = vec![0u8; 1 << 20];
             loop {
@@ -1552,10 +1552,12 @@ fn unbind_under_load(path: &str) -> R {
                         .and_then(|id| dev.job_wait(id, -1))
                         .and_then(|(_, st)| if st == 0 { Ok(()) } else { Err(-st) }),
                 };
+                // (Whether the unbind had begun: an error before it is
+                // the device's or the driver's, not the unbind's.)
                 match r {
                     Ok(()) if !stop.load(Ordering::Relaxed) => continue,
-                    Ok(()) => return Ok(0),
-                    Err(e) => return Ok(e),
+                    Ok(()) => return Ok((0, true)),
+                    Err(e) => return Ok((e, stop.load(Ordering::Relaxed))),
                 }
             }
         }));
@@ -1587,15 +1589,25 @@ fn unbind_under_load(path: &str) -> R {
     let unbound = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
     stop.store(true, Ordering::Relaxed);
     unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
+    // Unbound: the rebind check after this one binds it again whatever
+    // this check finds below.
+    fs::write("/tmp/tdrv-sim-pci", &pci).map_err(|e| e.to_string())?;
     let held = waiter.join().map_err(|_| "waiter panicked")?;
     if !matches!(held, Ok((TDRV_JOB_DONE, st)) if st == -libc::ENODEV) && held != Err(libc::ENODEV)
     {
         return Err(format!("the job behind the hold: {held:?}, want ENODEV"));
     }
     for (i, w) in workers.into_iter().enumerate() {
-        let e = w.join().map_err(|_| "worker panicked")??;
+        let (e, during) = w.join().map_err(|_| "worker panicked")??;
         if e != libc::ENODEV {
-            return Err(format!("worker {i} ended with errno {e}, want ENODEV"));
+            let when = if during {
+                "once the unbind began"
+            } else {
+                "before the unbind"
+            };
+            return Err(format!(
+                "worker {i} ended with errno {e} {when}, want ENODEV"
+            ));
         }
     }
     expect_eq(
@@ -1612,7 +1624,7 @@ fn unbind_under_load(path: &str) -> R {
         ));
     }
     drop(m);
-    fs::write("/tmp/tdrv-sim-pci", &pci).map_err(|e| e.to_string())
+    Ok(())
 }
 
 fn rebind() -> R {
