@@ -1536,10 +1536,12 @@ fn unbind_under_load(path: &str) -> R {
     m.as_mut_slice()[0] = 1;
     let child = MappedChild::spawn(&dev, &a)?;
     let stop = Arc::new(AtomicBool::new(false));
+    let unbinding = Arc::new(AtomicBool::new(false));
     let mut workers = Vec::new();
     for w in 0..3 {
         let dev = dev.clone();
         let stop = stop.clone();
+        let unbinding = unbinding.clone();
         workers.push(thread::spawn(move || -> Result<(i32, bool), String> {
             let data = vec![w as u8; 1 << 20];
             let mut out = vec![0u8; 1 << 20];
@@ -1557,7 +1559,7 @@ fn unbind_under_load(path: &str) -> R {
                 match r {
                     Ok(()) if !stop.load(Ordering::Relaxed) => continue,
                     Ok(()) => return Ok((0, true)),
-                    Err(e) => return Ok((e, stop.load(Ordering::Relaxed))),
+                    Err(e) => return Ok((e, unbinding.load(Ordering::Relaxed))),
                 }
             }
         }));
@@ -1586,6 +1588,7 @@ fn unbind_under_load(path: &str) -> R {
     // The unbind must find the waiter asleep in JOB_WAIT.
     let tid = tid_rx.recv().map_err(|_| "waiter died")?;
     until_asleep_in(tid, libc::SYS_ioctl)?;
+    unbinding.store(true, Ordering::Relaxed);
     let unbound = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
     stop.store(true, Ordering::Relaxed);
     unbound.map_err(|e| format!("unbind {pci}: {e}"))?;
