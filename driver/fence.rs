@@ -297,9 +297,17 @@ impl Fence {
     }
 
     /// EIO if a failed job left the buffer's bytes undefined (see
-    /// [`FenceCounts::error`]).
+    /// [`FenceCounts::error`]); ENODEV instead once the device is gone, or
+    /// if the write failed because it went: unbind fails the jobs in
+    /// flight before it kills the fences, and a caller between the two
+    /// must get the ENODEV of every call after a removal, not the EIO of a
+    /// device fault.
     pub(crate) fn check_error(&self) -> Result {
-        if self.counts.lock().error != 0 {
+        let c = self.counts.lock();
+        if c.dead || c.error == ENODEV.to_errno() {
+            return Err(ENODEV);
+        }
+        if c.error != 0 {
             return Err(EIO);
         }
         Ok(())
@@ -450,6 +458,27 @@ mod tests {
         assert_eq!(f.wait_idle(FENCE_WRITES, Timeout::from_us(2000)), Ok(()));
         let r = f.wait_until(Timeout::Poll, |c| c.completions >= 2);
         assert!(matches!(r, Err((e, c)) if e == ETIMEDOUT && c.completions == 1));
+        Ok(())
+    }
+
+    #[test]
+    fn latch_of_a_removed_device_reads_as_enodev() -> Result {
+        // A job that unbind failed latched ENODEV before the fence died.
+        let f = fence()?;
+        f.try_begin(true)?;
+        f.end_failed_write(ENODEV.to_errno());
+        assert_eq!(f.check_error(), Err(ENODEV));
+        // A fault latched before the removal: ENODEV once the fence died.
+        let g = fence()?;
+        g.try_begin(true)?;
+        g.end_failed_write(EIO.to_errno());
+        assert_eq!(g.check_error(), Err(EIO));
+        g.kill();
+        assert_eq!(g.check_error(), Err(ENODEV));
+        // A dead fence with no latch: nothing to report.
+        let h = fence()?;
+        h.kill();
+        assert_eq!(h.check_error(), Err(ENODEV));
         Ok(())
     }
 

@@ -1588,6 +1588,22 @@ fn unbind_under_load(path: &str) -> R {
     // The unbind must find the waiter asleep in JOB_WAIT.
     let tid = tid_rx.recv().map_err(|_| "waiter died")?;
     until_asleep_in(tid, libc::SYS_ioctl)?;
+    // And a COPY_OUT of the held job's destination asleep until that
+    // write ends: the unbind fails the write (ENODEV latched) before it
+    // kills the fences, and the copy it wakes must say ENODEV, not the
+    // EIO of a failed write.
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let copier = {
+        let other = other.clone();
+        thread::spawn(move || {
+            // SAFETY: gettid has no preconditions.
+            let _ = tid_tx.send(unsafe { libc::gettid() });
+            let mut out = vec![0u8; 4096];
+            other.copy_out(d.handle, 0, &mut out)
+        })
+    };
+    let tid = tid_rx.recv().map_err(|_| "copier died")?;
+    until_asleep_in(tid, libc::SYS_ioctl)?;
     unbinding.store(true, Ordering::Relaxed);
     let unbound = fs::write(format!("{DRIVER_DIR}/unbind"), &pci);
     stop.store(true, Ordering::Relaxed);
@@ -1599,6 +1615,12 @@ fn unbind_under_load(path: &str) -> R {
     if !matches!(held, Ok((TDRV_JOB_DONE, st)) if st == -libc::ENODEV) && held != Err(libc::ENODEV)
     {
         return Err(format!("the job behind the hold: {held:?}, want ENODEV"));
+    }
+    let copied = copier.join().map_err(|_| "copier panicked")?;
+    if copied != Err(libc::ENODEV) {
+        return Err(format!(
+            "COPY_OUT waiting for the held job's write: {copied:?}, want ENODEV"
+        ));
     }
     for (i, w) in workers.into_iter().enumerate() {
         let (e, during) = w.join().map_err(|_| "worker panicked")??;
