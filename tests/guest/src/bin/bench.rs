@@ -2458,6 +2458,21 @@ fn fig11(c: &Ctx) {
                 }
             }
         });
+        // The same with the event asked for in SUBMIT (ABI 1.6).
+        profile_case("fig11 submit_notify+read (task)", false, 1, || {
+            let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
+            for _ in 0..50 {
+                let mut last = 0;
+                for _ in 0..64 {
+                    last = d.submit_notify(descs, last).expect("SUBMIT_NOTIFY");
+                }
+                d.job_wait(last, -1).expect("JOB_WAIT");
+                let mut got = 0;
+                while got < 64 {
+                    got += d.read_events(&mut evs).unwrap_or(0);
+                }
+            }
+        });
     }
 }
 
