@@ -103,7 +103,9 @@ impl EventBudget {
 /// One requested completion event.
 #[pin_data]
 pub(crate) struct JobEvent {
-    job_id: u64,
+    /// Set once, before the event is queued (SUBMIT learns the id under
+    /// the lock that queues it).
+    job_id: Atomic<u64>,
     user_data: u64,
     /// The job's status (0 or a negative errno), set when it ended.
     status: Atomic<i32>,
@@ -123,7 +125,7 @@ impl JobEvent {
     pub(crate) fn new(job_id: u64, user_data: u64) -> Result<ListArc<Self>> {
         ListArc::pin_init(
             try_pin_init!(JobEvent {
-                job_id,
+                job_id: Atomic::new(job_id),
                 user_data,
                 status: Atomic::new(0),
                 links <- ListLinks::new(),
@@ -132,12 +134,16 @@ impl JobEvent {
         )
     }
 
+    fn job_id(&self) -> u64 {
+        self.job_id.load(Relaxed)
+    }
+
     /// What `read(2)` returns for it.
     pub(crate) fn to_uapi(&self) -> uapi::Event {
         uapi::Event {
             kind: EVENT_JOB_DONE,
             status: self.status.load(Relaxed),
-            job_id: self.job_id,
+            job_id: self.job_id(),
             user_data: self.user_data,
         }
     }
@@ -223,13 +229,49 @@ impl EventQueue {
                 self.ready.push_back(ev);
             }
             None => {
-                let slot = (ev.job_id % EVENT_SLOTS) as usize;
+                let slot = (ev.job_id() % EVENT_SLOTS) as usize;
                 let table = self.table.as_mut().ok_or(EINVAL)?;
                 table[slot].push_back(ev);
             }
         }
         self.count += 1;
         Ok(())
+    }
+
+    /// Takes room for the event of a job that has no id yet (SUBMIT with
+    /// `TDRV_SUBMIT_NOTIFY`): ENOSPC as [`EventQueue::queue`], EINVAL
+    /// without a table (a caller bug). Under the same hold of the tracker
+    /// lock, [`EventQueue::park_reserved`] then uses the room, or
+    /// [`EventQueue::unreserve`] gives it back.
+    pub(crate) fn reserve(&mut self) -> Result {
+        if self.count >= self.max {
+            return Err(ENOSPC);
+        }
+        if self.table.is_none() {
+            return Err(EINVAL);
+        }
+        self.budget.take()?;
+        self.count += 1;
+        Ok(())
+    }
+
+    /// Gives back the room [`EventQueue::reserve`] took.
+    pub(crate) fn unreserve(&mut self) {
+        self.count = self.count.saturating_sub(1);
+        self.budget.give_back(1);
+    }
+
+    /// Parks `ev` for job `id` (not ended: its end, which takes the
+    /// tracker lock, comes after this) in the room [`EventQueue::reserve`]
+    /// took. Never allocates.
+    pub(crate) fn park_reserved(&mut self, id: u64, ev: ListArc<JobEvent>) {
+        ev.job_id.store(id, Relaxed);
+        match self.table.as_mut() {
+            Some(table) => table[(id % EVENT_SLOTS) as usize].push_back(ev),
+            // `reserve` refused a queue without a table, and a table is
+            // never removed.
+            None => self.unreserve(),
+        }
     }
 
     /// Job `id` ended with `status`: its parked events become ready.
@@ -242,7 +284,7 @@ impl EventQueue {
         let mut moved = false;
         let mut cursor = list.cursor_front();
         while let Some(next) = cursor.peek_next() {
-            if next.job_id == id {
+            if next.job_id() == id {
                 let ev = next.remove();
                 ev.status.store(status, Relaxed);
                 self.ready.push_back(ev);
@@ -319,7 +361,7 @@ mod tests {
     fn ids(list: &mut List<JobEvent>) -> KVec<(u64, i32)> {
         let mut v = KVec::new();
         for ev in list.iter() {
-            let _ = v.push((ev.job_id, ev.status.load(Relaxed)), GFP_KERNEL);
+            let _ = v.push((ev.job_id(), ev.status.load(Relaxed)), GFP_KERNEL);
         }
         v
     }
@@ -347,6 +389,31 @@ mod tests {
         assert_eq!(last.iter().map(|e| e.user_data).next(), Some(12));
         q.consumed(1);
         assert_eq!(q.count, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_reserved_event_counts_until_given_back_and_waits_for_its_job() -> Result {
+        let budget = EventBudget::new(2)?;
+        let mut q = EventQueue::new(8, budget.clone());
+        // No table yet: a caller bug, refused without taking anything.
+        assert_eq!(q.reserve().err(), Some(EINVAL));
+        assert_eq!(budget.used(), 0);
+        let _ = q.install_table(Some(EventQueue::new_table()?));
+        q.reserve()?;
+        q.reserve()?;
+        // The device's budget is used up by the two rooms.
+        assert_eq!(q.reserve().err(), Some(ENOSPC));
+        q.unreserve();
+        assert_eq!((q.count, budget.used()), (1, 1));
+        q.park_reserved(7, JobEvent::new(0, 70)?);
+        assert!(!q.deliver(6, 0));
+        assert!(q.deliver(7, -125));
+        let mut got = q.take(8);
+        assert_eq!(&ids(&mut got)[..], &[(7, -125)]);
+        assert_eq!(got.iter().map(|e| e.user_data).next(), Some(70));
+        q.end_read(1, List::new());
+        assert_eq!((q.count, budget.used()), (0, 0));
         Ok(())
     }
 

@@ -408,6 +408,7 @@ impl TdrvFile {
                 | FEAT_BUF_ID
                 | FEAT_EVENTS
                 | FEAT_IMPLICIT_SYNC
+                | FEAT_SUBMIT_NOTIFY
                 | irq
                 | fence_fd,
             device_kind: d.kind,
@@ -823,10 +824,19 @@ impl TdrvFile {
     fn submit(&self, arg: &ArgBuf) -> Result {
         // (`out_fence` is output only: a reused struct may carry one.)
         let a: Submit = arg.read_fast()?;
-        if a.flags & !SUBMIT_OUT_FENCE != 0
+        let notify = a.flags & SUBMIT_NOTIFY != 0;
+        if a.flags & !(SUBMIT_OUT_FENCE | SUBMIT_NOTIFY) != 0
             || a.pad != 0
             || a.job_id != 0
             || any_nonzero(&a.reserved)
+            || (!notify && a.user_data != 0)
+        {
+            return Err(EINVAL);
+        }
+        // A caller whose struct ends before `user_data` (ABI 1.2-1.5)
+        // asks for an event it cannot have told us anything about.
+        if notify
+            && !arg.reaches(core::mem::offset_of!(Submit, user_data) + core::mem::size_of::<u64>())
         {
             return Err(EINVAL);
         }
@@ -916,6 +926,7 @@ impl TdrvFile {
             &self.device.limits,
             in_fences,
             out_fence,
+            notify.then_some(a.user_data),
         )?;
         // Words 3..8 are `job_id` to `out_fence`; the others, and the
         // rest of those, hold what the caller passed.
@@ -923,7 +934,7 @@ impl TdrvFile {
         const _: () = assert!(
             core::mem::offset_of!(Submit, job_id) == OUT.start * 8
                 && core::mem::offset_of!(Submit, out_fence) + 4 == OUT.end * 8
-                && core::mem::size_of::<Submit>() == OUT.end * 8
+                && core::mem::offset_of!(Submit, user_data) == OUT.end * 8
         );
         let out = Submit {
             job_id,

@@ -732,6 +732,7 @@ impl JobTracker {
         limits: &Limits,
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,
+        notify: Option<u64>,
     ) -> Result<u64> {
         let bytes = Job::total_bytes(&transfers);
         // Cheap early refusal, before any allocation or waiting; checked
@@ -739,6 +740,16 @@ impl JobTracker {
         if self.queued_hint.load(Relaxed) >= limits.jobs {
             return Err(EAGAIN);
         }
+        // `TDRV_SUBMIT_NOTIFY`: the event (and the file's table of parked
+        // events, at its first) is allocated here, before the lock, which
+        // the completion path takes; under the lock it only takes room
+        // and is parked for the job's id, as JOB_NOTIFY's would be.
+        let mut event = notify.map(|user_data| JobEvent::new(0, user_data)).transpose()?;
+        let mut table = if event.is_some() && self.state.lock().events.needs_table() {
+            Some(EventQueue::new_table()?)
+        } else {
+            None
+        };
         // A revoked import has no memory behind it. (One revoked from here
         // on makes the job end with ENODEV instead, see `begin_access`.)
         if transfers.iter().any(|t| t.src.revoked() || t.dst.revoked()) {
@@ -771,21 +782,38 @@ impl JobTracker {
             pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None, None));
             mark(&job.transfers)?;
             let mut state = self.state.lock();
-            if let Err(e) = self.check_limits(&state, bytes, limits) {
+            let spare = state.events.install_table(table.take());
+            let room = self.check_limits(&state, bytes, limits).and_then(|()| {
+                if event.is_some() {
+                    state.events.reserve()?;
+                }
+                Ok(())
+            });
+            if let Err(e) = room {
                 unmark(&job.transfers, job.transfers.len(), false);
+                drop(state);
+                drop(spare);
                 return Err(e);
             }
             if state.held.is_empty() && device.engine().claim(&job) {
                 let id = state.next_id;
                 job.id.store(id, Relaxed);
+                if let Some(ev) = event.take() {
+                    state.events.park_reserved(id, ev);
+                }
                 self.issue(&mut state, bytes, device);
                 drop(state);
+                drop(spare);
                 device.engine().run_claimed(&job);
                 // Dropping the job reports it (taking the tracker lock)
                 // before SUBMIT returns.
                 return Ok(id);
             }
+            if event.is_some() {
+                state.events.unreserve();
+            }
             drop(state);
+            drop(spare);
             // Queued after all, as a job on the heap, which marks its
             // buffers again. The one left here was never submitted: its
             // drop reports nothing.
@@ -806,9 +834,16 @@ impl JobTracker {
         // job with an out-fence, or one the stack path could not place).
         let mut claimed = None;
         let mut state = self.state.lock();
+        let spare = state.events.install_table(table.take());
         let id = state.next_id;
         job.id.store(id, Relaxed);
-        let queued = self.check_limits(&state, bytes, limits).and_then(|()| {
+        let mut reserved = false;
+        let mut room = self.check_limits(&state, bytes, limits);
+        if room.is_ok() && event.is_some() {
+            room = state.events.reserve();
+            reserved = room.is_ok();
+        }
+        let queued = room.and_then(|()| {
             if let Some(deps) = &job.in_fences {
                 if !device.is_bound() {
                     // Unbind has swept (or is sweeping) the held jobs.
@@ -849,11 +884,21 @@ impl JobTracker {
         if let Err(e) = queued {
             // Never queued: undo the marks without counting anything.
             unmark(&undo.transfers, undo.transfers.len(), false);
+            if reserved {
+                state.events.unreserve();
+            }
             drop(state);
+            drop(spare);
             return Err(e);
+        }
+        // Parked before the lock goes: the job's end, wherever it runs,
+        // takes the lock to deliver it.
+        if let Some(ev) = event.take() {
+            state.events.park_reserved(id, ev);
         }
         self.issue(&mut state, bytes, device);
         drop(state);
+        drop(spare);
         drop(order);
         if let Some(e) = failed {
             undo.complete(Err(e));

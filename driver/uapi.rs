@@ -35,7 +35,7 @@ use kernel::{
 use crate::glue;
 
 pub(crate) const ABI_MAJOR: u32 = 1;
-pub(crate) const ABI_MINOR: u32 = 5;
+pub(crate) const ABI_MINOR: u32 = 6;
 
 pub(crate) const FEAT_MMAP: u64 = 1 << 0;
 pub(crate) const FEAT_SUBMIT: u64 = 1 << 1;
@@ -47,6 +47,7 @@ pub(crate) const FEAT_FENCE_FD: u64 = 1 << 6;
 pub(crate) const FEAT_BUF_ID: u64 = 1 << 7;
 pub(crate) const FEAT_EVENTS: u64 = 1 << 8;
 pub(crate) const FEAT_IMPLICIT_SYNC: u64 = 1 << 9;
+pub(crate) const FEAT_SUBMIT_NOTIFY: u64 = 1 << 10;
 
 /// Jobs of a file whose outcome `TDRV_IOC_JOB_WAIT` can still report:
 /// `TDRV_JOB_WINDOW`. Older ids get ESTALE.
@@ -56,6 +57,7 @@ pub(crate) const MAX_EVENTS: u32 = 65536;
 pub(crate) const EVENT_JOB_DONE: u32 = 1;
 
 pub(crate) const SUBMIT_OUT_FENCE: u32 = 1 << 0;
+pub(crate) const SUBMIT_NOTIFY: u32 = 1 << 1;
 pub(crate) const MAX_IN_FENCES: u32 = 64;
 
 pub(crate) const DEVICE_SOFT: u32 = 1;
@@ -200,6 +202,7 @@ uapi_struct!(
         in_fences: u64,
         in_fence_count: u32,
         out_fence: i32,
+        user_data: u64,
     }
 );
 uapi_struct!(
@@ -315,9 +318,9 @@ const_assert_layout!(CopyDesc, 40, {
     src_handle @ 0, src_offset @ 8, dst_handle @ 16, dst_offset @ 24, size @ 32,
 });
 const_assert_layout!(Copy, 56, { desc @ 0, reserved @ 40 });
-const_assert_layout!(Submit, 64, {
+const_assert_layout!(Submit, 72, {
     descs @ 0, desc_count @ 8, desc_size @ 12, flags @ 16, pad @ 20, job_id @ 24,
-    reserved @ 32, in_fences @ 48, in_fence_count @ 56, out_fence @ 60,
+    reserved @ 32, in_fences @ 48, in_fence_count @ 56, out_fence @ 60, user_data @ 64,
 });
 const_assert_layout!(JobWait, 40, {
     job_id @ 0, timeout_us @ 8, state @ 16, status @ 20, reserved @ 24,

@@ -106,7 +106,7 @@
 #include <linux/types.h>
 
 #define TDRV_ABI_MAJOR 1
-#define TDRV_ABI_MINOR 5
+#define TDRV_ABI_MINOR 6
 
 /* Bits of tdrv_version.features. */
 #define TDRV_FEAT_MMAP		(1ULL << 0) /* mmap of whole buffers */
@@ -124,6 +124,9 @@
 #define TDRV_FEAT_IMPLICIT_SYNC	(1ULL << 9) /* jobs take part in their dma-bufs'
 					     * reservation objects (1.5; see
 					     * struct tdrv_export); on every kernel */
+#define TDRV_FEAT_SUBMIT_NOTIFY	(1ULL << 10) /* TDRV_SUBMIT_NOTIFY: SUBMIT asks for
+					     * the job's completion event itself
+					     * (1.6); on every kernel */
 
 /* tdrv_version.device_kind */
 #define TDRV_DEVICE_SOFT	1 /* software device: CPU copy engine */
@@ -270,6 +273,8 @@ struct tdrv_copy {
 
 /* tdrv_submit.flags */
 #define TDRV_SUBMIT_OUT_FENCE	(1U << 0) /* return the job's out-fence in out_fence (1.2) */
+#define TDRV_SUBMIT_NOTIFY	(1U << 1) /* queue a completion event with user_data
+					   * when the job ends (1.6) */
 
 /**
  * struct tdrv_submit - argument of TDRV_IOC_SUBMIT: queue an asynchronous
@@ -320,11 +325,24 @@ struct tdrv_copy {
  * it signals at once with ECANCELED. A signal while SUBMIT waits for a
  * reservation lock ends it with EINTR, nothing queued.
  *
+ * Completion event (ABI 1.6, TDRV_FEAT_SUBMIT_NOTIFY): with
+ * TDRV_SUBMIT_NOTIFY the call also does what TDRV_IOC_JOB_NOTIFY of the
+ * new job with @user_data would (see struct tdrv_job_notify), in the same
+ * call: one struct tdrv_event is queued on this file when the job ends.
+ * It counts against the same limits; if none is left the call fails with
+ * ENOSPC and queues no job. A job that ends within the call (see above)
+ * has its event ready when the call returns. This saves an ioctl per job
+ * for a caller that waits for its jobs through events.
+ *
  * Errors (besides those of every call): EINVAL for a bad descriptor,
  * unknown flags, in_fence_count above TDRV_MAX_IN_FENCES, in_fences set
- * with a zero count, an in-fence fd that is not a sync_file, or
+ * with a zero count, an in-fence fd that is not a sync_file,
  * TDRV_SUBMIT_OUT_FENCE in a struct too short to hold @out_fence (the
- * 48 bytes of ABI 1.0/1.1: no fd is created); EBADF
+ * 48 bytes of ABI 1.0/1.1: no fd is created), TDRV_SUBMIT_NOTIFY in a
+ * struct too short to hold @user_data (the 64 bytes of ABI 1.2-1.5), or
+ * a non-zero @user_data without TDRV_SUBMIT_NOTIFY; ENOSPC with
+ * TDRV_SUBMIT_NOTIFY when this file's or the device's completion events
+ * are used up (file_max_events, device_max_events); EBADF
  * for an in-fence that is not an open fd; EFAULT for unreadable descriptors or in_fences; EOPNOTSUPP for
  * TDRV_SUBMIT_OUT_FENCE or in-fences on a kernel without sync_file
  * support (TDRV_FEAT_FENCE_FD unset); EMFILE when no fd is free for the
@@ -345,6 +363,8 @@ struct tdrv_copy {
  * @in_fence_count: in (1.2): 0..TDRV_MAX_IN_FENCES
  * @out_fence: out (1.2): the out-fence's fd with TDRV_SUBMIT_OUT_FENCE,
  *	else -1; ignored on input
+ * @user_data: in (1.6): with TDRV_SUBMIT_NOTIFY, the event's user_data;
+ *	else zero
  */
 struct tdrv_submit {
 	__u64 descs;
@@ -358,6 +378,8 @@ struct tdrv_submit {
 	__u64 in_fences;
 	__u32 in_fence_count;
 	__s32 out_fence;
+	/* ABI 1.6 (earlier callers pass the first 64 bytes) */
+	__u64 user_data;
 };
 
 /* tdrv_job_wait.state */
@@ -435,6 +457,8 @@ struct tdrv_job_wait {
  * TDRV_JOB_DONE, with the same status: the job let go of its buffers,
  * except a job the device gave up on (see struct tdrv_job_wait). Each
  * call queues one event, so two calls for one job give two events.
+ * SUBMIT with TDRV_SUBMIT_NOTIFY (ABI 1.6) asks for one in the same call
+ * as the job (see struct tdrv_submit).
  *
  * Events are read with read(2) from the tdrv file itself: each read
  * returns as many whole events as fit in the buffer (at least one), oldest
@@ -476,7 +500,8 @@ struct tdrv_job_notify {
  *	tdrv_job_wait.status: -ECANCELED, -EIO, -ETIMEDOUT, -ENODEV, or an
  *	in-fence's error).
  * @job_id: the job.
- * @user_data: what TDRV_IOC_JOB_NOTIFY was given.
+ * @user_data: what TDRV_IOC_JOB_NOTIFY (or SUBMIT's @user_data with
+ *	TDRV_SUBMIT_NOTIFY) was given.
  *
  * Later ABI versions may define other types; skip events of a type you
  * do not know. The size stays 24 bytes.

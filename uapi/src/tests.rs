@@ -33,7 +33,7 @@ fn request_numbers_are_pinned() {
         ("TDRV_IOC_COPY_OUT", 0x4030_D706),
         ("TDRV_IOC_MEMSET", 0x4030_D707),
         ("TDRV_IOC_COPY", 0x4038_D708),
-        ("TDRV_IOC_SUBMIT", 0xC040_D709),
+        ("TDRV_IOC_SUBMIT", 0xC048_D709),
         ("TDRV_IOC_JOB_WAIT", 0xC028_D70A),
         ("TDRV_IOC_FENCE_WAIT", 0x4028_D70B),
         ("TDRV_IOC_COMPLETION_WAIT", 0xC030_D70C),
@@ -90,7 +90,7 @@ fn c_compiler_agrees_with_rust() {
         tdrv_memset { handle, offset, size, value, pad, reserved }
         tdrv_copy_desc { src_handle, src_offset, dst_handle, dst_offset, size }
         tdrv_copy { desc, reserved }
-        tdrv_submit { descs, desc_count, desc_size, flags, pad, job_id, reserved, in_fences, in_fence_count, out_fence }
+        tdrv_submit { descs, desc_count, desc_size, flags, pad, job_id, reserved, in_fences, in_fence_count, out_fence, user_data }
         tdrv_job_wait { job_id, timeout_us, state, status, reserved }
         tdrv_fence_wait { handle, timeout_us, kind, pad, reserved }
         tdrv_completion_wait { handle, expected, timeout_us, count, reserved }

@@ -582,8 +582,16 @@ impl FakeDevice {
 
     fn submit(&self, s: &mut uapi::tdrv_submit) -> Result<(), i32> {
         let fence_fds = self.version.features & uapi::TDRV_FEAT_FENCE_FD as u64 != 0;
-        let out_fence = s.flags == uapi::TDRV_SUBMIT_OUT_FENCE && fence_fds;
-        if s.in_fence_count != 0 || (s.flags != 0 && !out_fence) {
+        let notify = s.flags & uapi::TDRV_SUBMIT_NOTIFY != 0;
+        if notify && self.version.features & uapi::TDRV_FEAT_SUBMIT_NOTIFY as u64 == 0 {
+            return Err(libc::EINVAL);
+        }
+        if !notify && s.user_data != 0 {
+            return Err(libc::EINVAL);
+        }
+        let flags = s.flags & !uapi::TDRV_SUBMIT_NOTIFY;
+        let out_fence = flags == uapi::TDRV_SUBMIT_OUT_FENCE && fence_fds;
+        if s.in_fence_count != 0 || (flags != 0 && !out_fence) {
             return Err(libc::EOPNOTSUPP);
         }
         if s.desc_count == 0 || s.desc_size as usize != size_of::<uapi::tdrv_copy_desc>() {
@@ -623,8 +631,14 @@ impl FakeDevice {
                 dsts,
                 fence,
             });
+            if notify {
+                st.notifies.push((id, s.user_data));
+            }
         } else {
             st.jobs.insert(id, status);
+            if notify {
+                self.queue_event(&mut st, id, s.user_data, status);
+            }
             if ok {
                 for h in dsts {
                     st.buf(h)?.completions += 1;

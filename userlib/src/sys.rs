@@ -654,6 +654,12 @@ impl Device {
         self.has_features(uapi::TDRV_FEAT_EVENTS as u64)
     }
 
+    /// Whether SUBMIT can ask for its job's completion event itself
+    /// (`TDRV_FEAT_SUBMIT_NOTIFY`, ABI 1.6): [`Device::submit_notify`].
+    pub fn supports_submit_notify(&self) -> bool {
+        self.has_features(uapi::TDRV_FEAT_SUBMIT_NOTIFY as u64)
+    }
+
     /// Makes the caller the reader of this file's completion events: `Ok`
     /// if it is (or now is), [`SysError::EventsBusy`] if the library's
     /// reactor reads them (a job handle of this `Device` was awaited), or
@@ -1074,6 +1080,37 @@ impl Device {
             .map(|(id, _)| id)
     }
 
+    /// `TDRV_IOC_SUBMIT` with `TDRV_SUBMIT_NOTIFY` (ABI 1.6): submits the
+    /// job as [`Device::submit`] does and, in the same call, asks for its
+    /// completion event carrying `user_data`, as [`Device::job_notify`] of
+    /// the new job would: one ioctl per job instead of two for a caller
+    /// that waits through events ([`Device::read_events`], or `poll(2)`
+    /// and epoll on [`AsFd::as_fd`]). A job that ends within the call has
+    /// its event ready when it returns. Errors: those of
+    /// [`Device::submit`]; `NoSpace` when the file's or the device's
+    /// events are used up, and then no job is queued; `EventsBusy` as for
+    /// [`Device::job_notify`]; `NotSupported` on a driver before ABI 1.6
+    /// ([`Device::supports_submit_notify`]).
+    pub fn submit_notify(&self, descs: &[tdrv_copy_desc], user_data: u64) -> crate::Result<u64> {
+        Ok(self.submit_notify_sys(descs, user_data)?)
+    }
+
+    /// [`Device::submit_notify`] with the sys layer's error.
+    pub(crate) fn submit_notify_sys(
+        &self,
+        descs: &[tdrv_copy_desc],
+        user_data: u64,
+    ) -> Result<u64, SysError> {
+        if !self.supports_submit_notify() {
+            return Err(SysError::NotSupported {
+                op: "SUBMIT_NOTIFY",
+            });
+        }
+        self.claim_events_for("SUBMIT_NOTIFY", EVENTS_MANUAL)?;
+        self.submit_inner(descs, &[], false, None, Some(user_data))
+            .map(|(id, _)| id)
+    }
+
     /// `TDRV_IOC_SUBMIT` with fence fds (ABI 1.2): the job starts only
     /// after every `sync_file` of `in_fences` has signalled (a failed one
     /// fails the job with its error), and with `out_fence` the call also
@@ -1096,7 +1133,7 @@ impl Device {
         in_fences: &[BorrowedFd<'_>],
         out_fence: bool,
     ) -> Result<(u64, Option<OwnedFd>), SysError> {
-        self.submit_inner(descs, in_fences, out_fence, None)
+        self.submit_inner(descs, in_fences, out_fence, None, None)
     }
 
     /// [`Device::submit`] of a job that may write the buffer `owner` pins:
@@ -1111,7 +1148,7 @@ impl Device {
         if !std::ptr::eq(Arc::as_ptr(&owner.device), self) {
             return Err(SysError::from_errno("SUBMIT", libc::EINVAL));
         }
-        self.submit_inner(descs, &[], false, Some(owner))
+        self.submit_inner(descs, &[], false, Some(owner), None)
             .map(|(id, _)| id)
     }
 
@@ -1121,6 +1158,7 @@ impl Device {
         in_fences: &[BorrowedFd<'_>],
         out_fence: bool,
         owner: Option<&OwnedPin>,
+        notify: Option<u64>,
     ) -> Result<(u64, Option<OwnedFd>), SysError> {
         let desc_count =
             u32::try_from(descs.len()).map_err(|_| SysError::from_errno("SUBMIT", libc::EINVAL))?;
@@ -1136,7 +1174,12 @@ impl Device {
                 uapi::TDRV_SUBMIT_OUT_FENCE
             } else {
                 0
+            } | if notify.is_some() {
+                uapi::TDRV_SUBMIT_NOTIFY
+            } else {
+                0
             },
+            user_data: notify.unwrap_or(0),
             in_fences: if fds.is_empty() {
                 0
             } else {

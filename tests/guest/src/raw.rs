@@ -202,6 +202,20 @@ impl Dev {
             .map(|_| (s.job_id, s.out_fence))
     }
 
+    /// SUBMIT with `TDRV_SUBMIT_NOTIFY` (ABI 1.6): the job's completion
+    /// event, carrying `user_data`, is asked for in the same call.
+    pub fn submit_notify(&self, descs: &[tdrv_copy_desc], user_data: u64) -> Result<u64, Errno> {
+        let mut s = tdrv_submit {
+            descs: descs.as_ptr() as u64,
+            desc_count: descs.len() as u32,
+            desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+            flags: TDRV_SUBMIT_NOTIFY,
+            user_data,
+            ..Default::default()
+        };
+        self.ioctl(TDRV_IOC_SUBMIT, &mut s).map(|_| s.job_id)
+    }
+
     /// TDRV_IOC_JOB_NOTIFY: one completion event for `job_id`.
     pub fn job_notify(&self, job_id: u64, user_data: u64) -> Result<(), Errno> {
         let mut n = tdrv_job_notify {

@@ -417,3 +417,95 @@ fn wait_async_in_a_runtime_without_io_does_not_panic() {
         assert_eq!(panics, 0, "wait_async panicked (enable_io: {io})");
     }
 }
+
+/// A fake device that takes `TDRV_SUBMIT_NOTIFY`.
+fn device_with_submit_notify() -> (Arc<Device>, Arc<FakeDevice>) {
+    Device::fake_with(
+        FakeDevice::FEATURES | (uapi::TDRV_FEAT_EVENTS | uapi::TDRV_FEAT_SUBMIT_NOTIFY) as u64,
+    )
+}
+
+/// A 64-byte copy between two new buffers of `dev`.
+fn copy_desc(dev: &Arc<Device>) -> uapi::tdrv_copy_desc {
+    let src = dev.alloc(64, 0).unwrap();
+    let dst = dev.alloc(64, 0).unwrap();
+    uapi::tdrv_copy_desc {
+        src_handle: src.handle,
+        dst_handle: dst.handle,
+        size: 64,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn submit_notify_queues_the_event_of_a_job_that_ended_in_the_call() {
+    let (dev, _fake) = device_with_submit_notify();
+    assert!(dev.supports_submit_notify());
+    let d = copy_desc(&dev);
+    let id = dev.submit_notify(&[d], 0xabc).unwrap();
+    let mut evs = Vec::new();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 1);
+    assert_eq!(
+        evs[0],
+        JobEvent {
+            job_id: id,
+            user_data: 0xabc,
+            status: crate::sys::JobStatus::Done
+        }
+    );
+}
+
+#[test]
+fn submit_notify_of_a_running_job_queues_its_event_when_it_ends() {
+    let (dev, fake) = device_with_submit_notify();
+    let d = copy_desc(&dev);
+    fake.hold_jobs(true);
+    let id = dev.submit_notify(&[d], 7).unwrap();
+    let mut evs = Vec::new();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 0, "{evs:?}");
+    fake.finish_jobs();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 1);
+    assert_eq!(
+        evs[0],
+        JobEvent {
+            job_id: id,
+            user_data: 7,
+            status: crate::sys::JobStatus::Done
+        }
+    );
+}
+
+#[test]
+fn submit_notify_needs_a_driver_of_abi_1_6() {
+    let (old, _fake) = device();
+    let d = copy_desc(&old);
+    assert!(!old.supports_submit_notify());
+    assert!(matches!(
+        old.submit_notify(&[d], 1),
+        Err(crate::Error::Sys(SysError::NotSupported {
+            op: "SUBMIT_NOTIFY"
+        }))
+    ));
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "poll(2) and threads on real fds")]
+fn submit_notify_is_refused_while_the_reactor_reads_the_events() {
+    // The reactor reads the events of a device with an awaited handle.
+    let (dev, fake) = device_with_submit_notify();
+    let mut handles = held_jobs(&dev, &fake, 1);
+    let signal = Arc::new(Signal::default());
+    let seen = poll_once(&mut handles, &signal);
+    let d = copy_desc(&dev);
+    assert!(matches!(
+        dev.submit_notify(&[d], 1),
+        Err(crate::Error::Sys(SysError::EventsBusy {
+            op: "SUBMIT_NOTIFY",
+            ..
+        }))
+    ));
+    fake.finish_jobs();
+    for r in block_on_all(&mut handles, &signal, seen).unwrap() {
+        r.unwrap();
+    }
+}

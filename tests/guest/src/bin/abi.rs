@@ -73,6 +73,7 @@ fn main() {
                 (TDRV_FEAT_EVENTS, "EVENTS", true),
                 // Reservation objects need no SYNC_FILE: every kernel.
                 (TDRV_FEAT_IMPLICIT_SYNC, "IMPLICIT_SYNC", true),
+                (TDRV_FEAT_SUBMIT_NOTIFY, "SUBMIT_NOTIFY", true),
             ];
             let reported: Vec<&str> = names
                 .iter()

@@ -2284,7 +2284,9 @@ const EV_JOBS: usize = 10_000;
 
 /// Figure 11 (issue 36 item 2): event throughput. 10,000 queued 4 KiB
 /// jobs spread over 10 files, all submitted, then awaited through one
-/// epoll set with reads of up to 64 events (`events_epoll`), against the
+/// epoll set with reads of up to 64 events, each asked for with JOB_NOTIFY
+/// (`events_epoll`) or in SUBMIT itself (`events_submit_notify`, ABI 1.6),
+/// against the
 /// same jobs each waited with JOB_WAIT (`job_wait_each`) and the floor:
 /// SUBMIT alone (`submit_only`, then one JOB_WAIT per file for the last
 /// job, so the round ends with the engine idle) and one refused ioctl
@@ -2316,13 +2318,27 @@ fn fig11(c: &Ctx) {
         assert_eq!(r, 0, "epoll_ctl: {}", errno_str());
     }
     let files = &files;
-    let submit_all = |notify: bool| -> Vec<Vec<u64>> {
+    let ep_fd = ep.as_raw_fd();
+    // How each job asks for its event: not at all, with JOB_NOTIFY after
+    // SUBMIT, or in SUBMIT itself (TDRV_SUBMIT_NOTIFY, ABI 1.6).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Ask {
+        Nothing,
+        JobNotify,
+        InSubmit,
+    }
+    let submit_all = |ask: Ask| -> Vec<Vec<u64>> {
         let mut ids: Vec<Vec<u64>> = (0..EV_FILES).map(|_| Vec::with_capacity(per)).collect();
         // Round-robin over the files, as a server with many clients would.
         for _ in 0..per {
             for (f, (d, descs)) in files.iter().enumerate() {
-                let id = d.submit(descs).expect("SUBMIT");
-                if notify {
+                let id = if ask == Ask::InSubmit {
+                    let next = ids[f].last().map_or(1, |l| l + 1);
+                    d.submit_notify(descs, next).expect("SUBMIT_NOTIFY")
+                } else {
+                    d.submit(descs).expect("SUBMIT")
+                };
+                if ask == Ask::JobNotify {
                     d.job_notify(id, id).expect("JOB_NOTIFY");
                 }
                 ids[f].push(id);
@@ -2330,14 +2346,36 @@ fn fig11(c: &Ctx) {
         }
         ids
     };
+    // Every event of EV_JOBS jobs, through the epoll set, read up to 64
+    // at a time.
+    let reap_all = move || {
+        let mut got = 0;
+        let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EV_FILES];
+        let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
+        while got < EV_JOBS {
+            // SAFETY: `ready` has room for EV_FILES entries.
+            let n = unsafe { libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1) };
+            if n < 0 {
+                assert_eq!(raw::errno(), libc::EINTR, "epoll_wait");
+                continue;
+            }
+            for r in &ready[..n as usize] {
+                let (d, _) = &files[r.u64 as usize];
+                match d.read_events(&mut evs) {
+                    Ok(k) => got += k,
+                    Err(libc::EAGAIN) => {}
+                    Err(e) => panic!("read of events: errno {e}"),
+                }
+            }
+        }
+    };
     let null = open_rw("/dev/null");
     let unknown = (3u64 << 30) | (88 << 16) | (0xD7 << 8) | 0x7f;
-    let ep_fd = ep.as_raw_fd();
     let mut cases: Vec<Case> = vec![
         (
             "submit_only",
             Box::new(|| {
-                let ids = submit_all(false);
+                let ids = submit_all(Ask::Nothing);
                 for (f, (d, _)) in files.iter().enumerate() {
                     d.job_wait(*ids[f].last().expect("a job"), -1)
                         .expect("JOB_WAIT");
@@ -2360,7 +2398,7 @@ fn fig11(c: &Ctx) {
         (
             "job_wait_each",
             Box::new(|| {
-                let ids = submit_all(false);
+                let ids = submit_all(Ask::Nothing);
                 for (f, (d, _)) in files.iter().enumerate() {
                     for &id in &ids[f] {
                         d.job_wait(id, -1).expect("JOB_WAIT");
@@ -2371,27 +2409,15 @@ fn fig11(c: &Ctx) {
         (
             "events_epoll",
             Box::new(|| {
-                submit_all(true);
-                let mut got = 0;
-                let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EV_FILES];
-                let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
-                while got < EV_JOBS {
-                    // SAFETY: `ready` has room for EV_FILES entries.
-                    let n =
-                        unsafe { libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1) };
-                    if n < 0 {
-                        assert_eq!(raw::errno(), libc::EINTR, "epoll_wait");
-                        continue;
-                    }
-                    for r in &ready[..n as usize] {
-                        let (d, _) = &files[r.u64 as usize];
-                        match d.read_events(&mut evs) {
-                            Ok(k) => got += k,
-                            Err(libc::EAGAIN) => {}
-                            Err(e) => panic!("read of events: errno {e}"),
-                        }
-                    }
-                }
+                submit_all(Ask::JobNotify);
+                reap_all();
+            }),
+        ),
+        (
+            "events_submit_notify",
+            Box::new(|| {
+                submit_all(Ask::InSubmit);
+                reap_all();
             }),
         ),
     ];
@@ -2424,6 +2450,21 @@ fn fig11(c: &Ctx) {
                 for _ in 0..64 {
                     last = d.submit(descs).expect("SUBMIT");
                     d.job_notify(last, last).expect("JOB_NOTIFY");
+                }
+                d.job_wait(last, -1).expect("JOB_WAIT");
+                let mut got = 0;
+                while got < 64 {
+                    got += d.read_events(&mut evs).unwrap_or(0);
+                }
+            }
+        });
+        // The same with the event asked for in SUBMIT (ABI 1.6).
+        profile_case("fig11 submit_notify+read (task)", false, 1, || {
+            let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
+            for _ in 0..50 {
+                let mut last = 0;
+                for _ in 0..64 {
+                    last = d.submit_notify(descs, last).expect("SUBMIT_NOTIFY");
                 }
                 d.job_wait(last, -1).expect("JOB_WAIT");
                 let mut got = 0;

@@ -1,6 +1,7 @@
 //! Completion events (ABI 1.4, `TDRV_FEAT_EVENTS`): `TDRV_IOC_JOB_NOTIFY`,
 //! `read(2)` and `poll(2)`/epoll of the device file, on every kernel (also
 //! without `CONFIG_SYNC_FILE`), its errnos (ESTALE past the job window);
+//! SUBMIT asking for the event itself (ABI 1.6, `TDRV_SUBMIT_NOTIFY`);
 //! and the library's futures awaiting thousands of jobs with them, on one
 //! thread.
 //!
@@ -33,7 +34,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 17;
+const TESTS: usize = 20;
 /// Bound of every wait: only turns a hang into a failure.
 const HANG: Duration = Duration::from_secs(120);
 /// Jobs per file in the many-jobs checks (the default `file_max_jobs` is
@@ -832,6 +833,123 @@ fn main() {
             // Oldest first: the second event asked for comes next.
             expect_eq("read", ok("read", own.read_events(&mut one))?, 1)?;
             expect_event(&one[0], id, 1, 0)
+        },
+    );
+
+    let notify = version.features & TDRV_FEAT_SUBMIT_NOTIFY as u64 != 0;
+    let no_feature = || -> R {
+        Err(format!(
+            "ABI {}.{} without TDRV_FEAT_SUBMIT_NOTIFY (1.6 reports it on every kernel)",
+            version.abi_major, version.abi_minor
+        ))
+    };
+
+    t.run(
+        "SUBMIT_NOTIFY: a held job's event comes when it ends, not before; one that ended in the call has it at once",
+        || -> R {
+            if !notify {
+                return no_feature();
+            }
+            let d = pair(&dev)?;
+            let id = {
+                let _hold = Hold::new(&path)?;
+                let id = ok("submit_notify", dev.submit_notify(&d, 0xfeed_0001))?;
+                expect_eq(
+                    "readable while the job is held",
+                    ok("poll", poll_in(dev.fd(), 0))?,
+                    false,
+                )?;
+                id
+            };
+            wait_readable(&dev)?;
+            expect_event(&read_one(&dev)?, id, 0xfeed_0001, 0)?;
+            expect_eq("JOB_WAIT", wait_done(&dev, id)?, (TDRV_JOB_DONE, 0))?;
+            // Done (and so its event queued) by the time JOB_WAIT says so.
+            let id = ok("submit_notify", dev.submit_notify(&d, 2))?;
+            expect_eq("JOB_WAIT", wait_done(&dev, id)?, (TDRV_JOB_DONE, 0))?;
+            expect_eq("readable", ok("poll", poll_in(dev.fd(), 0))?, true)?;
+            expect_event(&read_one(&dev)?, id, 2, 0)?;
+            expect_eq("readable once read", ok("poll", poll_in(dev.fd(), 0))?, false)
+        },
+    );
+
+    t.run(
+        "SUBMIT refuses user_data without TDRV_SUBMIT_NOTIFY, and the flag in a struct without user_data (EINVAL), queueing nothing",
+        || -> R {
+            if !notify {
+                return no_feature();
+            }
+            let d = pair(&dev)?;
+            let before = ok("submit", dev.submit(&d))?;
+            let mut s = tdrv_submit {
+                descs: d.as_ptr() as u64,
+                desc_count: 1,
+                desc_size: std::mem::size_of::<tdrv_copy_desc>() as u32,
+                user_data: 5,
+                ..Default::default()
+            };
+            expect_err(
+                "user_data without the flag",
+                dev.ioctl(TDRV_IOC_SUBMIT, &mut s),
+                libc::EINVAL,
+            )?;
+            // The 64 bytes of ABI 1.2-1.5, with the flag: no room for
+            // user_data.
+            let mut short = tdrv_submit {
+                flags: TDRV_SUBMIT_NOTIFY,
+                user_data: 0,
+                ..s
+            };
+            // SAFETY: `short` is a live struct larger than the 64 bytes
+            // the request names.
+            let r = unsafe {
+                dev.ioctl_addr(
+                    request_with_size(TDRV_IOC_SUBMIT, 64),
+                    (&raw mut short) as usize,
+                )
+            };
+            expect_err("the flag in a 64-byte struct", r, libc::EINVAL)?;
+            // Nothing was queued: no job took an id, no event is there.
+            let after = ok("submit", dev.submit(&d))?;
+            expect_eq("the next job's id", after, before + 1)?;
+            wait_done(&dev, after)?;
+            expect_eq("readable", ok("poll", poll_in(dev.fd(), 0))?, false)
+        },
+    );
+
+    t.run(
+        "SUBMIT_NOTIFY past file_max_events is ENOSPC and queues no job; reading one makes room",
+        || -> R {
+            if !notify {
+                return no_feature();
+            }
+            let own = ok("open", Dev::open(&path))?;
+            let d = pair(&own)?;
+            let id = ok("submit", own.submit(&d))?;
+            wait_done(&own, id)?;
+            for i in 0..FILE_MAX_EVENTS {
+                if let Err(e) = own.job_notify(id, i) {
+                    return Err(format!("notify {i}: errno {e}"));
+                }
+            }
+            expect_err("SUBMIT_NOTIFY", own.submit_notify(&d, 9), libc::ENOSPC)?;
+            // No job took an id.
+            let next = ok("submit", own.submit(&d))?;
+            expect_eq("the next job's id", next, id + 1)?;
+            wait_done(&own, next)?;
+            let mut one = [tdrv_event::default(); 1];
+            expect_eq("read", ok("read", own.read_events(&mut one))?, 1)?;
+            expect_event(&one[0], id, 0, 0)?;
+            let last = ok("submit_notify after a read", own.submit_notify(&d, 9))?;
+            wait_done(&own, last)?;
+            // Its event comes after the 4,095 still queued.
+            let mut all = vec![tdrv_event::default(); FILE_MAX_EVENTS as usize];
+            let mut got = Vec::new();
+            while got.len() < FILE_MAX_EVENTS as usize {
+                let n = ok("read", own.read_events(&mut all))?;
+                got.extend_from_slice(&all[..n]);
+            }
+            expect_event(&got[FILE_MAX_EVENTS as usize - 1], last, 9, 0)
         },
     );
 

@@ -365,9 +365,10 @@ fn ioctl_errnos(op: Op) -> &'static [Errno] {
         Op::Memset => &[ENOENT, ERANGE, ENOMEM, EIO],
         Op::Copy => &[ENOENT, ERANGE, EXDEV, ENOMEM, EIO],
         Op::Submit => &[
-            ENOENT, ERANGE, EXDEV, ENOMEM, EAGAIN, EBADF, EOPNOTSUPP, EMFILE, EIO,
-            // (a signal while it takes a dma-buf's reservation lock)
-            EINTR,
+            // (EINTR: a signal while it takes a dma-buf's reservation
+            // lock; ENOSPC: TDRV_SUBMIT_NOTIFY with the file's events
+            // used up)
+            ENOENT, ERANGE, EXDEV, ENOMEM, EAGAIN, EBADF, EOPNOTSUPP, EMFILE, EIO, EINTR, ENOSPC,
         ],
         Op::JobWait => &[ETIMEDOUT, EINTR, ESTALE],
         Op::FenceWait | Op::CompletionWait => &[ENOENT, ETIMEDOUT, EINTR, EIO],
@@ -673,7 +674,7 @@ impl<'a> Worker<'a> {
             }
         }
         // The first published size of each struct: its size now, except
-        // SUBMIT's, which grew in ABI 1.2 (48 -> 64 bytes).
+        // SUBMIT's, which grew in ABI 1.2 (48 -> 64 bytes) and 1.6 (72).
         let first = if op == Op::Submit { 48 } else { ours };
         if r.is_ok() && size < first {
             self.violation(format!(
@@ -1574,7 +1575,11 @@ impl<'a> Worker<'a> {
         if !clean {
             self.stray32(&mut s.flags);
             self.stray32(&mut s.pad);
-            self.stray64(&mut [std::slice::from_mut(&mut s.job_id), &mut s.reserved[..]]);
+            self.stray64(&mut [
+                std::slice::from_mut(&mut s.job_id),
+                &mut s.reserved[..],
+                std::slice::from_mut(&mut s.user_data),
+            ]);
         }
         // Now and then a burst of the same well-formed job on the soft
         // device: a deep queue for a close or kill to cancel.
