@@ -260,6 +260,9 @@ struct QueueState {
     broken: bool,
     /// Ops failed by that reset whose descriptors were in the ring.
     orphans: List<Op>,
+    /// Of those, how many [`Queue::take_orphans`] lent out to be reported
+    /// (they are orphans still, only not in the list meanwhile).
+    lent: usize,
 }
 
 /// What the watchdog found.
@@ -314,6 +317,7 @@ impl Queue {
                     dead: false,
                     broken: false,
                     orphans: List::new(),
+                    lent: 0,
                 },
                 "SimQueue::st"
             ),
@@ -570,15 +574,27 @@ impl Queue {
     /// give them back with [`Queue::put_orphans`]. The caller holds
     /// `ending`, as every taker of the orphans does.
     pub(crate) fn take_orphans(&self) -> List<Op> {
-        core::mem::take(&mut self.st.lock().orphans)
+        let mut st = self.st.lock();
+        let taken = core::mem::take(&mut st.orphans);
+        st.lent += taken.iter().count();
+        taken
     }
 
     /// Gives back what [`Queue::take_orphans`] took.
     pub(crate) fn put_orphans(&self, mut orphans: List<Op>) {
         let mut st = self.st.lock();
         while let Some(op) = orphans.pop_front() {
+            st.lent = st.lent.saturating_sub(1);
             st.orphans.push_back(op);
         }
+    }
+
+    /// The queue's orphans, also those lent out to be reported: a reader
+    /// of the count (debugfs) must not see them gone while the watchdog
+    /// reports them, since the reports wake the very waiters (a job's
+    /// JOB_WAIT) that may read it next.
+    fn orphan_count(st: &QueueState) -> usize {
+        st.orphans.iter().count() + st.lent
     }
 
     /// Resets the device's queue: it discards what is pending and zeroes
@@ -660,7 +676,7 @@ impl Queue {
                 st.sq_tail.wrapping_sub(st.cq_head),
                 self.load.load(Relaxed),
                 st.broken,
-                st.orphans.iter().count(),
+                Self::orphan_count(&st),
             )
         };
         let (sq_head, status) = hw
@@ -689,5 +705,36 @@ impl Queue {
             if dead { " dead" } else { "" },
             orphans
         )
+    }
+}
+
+#[kunit_tests(tdrv_sim_queue)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn orphans_lent_out_for_their_report_still_count() -> Result {
+        let q = KBox::pin_init(Queue::new(0, 0, 16), GFP_KERNEL)?;
+        let mut descs = KVec::new();
+        descs.push(
+            Desc {
+                src: 0,
+                dst: 0,
+                len: 4096,
+                flags: 0,
+            },
+            GFP_KERNEL,
+        )?;
+        // (Allocated before the lock: the completion path takes it.)
+        let op = Op::new(OpKind::Sync, descs)?;
+        q.st.lock().orphans.push_back(op);
+        assert_eq!(Queue::orphan_count(&q.st.lock()), 1);
+        // The watchdog reports them with the queue's lock dropped.
+        let taken = q.take_orphans();
+        assert_eq!(Queue::orphan_count(&q.st.lock()), 1);
+        q.put_orphans(taken);
+        let st = q.st.lock();
+        assert_eq!((Queue::orphan_count(&st), st.lent), (1, 0));
+        Ok(())
     }
 }

@@ -425,6 +425,15 @@ fn device_with_submit_notify() -> (Arc<Device>, Arc<FakeDevice>) {
     )
 }
 
+/// The event of job `job_id` that succeeded, asked for with `user_data`.
+fn done(job_id: u64, user_data: u64) -> JobEvent {
+    JobEvent {
+        job_id,
+        user_data,
+        status: crate::sys::JobStatus::Done,
+    }
+}
+
 /// A 64-byte copy between two new buffers of `dev`.
 fn copy_desc(dev: &Arc<Device>) -> uapi::tdrv_copy_desc {
     let src = dev.alloc(64, 0).unwrap();
@@ -445,14 +454,7 @@ fn submit_notify_queues_the_event_of_a_job_that_ended_in_the_call() {
     let id = dev.submit_notify(&[d], 0xabc).unwrap();
     let mut evs = Vec::new();
     assert_eq!(dev.read_events(&mut evs).unwrap(), 1);
-    assert_eq!(
-        evs[0],
-        JobEvent {
-            job_id: id,
-            user_data: 0xabc,
-            status: crate::sys::JobStatus::Done
-        }
-    );
+    assert_eq!(evs[0], done(id, 0xabc));
 }
 
 #[test]
@@ -465,14 +467,7 @@ fn submit_notify_of_a_running_job_queues_its_event_when_it_ends() {
     assert_eq!(dev.read_events(&mut evs).unwrap(), 0, "{evs:?}");
     fake.finish_jobs();
     assert_eq!(dev.read_events(&mut evs).unwrap(), 1);
-    assert_eq!(
-        evs[0],
-        JobEvent {
-            job_id: id,
-            user_data: 7,
-            status: crate::sys::JobStatus::Done
-        }
-    );
+    assert_eq!(evs[0], done(id, 7));
 }
 
 #[test]

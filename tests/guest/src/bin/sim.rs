@@ -1440,6 +1440,19 @@ fn unbind_with_a_dead_queue() -> R {
     ok("copy_in", dev.copy_in(a.handle, 0, &vec![0xA5; len]))?;
     let mut u = Anon::new(len, 0x11)?;
     let u_pfns = u.pfns()?;
+    // Until the unbind, a failed check resumes the hung queues, so that
+    // the checks after this one find a device that binds again.
+    struct Resume<'a>(Option<&'a str>);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            if let Some(node) = self.0 {
+                if let Err(e) = inject(node, "resume") {
+                    println!("# {e}");
+                }
+            }
+        }
+    }
+    let mut resume = Resume(Some(&node));
     {
         let _watchdog = SimWatchdog::set(&node, SimWatchdog::DEFAULT_MS)?;
         inject(&node, "hang")?;
@@ -1465,6 +1478,9 @@ fn unbind_with_a_dead_queue() -> R {
     }
     let errors = dma_api_errors();
     let log = kernel_log()?;
+    // From here the queues stay hung through the unbind (what this checks)
+    // and are resumed below, with no driver bound.
+    resume.0 = None;
     fs::write(format!("{DRIVER_DIR}/unbind"), &pci).map_err(|e| format!("unbind {pci}: {e}"))?;
     let reports = new_reports(&log, &kernel_log()?);
     let errors_after = dma_api_errors();
