@@ -157,8 +157,10 @@ pub(crate) type EventTable = KVVec<List<JobEvent>>;
 /// # Invariants
 ///
 /// `count` is the number of events in `ready` and in `table`, at most
-/// `max`, and taken from `budget`; every event in `table[i]` has a job id
-/// `i` modulo `EVENT_SLOTS` whose job has not ended.
+/// `max`, and taken from `budget` (within one hold of the tracker lock,
+/// also the room [`EventQueue::reserve`] took for an event not yet
+/// parked); every event in `table[i]` has a job id `i` modulo
+/// `EVENT_SLOTS` whose job has not ended.
 pub(crate) struct EventQueue {
     table: Option<EventTable>,
     ready: List<JobEvent>,
