@@ -66,6 +66,8 @@ pub struct Job {
     in_fences: Vec<OwnedFd>,
     /// Whether to ask for an out-fence.
     out_fence: bool,
+    /// The `user_data` of the completion event SUBMIT asks for, if any.
+    event: Option<u64>,
 }
 
 /// State of a submitted job.
@@ -244,6 +246,28 @@ impl Job {
         self
     }
 
+    /// Asks, in the SUBMIT itself, for the job's completion event carrying
+    /// `user_data` on its device's file (`TDRV_SUBMIT_NOTIFY`, ABI 1.6):
+    /// what [`Device::job_notify`] of the submitted job would do, without
+    /// the second ioctl, and without the window in which the job is queued
+    /// but its event not yet asked for. Read the event with
+    /// [`Device::read_events`] (or poll the device's fd), as for
+    /// `job_notify`. `submit` then fails, queueing nothing, with
+    /// [`SysError::NoSpace`] when the file's or the device's events are
+    /// used up, [`SysError::EventsBusy`] when this process's reactor reads
+    /// the device's events, and [`SysError::NotSupported`] on a driver
+    /// before ABI 1.6 ([`Device::supports_submit_notify`]).
+    pub fn with_event(&mut self, user_data: u64) -> &mut Self {
+        self.event = Some(user_data);
+        self
+    }
+
+    /// Drops what [`Job::with_event`] asked for.
+    pub fn without_event(&mut self) -> &mut Self {
+        self.event = None;
+        self
+    }
+
     /// Queues the job on the device and returns at once. The job's copies
     /// move into the handle, leaving this builder empty, so a job can be
     /// built and submitted in one expression:
@@ -268,7 +292,7 @@ impl Job {
                 }
             }
             let in_fences: Vec<BorrowedFd<'_>> = self.in_fences.iter().map(|f| f.as_fd()).collect();
-            device.submit_with_fences(&self.descs, &in_fences, self.out_fence)?
+            device.submit_job_sys(&self.descs, &in_fences, self.out_fence, self.event)?
         };
         let tensors = (
             std::mem::take(&mut self.inputs),
@@ -280,6 +304,7 @@ impl Job {
         self.descs.clear();
         self.in_fences.clear();
         self.out_fence = false;
+        self.event = None;
         Ok(JobHandle {
             device,
             id,

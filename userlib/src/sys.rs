@@ -1101,14 +1101,29 @@ impl Device {
         descs: &[tdrv_copy_desc],
         user_data: u64,
     ) -> Result<u64, SysError> {
-        if !self.supports_submit_notify() {
-            return Err(SysError::NotSupported {
-                op: "SUBMIT_NOTIFY",
-            });
-        }
-        self.claim_events_for("SUBMIT_NOTIFY", EVENTS_MANUAL)?;
-        self.submit_inner(descs, &[], false, None, Some(user_data))
+        self.submit_job_sys(descs, &[], false, Some(user_data))
             .map(|(id, _)| id)
+    }
+
+    /// SUBMIT with everything a [`crate::Job`] may ask for: in-fences, an
+    /// out-fence, and (with `event`) its completion event carrying that
+    /// `user_data`, for a caller that reads the events itself.
+    pub(crate) fn submit_job_sys(
+        &self,
+        descs: &[tdrv_copy_desc],
+        in_fences: &[BorrowedFd<'_>],
+        out_fence: bool,
+        event: Option<u64>,
+    ) -> Result<(u64, Option<OwnedFd>), SysError> {
+        if event.is_some() {
+            if !self.supports_submit_notify() {
+                return Err(SysError::NotSupported {
+                    op: "SUBMIT_NOTIFY",
+                });
+            }
+            self.claim_events_for("SUBMIT_NOTIFY", EVENTS_MANUAL)?;
+        }
+        self.submit_inner(descs, in_fences, out_fence, None, event)
     }
 
     /// `TDRV_IOC_SUBMIT` with fence fds (ABI 1.2): the job starts only

@@ -157,6 +157,57 @@ pub extern "C" fn tdrv_job_submit(job: *mut tdrv_job_t) -> NRT_STATUS {
     })
 }
 
+/// Queues the job and asks, in the same ioctl, for its completion event
+/// carrying `user_data` (ABI 1.6); returns the device file's descriptor
+/// as `tdrv_job_notify` does. On failure nothing was queued and the job
+/// keeps its copies.
+///
+/// # Safety
+/// `fd` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tdrv_job_submit_notify(
+    job: *mut tdrv_job_t,
+    user_data: u64,
+    fd: *mut c_int,
+) -> NRT_STATUS {
+    const F: &str = "tdrv_job_submit_notify";
+    guard(F, || {
+        if fd.is_null() {
+            return fail(F, NRT_INVALID, "fd is NULL");
+        }
+        let slot = tri!(lookup(F, job));
+        let mut state = lock(&slot);
+        let State::Building(j) = &mut *state else {
+            return fail(F, NRT_INVALID, "the job was submitted already");
+        };
+        if j.is_empty() {
+            return fail(F, NRT_INVALID, "the job has no copies");
+        }
+        j.with_event(user_data);
+        let h = match j.submit() {
+            Ok(h) => h,
+            Err(e) => {
+                // The builder keeps its copies, but not the event: a later
+                // tdrv_job_submit asks for none.
+                j.without_event();
+                return match e {
+                    tdrv::Error::Sys(tdrv::sys::SysError::NotSupported { .. }) => fail(
+                        F,
+                        NRT_FAILURE,
+                        "the driver cannot ask for a job's event in its submit (ABI < 1.6)",
+                    ),
+                    e => status(F, Err(e)),
+                };
+            }
+        };
+        let raw = register_event_file(h.device());
+        *state = State::Submitted(Arc::new(h));
+        // SAFETY: non-null and writable per the contract.
+        unsafe { *fd = raw };
+        NRT_SUCCESS
+    })
+}
+
 /// The submitted handle of a job, shared, without holding its lock.
 fn submitted(func: &str, job: *const tdrv_job_t) -> Result<Arc<JobHandle>, NRT_STATUS> {
     let slot = lookup(func, job)?;
@@ -220,6 +271,16 @@ fn event_files() -> MutexGuard<'static, HashMap<c_int, Weak<Device>>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// Records `dev`'s file as one whose events `tdrv_read_events` reads, and
+/// returns its descriptor.
+fn register_event_file(dev: &Arc<Device>) -> c_int {
+    let raw = dev.as_fd().as_raw_fd();
+    let mut files = event_files();
+    files.retain(|_, d| d.strong_count() > 0);
+    files.insert(raw, Arc::downgrade(dev));
+    raw
+}
+
 /// Asks for the job's completion event on its device file and returns
 /// that file's descriptor.
 ///
@@ -248,10 +309,7 @@ pub unsafe extern "C" fn tdrv_job_notify(
         if let Err(e) = dev.job_notify(h.id(), user_data) {
             return status(F, Err(e));
         }
-        let raw = dev.as_fd().as_raw_fd();
-        let mut files = event_files();
-        files.retain(|_, d| d.strong_count() > 0);
-        files.insert(raw, Arc::downgrade(dev));
+        let raw = register_event_file(dev);
         // SAFETY: non-null and writable per the contract.
         unsafe { *fd = raw };
         NRT_SUCCESS

@@ -99,6 +99,7 @@ fn library_has_the_soname_and_only_the_nrt_exports() {
         "tdrv_job_add_copy",
         "tdrv_job_request_fd",
         "tdrv_job_submit",
+        "tdrv_job_submit_notify",
         "tdrv_job_wait",
         "tdrv_job_get_fd",
         "tdrv_job_notify",

@@ -16,6 +16,7 @@ use tdrv_uapi as uapi;
 
 use crate::fakedev::FakeDevice;
 use crate::job::{Job, JobHandle};
+use crate::ops::TensorOps;
 use crate::sys::{Device, JobEvent, SysError};
 use crate::Tensor;
 
@@ -503,4 +504,52 @@ fn submit_notify_is_refused_while_the_reactor_reads_the_events() {
     for r in block_on_all(&mut handles, &signal, seen).unwrap() {
         r.unwrap();
     }
+}
+
+#[test]
+fn a_job_with_an_event_asks_for_it_in_its_submit() {
+    let (dev, fake) = device_with_submit_notify();
+    let src = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+    let dst = Tensor::allocate_on(&dev, 0, 64, None).unwrap();
+    src.write(0, &[5; 64]).unwrap();
+    fake.hold_jobs(true);
+    let mut job = Job::new();
+    let h = job
+        .copy_all(&src, &dst)
+        .unwrap()
+        .with_event(0x51)
+        .submit()
+        .unwrap();
+    let mut evs = Vec::new();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 0, "{evs:?}");
+    fake.finish_jobs();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 1);
+    assert_eq!(evs[0], done(h.id(), 0x51));
+    h.wait().unwrap();
+    assert_eq!(dst.to_vec().unwrap(), vec![5; 64]);
+    // The builder forgets the event with its copies: the next job
+    // submitted from it asks for none.
+    fake.hold_jobs(false);
+    let h2 = job.copy_all(&src, &dst).unwrap().submit().unwrap();
+    h2.wait().unwrap();
+    evs.clear();
+    assert_eq!(dev.read_events(&mut evs).unwrap(), 0, "{evs:?}");
+}
+
+#[test]
+fn a_job_with_an_event_on_an_older_driver_queues_nothing() {
+    let (old, _fake) = device();
+    let src = Tensor::allocate_on(&old, 0, 64, None).unwrap();
+    let dst = Tensor::allocate_on(&old, 0, 64, None).unwrap();
+    let mut job = Job::new();
+    job.copy_all(&src, &dst).unwrap().with_event(1);
+    assert!(matches!(
+        job.submit(),
+        Err(crate::Error::Sys(SysError::NotSupported {
+            op: "SUBMIT_NOTIFY"
+        }))
+    ));
+    // Nothing was queued, and the builder keeps its copy for a retry.
+    assert_eq!(dst.completion().count().unwrap(), 0);
+    assert_eq!(job.len(), 1);
 }

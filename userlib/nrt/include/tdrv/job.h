@@ -12,10 +12,11 @@
  * job first writes each source tensor to a file in that directory.
  *
  * Life of a job: tdrv_job_create, one or more tdrv_job_add_copy, optionally
- * tdrv_job_request_fd, one tdrv_job_submit, any number of tdrv_job_wait and
- * tdrv_job_get_fd, tdrv_job_free. Calls out of that order return
- * NRT_INVALID and change nothing. Freeing a submitted job does not cancel
- * it: the copies run to their end, and the tensors stay alive until then.
+ * tdrv_job_request_fd, one tdrv_job_submit (or tdrv_job_submit_notify), any
+ * number of tdrv_job_wait and tdrv_job_get_fd, tdrv_job_free. Calls out of
+ * that order return NRT_INVALID and change nothing. Freeing a submitted
+ * job does not cancel it: the copies run to their end, and the tensors stay
+ * alive until then.
  *
  * Handles follow nrt_tensor_t's rules: a tdrv_job_t * is an opaque token
  * that is looked up before every use and never dereferenced; a stale or
@@ -113,18 +114,34 @@ NRT_STATUS tdrv_job_get_fd(tdrv_job_t *job, int *fd);
  */
 NRT_STATUS tdrv_job_notify(tdrv_job_t *job, uint64_t user_data, int *fd);
 
+/*
+ * Submits the job as tdrv_job_submit does and asks, in the same call, for
+ * its completion event carrying user_data, as tdrv_job_notify right after
+ * it would (ABI 1.6): one system call per job instead of two for a program
+ * that waits through events, and no moment when the job is queued but its
+ * event not yet asked for. *fd gets the device file's descriptor, as from
+ * tdrv_job_notify, with the same rules. Fails as tdrv_job_submit does
+ * (NRT_INVALID also for a NULL fd pointer), with NRT_RESOURCE also when
+ * the file's or the device's event limit is reached, and with NRT_FAILURE
+ * on a driver older than ABI 1.6 or in a child after fork; on failure
+ * nothing was queued, and the job keeps its copies for another submit.
+ */
+NRT_STATUS tdrv_job_submit_notify(tdrv_job_t *job, uint64_t user_data, int *fd);
+
 /* An event read by tdrv_read_events. */
 typedef struct tdrv_job_event {
-	uint64_t user_data; /* what tdrv_job_notify was given */
+	uint64_t user_data; /* what tdrv_job_notify or tdrv_job_submit_notify
+			     * was given */
 	NRT_STATUS status;  /* NRT_SUCCESS, NRT_HW_ERROR (the job failed), or
 			     * NRT_CLOSED (the device was removed) */
 } tdrv_job_event_t;
 
 /*
- * Reads up to max ready events of fd (from tdrv_job_notify) into events,
- * oldest first, without waiting; *count gets how many (0 when none is
- * ready). Events not read stay for the next call. NRT_INVALID for an fd
- * that is not one tdrv_job_notify returned, or NULL pointers.
+ * Reads up to max ready events of fd (from tdrv_job_notify or
+ * tdrv_job_submit_notify) into events, oldest first, without waiting;
+ * *count gets how many (0 when none is ready). Events not read stay for the next call. NRT_INVALID for an fd
+ * that is not one tdrv_job_notify or tdrv_job_submit_notify returned, or
+ * NULL pointers.
  */
 NRT_STATUS tdrv_read_events(int fd, tdrv_job_event_t *events, size_t max, size_t *count);
 

@@ -27,7 +27,7 @@
 
 #include "tap.h"
 
-#define PLAN 27
+#define PLAN 31
 /* A bound that only turns a hang into a failure. */
 #define HANG_US (60LL * 1000 * 1000)
 
@@ -197,6 +197,32 @@ int main(int argc, char **argv)
 			printf("# events: n=%zu user_data=%#llx status=%d\n", n,
 			       (unsigned long long)ev[0].user_data, ev[0].status);
 		check(ok, "tdrv_read_events returns the one event with its user_data and status, then none");
+		tdrv_job_free(&job3);
+
+		/* The event asked for in the submit itself (ABI 1.6). */
+		int notify_fd = p.fd;
+		ok = tdrv_job_create(&job3) == NRT_SUCCESS &&
+		     tdrv_job_add_copy(job3, src, 0, dst, 0, N) == NRT_SUCCESS &&
+		     nrt_tensor_memset(dst, 0, 0, N) == NRT_SUCCESS;
+		p.fd = -1;
+		check(ok && tdrv_job_submit_notify(job3, 2, NULL) == NRT_INVALID &&
+			      tdrv_job_wait(job3, 0) == NRT_INVALID,
+		      "tdrv_job_submit_notify with a NULL fd pointer is NRT_INVALID and queues nothing");
+		ok = tdrv_job_submit_notify(job3, 0x5eed, &p.fd) == NRT_SUCCESS && p.fd == notify_fd &&
+		     poll(&p, 1, (int)(HANG_US / 1000)) == 1 && (p.revents & POLLIN);
+		check(ok, "tdrv_job_submit_notify's event makes the same device fd poll readable");
+		n = 0;
+		memset(b, 0, N);
+		ok = tdrv_read_events(p.fd, ev, 4, &n) == NRT_SUCCESS && n == 1 &&
+		     ev[0].user_data == 0x5eed && ev[0].status == NRT_SUCCESS &&
+		     tdrv_job_wait(job3, 0) == NRT_SUCCESS && nrt_tensor_read(dst, b, 0, N) == NRT_SUCCESS &&
+		     !memcmp(a, b, N);
+		if (!ok)
+			printf("# submit_notify event: n=%zu user_data=%#llx status=%d\n", n,
+			       (unsigned long long)ev[0].user_data, ev[0].status);
+		check(ok, "its event carries its user_data and success, and the job's copy ran");
+		check_status(tdrv_job_submit_notify(job3, 3, &notify_fd), NRT_INVALID,
+			     "tdrv_job_submit_notify of a submitted job is NRT_INVALID");
 		tdrv_job_free(&job3);
 	}
 	tdrv_job_t *freed = job;
