@@ -133,34 +133,61 @@ pub extern "C" fn tdrv_job_request_fd(job: *mut tdrv_job_t) -> NRT_STATUS {
     })
 }
 
-/// Queues the job. On failure the job keeps its copies (the builder is
-/// left as it was), so it can be freed or submitted again.
+/// Queues the job, asking in the same call for its completion event
+/// carrying `event`'s `user_data` if given, and returns the submitted
+/// handle. On failure nothing was queued and the job keeps its copies (and
+/// forgets the event), so it can be freed or submitted again.
+fn submit_as(
+    func: &str,
+    job: *const tdrv_job_t,
+    event: Option<u64>,
+) -> Result<Arc<JobHandle>, NRT_STATUS> {
+    let slot = lookup(func, job)?;
+    let mut state = lock(&slot);
+    let State::Building(j) = &mut *state else {
+        return Err(fail(func, NRT_INVALID, "the job was submitted already"));
+    };
+    if j.is_empty() {
+        return Err(fail(func, NRT_INVALID, "the job has no copies"));
+    }
+    if let Some(user_data) = event {
+        j.with_event(user_data);
+    }
+    match j.submit() {
+        Ok(h) => {
+            let h = Arc::new(h);
+            *state = State::Submitted(Arc::clone(&h));
+            Ok(h)
+        }
+        Err(e) => {
+            j.without_event();
+            Err(match e {
+                tdrv::Error::Sys(tdrv::sys::SysError::NotSupported { .. }) if event.is_some() => {
+                    fail(
+                        func,
+                        NRT_FAILURE,
+                        "the driver cannot ask for a job's event in its submit (ABI < 1.6)",
+                    )
+                }
+                e => status(func, Err(e)),
+            })
+        }
+    }
+}
+
+/// Queues the job.
 #[no_mangle]
 pub extern "C" fn tdrv_job_submit(job: *mut tdrv_job_t) -> NRT_STATUS {
     const F: &str = "tdrv_job_submit";
-    guard(F, || {
-        let slot = tri!(lookup(F, job));
-        let mut state = lock(&slot);
-        let State::Building(j) = &mut *state else {
-            return fail(F, NRT_INVALID, "the job was submitted already");
-        };
-        if j.is_empty() {
-            return fail(F, NRT_INVALID, "the job has no copies");
-        }
-        match j.submit() {
-            Ok(h) => {
-                *state = State::Submitted(Arc::new(h));
-                NRT_SUCCESS
-            }
-            Err(e) => status(F, Err(e)),
-        }
+    guard(F, || match submit_as(F, job, None) {
+        Ok(_) => NRT_SUCCESS,
+        Err(st) => st,
     })
 }
 
 /// Queues the job and asks, in the same ioctl, for its completion event
 /// carrying `user_data` (ABI 1.6); returns the device file's descriptor
-/// as `tdrv_job_notify` does. On failure nothing was queued and the job
-/// keeps its copies.
+/// as `tdrv_job_notify` does.
 ///
 /// # Safety
 /// `fd` is NULL or writable.
@@ -175,33 +202,8 @@ pub unsafe extern "C" fn tdrv_job_submit_notify(
         if fd.is_null() {
             return fail(F, NRT_INVALID, "fd is NULL");
         }
-        let slot = tri!(lookup(F, job));
-        let mut state = lock(&slot);
-        let State::Building(j) = &mut *state else {
-            return fail(F, NRT_INVALID, "the job was submitted already");
-        };
-        if j.is_empty() {
-            return fail(F, NRT_INVALID, "the job has no copies");
-        }
-        j.with_event(user_data);
-        let h = match j.submit() {
-            Ok(h) => h,
-            Err(e) => {
-                // The builder keeps its copies, but not the event: a later
-                // tdrv_job_submit asks for none.
-                j.without_event();
-                return match e {
-                    tdrv::Error::Sys(tdrv::sys::SysError::NotSupported { .. }) => fail(
-                        F,
-                        NRT_FAILURE,
-                        "the driver cannot ask for a job's event in its submit (ABI < 1.6)",
-                    ),
-                    e => status(F, Err(e)),
-                };
-            }
-        };
+        let h = tri!(submit_as(F, job, Some(user_data)));
         let raw = register_event_file(h.device());
-        *state = State::Submitted(Arc::new(h));
         // SAFETY: non-null and writable per the contract.
         unsafe { *fd = raw };
         NRT_SUCCESS
