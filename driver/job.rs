@@ -74,6 +74,7 @@ use crate::{
     event::{
         EventBudget,
         EventQueue,
+        EventTable,
         JobEvent, //
     },
     device::{
@@ -120,6 +121,10 @@ fn now_ns() -> i64 {
 
 /// `Job::outcome` before the job completed.
 const NO_OUTCOME: i32 = 1;
+
+/// Events `read(2)` copies out per copy call (24 bytes each, on the
+/// stack).
+const READ_BATCH: usize = 16;
 
 /// Status of a job that has not finished, in its [`StatusRing`] slot.
 const PENDING: i32 = 1;
@@ -654,6 +659,9 @@ pub(crate) struct JobTracker {
     /// Whether an event is ready, copied under the lock: `poll` reads it
     /// without taking the lock.
     events_ready: Atomic<bool>,
+    /// Set, under the lock, once the file has its table of parked events:
+    /// a request for an event then takes the lock once, not twice.
+    events_table: Atomic<bool>,
 }
 
 impl_has_work! {
@@ -702,6 +710,7 @@ impl JobTracker {
                 submit_lock <- new_mutex!((), "JobTracker::submit_lock"),
                 poll <- PollQueue::new(),
                 events_ready: Atomic::new(false),
+                events_table: Atomic::new(false),
             }),
             GFP_KERNEL_ACCOUNT,
         )
@@ -744,9 +753,11 @@ impl JobTracker {
         // events, at its first) is allocated here, before the lock, which
         // the completion path takes; under the lock it only takes room
         // and is parked for the job's id, as JOB_NOTIFY's would be.
-        let mut event = notify.map(|user_data| JobEvent::new(0, user_data)).transpose()?;
-        let mut table = if event.is_some() && self.state.lock().events.needs_table() {
-            Some(EventQueue::new_table()?)
+        let mut event = notify
+            .map(|user_data| JobEvent::new(0, user_data))
+            .transpose()?;
+        let mut table = if event.is_some() {
+            self.new_event_table()?
         } else {
             None
         };
@@ -782,7 +793,7 @@ impl JobTracker {
             pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None, None));
             mark(&job.transfers)?;
             let mut state = self.state.lock();
-            let spare = state.events.install_table(table.take());
+            let spare = self.install_event_table(&mut state, table.take());
             let room = self.check_limits(&state, bytes, limits).and_then(|()| {
                 if event.is_some() {
                     state.events.reserve()?;
@@ -834,7 +845,7 @@ impl JobTracker {
         // job with an out-fence, or one the stack path could not place).
         let mut claimed = None;
         let mut state = self.state.lock();
-        let spare = state.events.install_table(table.take());
+        let spare = self.install_event_table(&mut state, table.take());
         let id = state.next_id;
         job.id.store(id, Relaxed);
         let mut reserved = false;
@@ -1034,13 +1045,9 @@ impl JobTracker {
     pub(crate) fn notify(&self, id: u64, user_data: u64) -> Result {
         // Allocated before the lock, which the completion path takes.
         let ev = JobEvent::new(id, user_data)?;
-        let table = if self.state.lock().events.needs_table() {
-            Some(EventQueue::new_table()?)
-        } else {
-            None
-        };
+        let table = self.new_event_table()?;
         let mut state = self.state.lock();
-        let spare = state.events.install_table(table);
+        let spare = self.install_event_table(&mut state, table);
         let r = Self::queue_event(&mut state, id, ev);
         let ready = state.events.has_ready();
         self.events_ready.store(ready, Release);
@@ -1050,6 +1057,29 @@ impl JobTracker {
         }
         drop(spare);
         r
+    }
+
+    /// The file's table of parked events, allocated (without the lock,
+    /// which the completion path takes) unless it has one.
+    fn new_event_table(&self) -> Result<Option<EventTable>> {
+        if self.events_table.load(Acquire) {
+            return Ok(None);
+        }
+        Ok(Some(EventQueue::new_table()?))
+    }
+
+    /// Installs `table` (see [`EventQueue::install_table`]); returns the
+    /// one not used, to be freed after the lock.
+    fn install_event_table(
+        &self,
+        state: &mut TrackerState,
+        table: Option<EventTable>,
+    ) -> Option<EventTable> {
+        let spare = state.events.install_table(table);
+        if !state.events.needs_table() {
+            self.events_table.store(true, Release);
+        }
+        spare
     }
 
     fn queue_event(state: &mut TrackerState, id: u64, ev: ListArc<JobEvent>) -> Result {
@@ -1096,18 +1126,45 @@ impl JobTracker {
         let mut taken = state.events.take(max);
         drop(state);
         // Copied without the lock: user memory may fault, and the
-        // completion path takes the lock.
+        // completion path takes the lock. A batch at a time: one copy call
+        // per batch instead of per event.
         let mut copied = 0u32;
-        let mut left = List::<JobEvent>::new();
-        while let Some(ev) = taken.pop_front() {
-            if left.is_empty() && out.copy_to_iter(ev.to_uapi().as_bytes()) == SIZE {
-                copied += 1;
-            } else {
-                left.push_back(ev);
+        let mut done = List::<JobEvent>::new();
+        let mut batch = [uapi::Event::default(); READ_BATCH];
+        loop {
+            let mut n = 0;
+            while n < READ_BATCH {
+                let Some(ev) = taken.pop_front() else {
+                    break;
+                };
+                batch[n] = ev.to_uapi();
+                done.push_back(ev);
+                n += 1;
+            }
+            if n == 0 {
+                break;
+            }
+            // Whole events only: a partly copied one goes back (its bytes
+            // are past what the read returns).
+            let whole = out.copy_to_iter(batch[..n].as_bytes()) / SIZE;
+            copied += whole as u32;
+            if whole < n {
+                // The batch's uncopied events, in order, then the rest.
+                let mut back = List::<JobEvent>::new();
+                for _ in 0..n - whole {
+                    if let Some(ev) = done.pop_back() {
+                        back.push_front(ev);
+                    }
+                }
+                while let Some(ev) = taken.pop_front() {
+                    back.push_back(ev);
+                }
+                taken = back;
+                break;
             }
         }
         let mut state = self.state.lock();
-        state.events.end_read(copied, left);
+        state.events.end_read(copied, taken);
         let ready = state.events.has_ready();
         self.events_ready.store(ready, Release);
         // Readers that waited for this one, and ready events: the ones put
@@ -1117,6 +1174,8 @@ impl JobTracker {
         if ready {
             self.poll.wake();
         }
+        // The events read are freed here, after the lock.
+        drop(done);
         if copied == 0 {
             return Err(EFAULT);
         }

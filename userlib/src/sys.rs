@@ -1076,7 +1076,7 @@ impl Device {
 
     /// [`Device::submit`] with the sys layer's error.
     pub(crate) fn submit_sys(&self, descs: &[tdrv_copy_desc]) -> Result<u64, SysError> {
-        self.submit_with_fences_sys(descs, &[], false)
+        self.submit_job_sys(descs, &[], false, None)
             .map(|(id, _)| id)
     }
 
@@ -1138,17 +1138,7 @@ impl Device {
         in_fences: &[BorrowedFd<'_>],
         out_fence: bool,
     ) -> crate::Result<(u64, Option<OwnedFd>)> {
-        Ok(self.submit_with_fences_sys(descs, in_fences, out_fence)?)
-    }
-
-    /// [`Device::submit_with_fences`] with the sys layer's error.
-    pub(crate) fn submit_with_fences_sys(
-        &self,
-        descs: &[tdrv_copy_desc],
-        in_fences: &[BorrowedFd<'_>],
-        out_fence: bool,
-    ) -> Result<(u64, Option<OwnedFd>), SysError> {
-        self.submit_inner(descs, in_fences, out_fence, None, None)
+        Ok(self.submit_job_sys(descs, in_fences, out_fence, None)?)
     }
 
     /// [`Device::submit`] of a job that may write the buffer `owner` pins:

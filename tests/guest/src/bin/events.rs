@@ -34,7 +34,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 20;
+const TESTS: usize = 21;
 /// Bound of every wait: only turns a hang into a failure.
 const HANG: Duration = Duration::from_secs(120);
 /// Jobs per file in the many-jobs checks (the default `file_max_jobs` is
@@ -671,6 +671,68 @@ fn main() {
                 vec![0],
             )?;
             expect_event(&read_one(&own)?, j2, 2, 0)
+        },
+    );
+
+    t.run(
+        "a read that faults in its second batch of events returns the 17 whole ones before the fault and keeps the rest, in order",
+        || -> R {
+            // The driver copies events out 16 at a time: 20 ready events
+            // into a buffer whose 18th event straddles an unmapped page.
+            let own = ok("open", Dev::open(&path))?;
+            let d = pair(&own)?;
+            let mut ids = Vec::new();
+            for i in 0..20u64 {
+                let id = ok("submit", own.submit(&d))?;
+                wait_done(&own, id)?;
+                ok("notify", own.job_notify(id, 100 + i))?;
+                ids.push(id);
+            }
+            let page = 4096usize;
+            // SAFETY: a fresh private mapping of two pages; the second is
+            // unmapped again at once, so that it faults.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    2 * page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                return Err(format!("mmap: errno {}", errno()));
+            }
+            // SAFETY: the second page of the mapping just made.
+            unsafe { libc::munmap(base.cast::<u8>().add(page).cast(), page) };
+            let at = base as usize + page - 17 * EVENT_SIZE - EVENT_SIZE / 2;
+            // SAFETY: reads into our mapping; the kernel checks the
+            // addresses (the 18th event's second half faults).
+            let r = unsafe { libc::read(own.fd(), at as *mut libc::c_void, 20 * EVENT_SIZE) };
+            let e = errno();
+            let mut got = Vec::new();
+            for k in 0..17 {
+                // SAFETY: within the mapped page, written by the kernel's
+                // copy (read_unaligned: `at` is not 8-byte aligned).
+                got.push(unsafe {
+                    std::ptr::read_unaligned((at + k * EVENT_SIZE) as *const tdrv_event)
+                });
+            }
+            // SAFETY: the first page of the mapping made above.
+            unsafe { libc::munmap(base, page) };
+            expect_eq("the faulting read's result", r, 17 * EVENT_SIZE as isize)
+                .map_err(|m| format!("{m} (errno {e})"))?;
+            for (k, ev) in got.iter().enumerate() {
+                expect_event(ev, ids[k], 100 + k as u64, 0)?;
+            }
+            let mut rest = [tdrv_event::default(); 8];
+            let n = ok("read", own.read_events(&mut rest))?;
+            expect_eq("events left", n, 3)?;
+            for (k, ev) in rest[..3].iter().enumerate() {
+                expect_event(ev, ids[17 + k], 117 + k as u64, 0)?;
+            }
+            Ok(())
         },
     );
 
