@@ -9,6 +9,10 @@ use crate::layout::FLAG_SRC_DEV;
 use crate::layout::MAX_LEN;
 use crate::log::Log;
 use crate::shm::Region;
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::AcqRel;
+use std::sync::atomic::Ordering::Acquire;
 use std::sync::Arc;
 
 /// A descriptor as read from the ring.
@@ -100,6 +104,48 @@ pub struct Memory {
     pub ram: Option<Arc<Region>>,
     /// Where the file lies in guest physical memory.
     pub ram_map: RamMap,
+    /// The big copies in flight through it, on all queues.
+    pub big_copies: Overlap,
+}
+
+/// Tells the copies that ran alone from those that overlapped another,
+/// for the time split of big descriptors (`make bench`, figure 9s): a
+/// copy alone has the host's cores to itself, so its rate is the host's
+/// own copy rate, which copies sharing the cores with other queues'
+/// copies (figure 9's concurrent jobs) do not show.
+#[derive(Default)]
+pub struct Overlap {
+    /// Copies in flight.
+    active: AtomicU32,
+    /// Copies begun so far.
+    begun: AtomicU64,
+}
+
+/// A copy [`Overlap::begin`] counted, until [`Overlap::end`].
+pub struct InFlight {
+    alone: bool,
+    nth: u64,
+}
+
+impl Overlap {
+    /// A copy begins.
+    pub fn begin(&self) -> InFlight {
+        // AcqRel: the two counters of overlapping copies are ordered, so
+        // that of two overlapping copies at least the later sees the
+        // other (in `active` at its begin) or the earlier sees it (in
+        // `begun` at its end).
+        let alone = self.active.fetch_add(1, AcqRel) == 0;
+        let nth = self.begun.fetch_add(1, AcqRel) + 1;
+        InFlight { alone, nth }
+    }
+
+    /// The copy ends: whether it ran alone (no other copy in flight when
+    /// it began, and none begun since).
+    pub fn end(&self, c: InFlight) -> bool {
+        let alone = c.alone && self.begun.load(Acquire) == c.nth;
+        self.active.fetch_sub(1, AcqRel);
+        alone
+    }
 }
 
 impl Memory {
@@ -128,6 +174,7 @@ impl Memory {
             hbm_size: l.hbm_size,
             ram,
             ram_map: RamMap::pc(len, max_below_4g),
+            big_copies: Overlap::default(),
         }
     }
 
@@ -209,6 +256,30 @@ mod tests {
         let ram = Arc::new(Region::heap(1 << 20));
         let m = Memory::new(bar, &l, Some(ram));
         (l, m)
+    }
+
+    #[test]
+    fn only_a_copy_that_met_no_other_counts_as_alone() {
+        let o = Overlap::default();
+        // Alone.
+        let a = o.begin();
+        assert!(o.end(a));
+        // Two overlapping copies, whichever ends first: neither.
+        let a = o.begin();
+        let b = o.begin();
+        assert!(!o.end(a));
+        let c = o.begin();
+        assert!(!o.end(b));
+        // `c` began while `b` ran.
+        assert!(!o.end(c));
+        // One begun while another ran, which ends before it: still not.
+        let a = o.begin();
+        let b = o.begin();
+        assert!(!o.end(b));
+        assert!(!o.end(a));
+        // And alone again once all are done.
+        let a = o.begin();
+        assert!(o.end(a));
     }
 
     #[test]

@@ -81,6 +81,29 @@ struct Args {
     /// copies). With a limit, queues scale like independent engines.
     #[arg(long, default_value_t = 0)]
     engine_mib_s: u64,
+    /// At exit, also time a plain memcpy of 16 MiB between two buffers of
+    /// this process and print its rate (`tdrv-sim: host memcpy ...`): the
+    /// host's copy rate, the baseline of `make bench`'s figure 9s.
+    #[arg(long)]
+    measure_memcpy: bool,
+}
+
+/// Median host nanoseconds of `rounds` copies of `bytes` between two
+/// buffers of this process (after one copy that faults their pages in).
+fn host_memcpy_ns(bytes: usize, rounds: usize) -> u64 {
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src);
+    let mut ns: Vec<u64> = (0..rounds)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    ns.sort_unstable();
+    ns[rounds / 2]
 }
 
 /// Blocks the stop signals in every thread (the queue threads inherit the
@@ -159,6 +182,14 @@ fn run(args: &Args) -> io::Result<()> {
     let _ = std::fs::remove_file(&args.socket);
     tdrv_sim::log::stderr().flush();
     eprint!("{}", dev.stats_lines());
+    if args.measure_memcpy {
+        const BYTES: usize = 16 << 20;
+        const ROUNDS: usize = 9;
+        eprintln!(
+            "tdrv-sim: host memcpy bytes={BYTES} rounds={ROUNDS} median_ns={}",
+            host_memcpy_ns(BYTES, ROUNDS)
+        );
+    }
     result
 }
 

@@ -77,6 +77,14 @@ pub struct QueueStats {
     /// Host nanoseconds they spent being completed (the completion entry,
     /// the indices and the interrupt).
     pub big_complete_ns: AtomicU64,
+    /// Of those descriptors, the ones copied while no other queue copied
+    /// one ([`Overlap`](crate::dma::Overlap)): their bytes and copy time,
+    /// the host's own copy rate.
+    pub solo_descs: AtomicU64,
+    /// Bytes the descriptors copied alone copied.
+    pub solo_bytes: AtomicU64,
+    /// Host nanoseconds they spent being checked and copied.
+    pub solo_copy_ns: AtomicU64,
 }
 
 /// Descriptors from this size on get the time split of [`QueueStats`].
@@ -95,7 +103,8 @@ impl fmt::Display for QueueStats {
             f,
             "descs={} ok={} bad_addr={} bad_desc={} fault={} bytes={} irqs={} lost_irqs={} \
              injected={} stalls={} resets={} doorbells={} big_descs={} big_bytes={} \
-             big_fetch_ns={} big_copy_ns={} big_complete_ns={}",
+             big_fetch_ns={} big_copy_ns={} big_complete_ns={} solo_descs={} solo_bytes={} \
+             solo_copy_ns={}",
             g(&self.descs),
             g(&self.ok),
             g(&self.bad_addr),
@@ -112,7 +121,10 @@ impl fmt::Display for QueueStats {
             g(&self.big_bytes),
             g(&self.big_fetch_ns),
             g(&self.big_copy_ns),
-            g(&self.big_complete_ns)
+            g(&self.big_complete_ns),
+            g(&self.solo_descs),
+            g(&self.solo_bytes),
+            g(&self.solo_copy_ns)
         )
     }
 }
@@ -343,6 +355,7 @@ impl Engine {
             self.set_status(qstatus::BUSY);
             let fetch = std::time::Instant::now();
             let d = self.read_desc(self.sq_head);
+            let big = (d.len >= BIG_DESC).then(|| self.mem.big_copies.begin());
             let started = std::time::Instant::now();
             let (status, len_done) = if self.fail_next {
                 self.fail_next = false;
@@ -350,6 +363,8 @@ impl Engine {
             } else {
                 self.mem.execute(&d, &self.log)
             };
+            let copy_end = std::time::Instant::now();
+            let alone = big.is_some_and(|c| self.mem.big_copies.end(c));
             if let Some(rate) = self.rate {
                 let due = Duration::from_secs_f64(f64::from(len_done) / rate as f64);
                 // In slices, so that a stop is seen within one.
@@ -370,6 +385,11 @@ impl Engine {
                 QueueStats::add(&s.big_fetch_ns, ns(fetch, started));
                 QueueStats::add(&s.big_copy_ns, ns(started, copied));
                 QueueStats::add(&s.big_complete_ns, ns(copied, std::time::Instant::now()));
+                if alone {
+                    QueueStats::add(&s.solo_descs, 1);
+                    QueueStats::add(&s.solo_bytes, u64::from(len_done));
+                    QueueStats::add(&s.solo_copy_ns, ns(started, copy_end));
+                }
             }
             done += 1;
         }
