@@ -156,8 +156,12 @@ use crate::{
 
 /// Watchdog period while a queue has work.
 const WATCH_MS: u32 = 20;
-/// Bytes of user memory pinned and mapped per DMA chunk.
+/// Bytes of user memory pinned and mapped per DMA chunk (an op of its
+/// own: at most a ring of 4 KiB pages).
 const USER_CHUNK: usize = 1 << 20;
+/// Bytes of user memory a COPY_IN or COPY_OUT pins at a time, and moves
+/// with one round trip to the device.
+const USER_WINDOW: usize = 8 << 20;
 /// Piece of a COPY_IN or COPY_OUT through a bounce buffer (user memory
 /// that cannot be pinned).
 const BOUNCE: usize = 64 << 10;
@@ -685,30 +689,55 @@ impl SimEngine {
         descs: KVec<Desc>,
         held: T,
     ) -> (Result, Option<T>) {
+        match self.start_sync(descs, held) {
+            Ok(op) => op.finish(),
+            Err((e, held)) => (Err(e), held),
+        }
+    }
+
+    /// The first half of [`Self::run_sync`]: hands `descs` to the least
+    /// loaded queue and returns at once, so that a caller can start
+    /// several before it waits for any (they then run on several queues,
+    /// and a queue's next op is in its ring while the last completes).
+    fn start_sync<T: Any + Send + Sync>(
+        self: &Arc<Self>,
+        descs: KVec<Desc>,
+        held: T,
+    ) -> core::result::Result<SyncOp<T>, (Error, Option<T>)> {
         if descs.is_empty() {
-            return (Ok(()), Some(held));
+            return Ok(SyncOp {
+                op: None,
+                held: Some(held),
+                boxed: None,
+            });
         }
         // Boxed first: nothing may fail once the device has the op.
-        let held = match KBox::new(held, GFP_KERNEL) {
+        let boxed = match KBox::new(held, GFP_KERNEL) {
             Ok(held) => held,
-            Err(e) => return (Err(e.into()), None),
+            Err(e) => return Err((e.into(), None)),
         };
         let op = match Op::new(OpKind::Sync, descs) {
             Ok(op) => op,
-            Err(e) => return (Err(e), Some(KBox::into_inner(held))),
+            Err(e) => return Err((e, Some(KBox::into_inner(boxed)))),
         };
         let waiter = op.clone_arc();
         self.push(self.next_sync_queue(), op);
-        waiter.wait();
-        if waiter.orphaned() {
-            waiter.keep(held);
-            return (waiter.result(), None);
-        }
-        (waiter.result(), Some(KBox::into_inner(held)))
+        Ok(SyncOp {
+            op: Some(waiter),
+            held: None,
+            boxed: Some(boxed),
+        })
     }
 
     /// COPY_IN/COPY_OUT: DMA between device memory at `dev_addr` and the
-    /// caller's pages at `user`, a chunk at a time.
+    /// caller's pages at `user`, a window of up to `USER_WINDOW` bytes at
+    /// a time: the window's chunks are pinned first (with no device
+    /// section held: pinning may fault pages in), then mapped and started
+    /// together inside one section, each chunk an op of its own on the
+    /// least loaded queue, and waited for together. So a queue's ring is
+    /// refilled from the next op while it completes the last, and the
+    /// chunks of a window run on several queues at once: one round trip
+    /// to the device per window instead of one per chunk.
     fn user_dma(
         self: &Arc<Self>,
         device: &TdrvDevice,
@@ -726,62 +755,116 @@ impl SimEngine {
             if glue::fatal_signal_pending() {
                 return Err(EINTR);
             }
-            let uaddr = base.checked_add(done).ok_or(EFAULT)?;
-            let off = uaddr % PAGE_SIZE;
-            let n = (len - done).min(USER_CHUNK - off);
-            let npages = (off + n).div_ceil(PAGE_SIZE);
-            // Pinning may fault pages in: no device section is held.
-            let pages = match PinnedPages::pin(uaddr - off, npages, !to_device) {
-                Ok(pages) => pages,
-                Err(e) if e == EFAULT => {
+            // (pages, offset into the first, bytes, bytes of the range
+            // before the chunk)
+            let mut window: KVec<(PinnedPages, usize, usize, usize)> = KVec::new();
+            let mut end = done;
+            while end < len && end - done < USER_WINDOW {
+                let uaddr = base.checked_add(end).ok_or(EFAULT)?;
+                let off = uaddr % PAGE_SIZE;
+                let n = (len - end).min(USER_CHUNK - off);
+                let npages = (off + n).div_ceil(PAGE_SIZE);
+                match PinnedPages::pin(uaddr - off, npages, !to_device) {
+                    Ok(pages) => {
+                        window.push((pages, off, n, end), GFP_KERNEL)?;
+                        end += n;
+                    }
                     // Memory that cannot be pinned (a PFN mapping, such as
-                    // another buffer's mmap), or a bad address, which the
-                    // user copy of the bounce path then reports.
-                    self.bounce_dma(
-                        device,
-                        buf,
-                        ByteRange {
-                            start: range.start + done,
-                            len: n,
-                        },
-                        UserPtr::from_addr(uaddr),
-                        to_device,
-                        &mut stage,
-                    )?;
-                    done += n;
-                    continue;
+                    // another buffer's mmap), or a bad address: the window
+                    // ends before it, and it goes through the bounce path,
+                    // whose user copy reports a bad address.
+                    Err(e) if e == EFAULT => break,
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
-            };
-            {
-                let active = device.enter()?;
-                let dev = raw_device(device.bound_device(&active));
-                let dir = if to_device {
-                    bindings::dma_data_direction_DMA_TO_DEVICE
-                } else {
-                    bindings::dma_data_direction_DMA_FROM_DEVICE
-                };
-                // SAFETY: `dev` is bound while `active` lives; the pages
-                // are pinned until `pages` drops, after the mapping.
-                let mapped = unsafe { MappedPages::map(dev, &pages, off, n, dir)? };
-                let descs = mapped.descs(dev_addr + done as u64, to_device)?;
-                // The mapping ends (drop, the mapping before the pages)
-                // only after the op ended: the device no longer touches
-                // the pages. An orphaned op keeps both.
-                let (r, back) = self.run_sync(
-                    descs,
-                    UserChunk {
-                        _mapped: mapped,
-                        _pages: pages,
-                        _buf: buf.clone(),
-                    },
-                );
-                drop(back);
-                r?;
             }
-            done += n;
+            if window.is_empty() {
+                let uaddr = base.checked_add(done).ok_or(EFAULT)?;
+                let n = (len - done).min(USER_CHUNK - uaddr % PAGE_SIZE);
+                self.bounce_dma(
+                    device,
+                    buf,
+                    ByteRange {
+                        start: range.start + done,
+                        len: n,
+                    },
+                    UserPtr::from_addr(uaddr),
+                    to_device,
+                    &mut stage,
+                )?;
+                done += n;
+                continue;
+            }
+            self.window_dma(device, buf, dev_addr, window, to_device)?;
+            done = end;
         }
         Ok(())
+    }
+
+    /// The device part of [`Self::user_dma`] for one window of pinned
+    /// chunks: every op started is waited for, also after an error, so the
+    /// pages are unmapped and unpinned (drop) only once the device is done
+    /// with them. The first error is returned.
+    fn window_dma(
+        self: &Arc<Self>,
+        device: &TdrvDevice,
+        buf: &Arc<Buffer>,
+        dev_addr: u64,
+        window: KVec<(PinnedPages, usize, usize, usize)>,
+        to_device: bool,
+    ) -> Result {
+        let active = device.enter()?;
+        let dev = raw_device(device.bound_device(&active));
+        let dir = if to_device {
+            bindings::dma_data_direction_DMA_TO_DEVICE
+        } else {
+            bindings::dma_data_direction_DMA_FROM_DEVICE
+        };
+        let mut started = KVec::with_capacity(window.len(), GFP_KERNEL)?;
+        let mut result = Ok(());
+        for (pages, off, n, at) in window {
+            // SAFETY: `dev` is bound while `active` lives, which is until
+            // every op started here ended and gave its chunk back (or kept
+            // it); the pages are pinned until `pages` drops, after the
+            // mapping.
+            let chunk = unsafe { MappedPages::map(dev, &pages, off, n, dir) }.and_then(|mapped| {
+                let descs = mapped.descs(dev_addr + at as u64, to_device)?;
+                Ok((mapped, descs))
+            });
+            let (mapped, descs) = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
+            // The mapping ends (drop, the mapping before the pages) only
+            // after the op ended: the device no longer touches the pages.
+            // An orphaned op keeps both.
+            let held = UserChunk {
+                _mapped: mapped,
+                _pages: pages,
+                _buf: buf.clone(),
+            };
+            match self.start_sync(descs, held) {
+                // Within capacity: one entry per chunk of the window.
+                Ok(op) => {
+                    let _ = started.push_within_capacity(op);
+                }
+                Err((e, _held)) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        for op in started {
+            let (r, back) = op.finish();
+            drop(back);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        drop(active);
+        result
     }
 
     /// [`Self::user_dma`] of `range` of `buf` for user memory that cannot be
@@ -1015,6 +1098,33 @@ struct UserChunk {
     /// The buffer whose device memory the chunk moves: a late write must
     /// not land in memory handed to another buffer.
     _buf: Arc<Buffer>,
+}
+
+/// A synchronous op handed to a queue by [`SimEngine::start_sync`]: what
+/// its descriptors name stays here until [`SyncOp::finish`] saw it end.
+struct SyncOp<T: Any + Send + Sync> {
+    /// The op; `None` for one without descriptors (never pushed).
+    op: Option<Arc<Op>>,
+    /// What an op without descriptors held.
+    held: Option<T>,
+    /// What a pushed op's descriptors name.
+    boxed: Option<KBox<T>>,
+}
+
+impl<T: Any + Send + Sync> SyncOp<T> {
+    /// Waits until the op ended; gives back what it held, or leaves it to
+    /// an orphaned op (the device may still write there).
+    fn finish(self) -> (Result, Option<T>) {
+        let (Some(op), Some(boxed)) = (self.op, self.boxed) else {
+            return (Ok(()), self.held);
+        };
+        op.wait();
+        if op.orphaned() {
+            op.keep(boxed);
+            return (op.result(), None);
+        }
+        (op.result(), Some(KBox::into_inner(boxed)))
+    }
 }
 
 impl PinnedPages {

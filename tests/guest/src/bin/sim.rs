@@ -567,7 +567,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(30);
+    let mut t = Tap::new(31);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -643,6 +643,64 @@ fn main() {
                     ));
                 }
             }
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    // COPY_IN and COPY_OUT pin and start up to 8 MiB of the caller's
+    // memory at a time; a page that cannot be pinned (another buffer's
+    // mapping) ends a window early and goes through the bounce path.
+    t.run(
+        "COPY_IN/COPY_OUT of 20 MiB of anonymous pages with another buffer's mapping inside: byte-exact",
+        || -> R {
+            const MIB: usize = 1 << 20;
+            let len = 20 * MIB;
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            let hole = ok("alloc", dev.alloc(MIB as u64, 0))?;
+            let mut user = Anon::new(len + 4096, 0)?;
+            // The mapping covers [9.5, 10.5) MiB of the range: inside the
+            // second window, across a chunk boundary.
+            let at = 9 * MIB + MIB / 2;
+            // SAFETY: MAP_FIXED over pages of `user`, which no Rust
+            // reference points into now; `user`'s drop unmaps both.
+            let p = unsafe {
+                libc::mmap(
+                    user.ptr.add(at).cast(),
+                    MIB,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    dev.fd(),
+                    hole.mmap_offset as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+            }
+            let data = pattern(len + 4096, 9);
+            user.slice_mut().copy_from_slice(&data);
+            // Starting 5 bytes into a page: no chunk is page-aligned.
+            let skew = 5;
+            ok("copy_in", dev.copy_in(a.handle, 0, &user.slice()[skew..skew + len]))?;
+            let back = read_all(&dev, a.handle, len)?;
+            if back[..] != data[skew..skew + len] {
+                let first = back.iter().zip(&data[skew..]).position(|(x, y)| x != y);
+                return Err(format!("COPY_IN: first difference at byte {first:?}"));
+            }
+            let other = pattern(len, 10);
+            ok("copy_in", dev.copy_in(a.handle, 0, &other))?;
+            ok("copy_out", dev.copy_out(a.handle, 0, &mut user.slice_mut()[skew..skew + len]))?;
+            let got = user.slice();
+            if got[skew..skew + len] != other[..] {
+                let first = got[skew..].iter().zip(&other).position(|(x, y)| x != y);
+                return Err(format!("COPY_OUT: first difference at byte {first:?}"));
+            }
+            expect_eq(
+                "bytes around the range untouched",
+                got[..skew] == data[..skew] && got[skew + len..] == data[skew + len..],
+                true,
+            )?;
+            drop(user);
+            ok("free", dev.free(hole.handle))?;
             ok("free", dev.free(a.handle))
         },
     );
