@@ -52,6 +52,7 @@ use kernel::{
         atomic::{
             Acquire,
             Atomic,
+            Full,
             Relaxed,
             Release, //
         },
@@ -662,6 +663,13 @@ pub(crate) struct JobTracker {
     /// Set, under the lock, once the file has its table of parked events:
     /// a request for an event then takes the lock once, not twice.
     events_table: Atomic<bool>,
+    /// Whether someone may have looked at the file's readiness (`poll`, a
+    /// read) since pollers were last woken. A ready event wakes pollers
+    /// only then: a poller woken before has not looked yet, so another
+    /// wake would tell it nothing (epoll's callback for it is most of an
+    /// event's cost), while every event after a look still wakes them,
+    /// the edge an EPOLLET waiter needs.
+    poll_armed: Atomic<bool>,
 }
 
 impl_has_work! {
@@ -711,6 +719,7 @@ impl JobTracker {
                 poll <- PollQueue::new(),
                 events_ready: Atomic::new(false),
                 events_table: Atomic::new(false),
+                poll_armed: Atomic::new(true),
             }),
             GFP_KERNEL_ACCOUNT,
         )
@@ -1034,6 +1043,17 @@ impl JobTracker {
         }
         self.wq.wake_all(state);
         if delivered {
+            self.wake_pollers();
+        }
+    }
+
+    /// Wakes pollers if someone looked since they were last woken (see
+    /// `poll_armed`). Call after `events_ready` was set.
+    fn wake_pollers(&self) {
+        // Full: after the store of `events_ready`, as `poll` arms before it
+        // loads that flag, so either `poll` sees the event or this sees
+        // the arm.
+        if self.poll_armed.xchg(false, Full) {
             self.poll.wake();
         }
     }
@@ -1053,7 +1073,7 @@ impl JobTracker {
         self.events_ready.store(ready, Release);
         self.wq.wake_all(state);
         if ready {
-            self.poll.wake();
+            self.wake_pollers();
         }
         drop(spare);
         r
@@ -1167,6 +1187,11 @@ impl JobTracker {
         state.events.end_read(copied, taken);
         let ready = state.events.has_ready();
         self.events_ready.store(ready, Release);
+        if !ready {
+            // A read is a look: the next event wakes pollers. (Under the
+            // lock, which the completion path takes to deliver.)
+            self.poll_armed.store(true, Relaxed);
+        }
         // Readers that waited for this one, and ready events: the ones put
         // back and the ones delivered during the copy, which another
         // reader could not take then (an EPOLLET waiter needs a new edge).
@@ -1195,7 +1220,9 @@ impl JobTracker {
     ) -> bindings::__poll_t {
         // SAFETY: The caller's guarantee; the tracker outlives its file.
         unsafe { self.poll.register(file, pt) };
-        // The queue's lock orders this with a wake-up after the store.
+        // A look: the next event wakes pollers again. Full: before the load
+        // of `events_ready` (see `wake_pollers`).
+        self.poll_armed.xchg(true, Full);
         if self.events_ready.load(Acquire) {
             glue::poll_readable()
         } else {

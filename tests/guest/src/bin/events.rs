@@ -34,7 +34,7 @@ use tdrv_uapi::*;
 
 type R = Result<(), String>;
 
-const TESTS: usize = 21;
+const TESTS: usize = 22;
 /// Bound of every wait: only turns a hang into a failure.
 const HANG: Duration = Duration::from_secs(120);
 /// Jobs per file in the many-jobs checks (the default `file_max_jobs` is
@@ -671,6 +671,52 @@ fn main() {
                 vec![0],
             )?;
             expect_event(&read_one(&own)?, j2, 2, 0)
+        },
+    );
+
+    // Pollers are woken for a ready event only if someone looked since
+    // the last wake (`driver/job.rs`, `poll_armed`): an edge-triggered
+    // waiter must still get an edge for every event that ends after it
+    // looked, whether it read the earlier ones or not.
+    t.run(
+        "an edge-triggered epoll waiter gets an edge for each event that ends after it looked, read or not",
+        || -> R {
+            let own = ok("open", Dev::open(&path))?;
+            let d = pair(&own)?;
+            let ep = Epoll::edge(&[own.fd()])?;
+            let hang = HANG.as_millis() as i32;
+            let end = |n: u64| -> Result<(u64, u64), String> {
+                let j = ok("submit_notify", own.submit_notify(&d, n))?;
+                wait_done(&own, j)?;
+                Ok((j, n))
+            };
+            let mut jobs = vec![end(1)?];
+            expect_eq("the edge of the first event", ep.wait(hang)?, vec![0])?;
+            // Not read: a new event is still an edge, as new data in a pipe.
+            jobs.push(end(2)?);
+            expect_eq("an edge with an event unread", ep.wait(hang)?, vec![0])?;
+            // Two events with no look between them: an edge for them.
+            jobs.push(end(3)?);
+            jobs.push(end(4)?);
+            expect_eq("an edge for two events", ep.wait(hang)?, vec![0])?;
+            let mut ev = [tdrv_event::default(); 8];
+            let n = ok("read", own.read_events(&mut ev))?;
+            expect_eq(
+                "the four events, in order",
+                ev[..n]
+                    .iter()
+                    .map(|e| (e.job_id, e.user_data))
+                    .collect::<Vec<_>>(),
+                jobs.clone(),
+            )?;
+            jobs.push(end(5)?);
+            expect_eq(
+                "an edge after the read emptied the queue",
+                ep.wait(hang)?,
+                vec![0],
+            )?;
+            let (j5, _) = jobs[4];
+            expect_event(&read_one(&own)?, j5, 5, 0)
         },
     );
 
