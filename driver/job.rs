@@ -75,8 +75,11 @@ use crate::{
     event::{
         EventBudget,
         EventQueue,
+        EventRing,
+        EventRoom,
         EventTable,
-        JobEvent, //
+        JobEvent,
+        NoRoom, //
     },
     device::{
         Limits,
@@ -286,6 +289,9 @@ pub(crate) struct Job {
     deps_ready: Atomic<bool>,
     /// Signalled with the outcome when the job is dropped.
     out_fence: Option<OutFence>,
+    /// The user data of the completion event asked for in SUBMIT
+    /// (`TDRV_SUBMIT_NOTIFY`), whose room in its file's ring is taken.
+    notify: Option<u64>,
     /// What the engine set aside at SUBMIT, until it takes it back.
     #[pin]
     prepared: SpinLock<Option<Prepared>>,
@@ -337,6 +343,7 @@ fn mark(transfers: &[Transfer]) -> Result {
 
 impl Job {
     /// A job of `tracker`'s file on `device`, not yet submitted.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         tracker: &Arc<JobTracker>,
         device: &Arc<TdrvDevice>,
@@ -345,6 +352,7 @@ impl Job {
         in_fences: Option<InFences>,
         out_fence: Option<OutFence>,
         prepared: Option<Prepared>,
+        notify: Option<u64>,
     ) -> impl PinInit<Self, Error> {
         let ready = in_fences.is_none();
         let tracker = tracker.clone();
@@ -363,6 +371,7 @@ impl Job {
             in_fences,
             deps_ready: Atomic::new(ready),
             out_fence,
+            notify,
             prepared <- new_spinlock!(prepared, "Job::prepared"),
             links <- ListLinks::new(),
         }? Error)
@@ -535,7 +544,8 @@ impl Job {
             Err(e) if e == ecanceled() => stats.jobs_cancelled.add(1, Relaxed),
             Err(_) => stats.jobs_failed.add(1, Relaxed),
         }
-        self.tracker.finish(self.id.load(Relaxed), self.bytes, result);
+        self.tracker
+            .finish(self.id.load(Relaxed), self.bytes, result, self.notify);
     }
 }
 
@@ -627,6 +637,25 @@ struct TrackerState {
     events: EventQueue,
 }
 
+/// Room taken for one event ([`JobTracker::take_event_room`]), given back
+/// on drop unless kept: by the job or the queue that now holds the event.
+struct RoomGuard<'a>(Option<&'a EventRoom>);
+
+impl RoomGuard<'_> {
+    /// The event holds the room now.
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RoomGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(room) = self.0 {
+            room.give_back(1);
+        }
+    }
+}
+
 impl Sleepers for TrackerState {
     fn sleepers(&mut self) -> &mut u32 {
         &mut self.sleepers
@@ -657,6 +686,8 @@ pub(crate) struct JobTracker {
     /// `poll(2)` and epoll of the file's completion events.
     #[pin]
     poll: PollQueue,
+    /// How many completion events the file has, and may have.
+    room: EventRoom,
     /// Whether an event is ready, copied under the lock: `poll` reads it
     /// without taking the lock.
     events_ready: Atomic<bool>,
@@ -706,7 +737,7 @@ impl JobTracker {
                         inflight_bytes: 0,
                         held: List::new(),
                         sleepers: 0,
-                        events: EventQueue::new(max_events, budget),
+                        events: EventQueue::new(),
                     },
                     "JobTracker::state"
                 ),
@@ -717,6 +748,7 @@ impl JobTracker {
                 dispatch <- new_work!("JobTracker::dispatch"),
                 submit_lock <- new_mutex!((), "JobTracker::submit_lock"),
                 poll <- PollQueue::new(),
+                room: EventRoom::new(max_events, budget),
                 events_ready: Atomic::new(false),
                 events_table: Atomic::new(false),
                 poll_armed: Atomic::new(true),
@@ -758,17 +790,16 @@ impl JobTracker {
         if self.queued_hint.load(Relaxed) >= limits.jobs {
             return Err(EAGAIN);
         }
-        // `TDRV_SUBMIT_NOTIFY`: the event (and the file's table of parked
-        // events, at its first) is allocated here, before the lock, which
-        // the completion path takes; under the lock it only takes room
-        // and is parked for the job's id, as JOB_NOTIFY's would be.
-        let mut event = notify
-            .map(|user_data| JobEvent::new(0, user_data))
-            .transpose()?;
-        let mut table = if event.is_some() {
-            self.new_event_table()?
-        } else {
-            None
+        // `TDRV_SUBMIT_NOTIFY`: room for the event in the file's ring is
+        // taken here, before the lock, which the completion path takes (a
+        // full ring grows here); the job carries the event, and its end
+        // writes it into that room. Nothing is allocated per event.
+        let room = match notify {
+            Some(_) => {
+                self.take_event_room()?;
+                RoomGuard(Some(&self.room))
+            }
+            None => RoomGuard(None),
         };
         // A revoked import has no memory behind it. (One revoked from here
         // on makes the job end with ENODEV instead, see `begin_access`.)
@@ -799,41 +830,27 @@ impl JobTracker {
         {
             // A job the engine may let this thread run lives on the stack:
             // nothing outlives SUBMIT that could hold a reference to it.
-            pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None, None));
+            pin_init::stack_try_pin_init!(let job: Job =? Job::new(self, device, transfers, bytes, None, None, None, notify));
             mark(&job.transfers)?;
             let mut state = self.state.lock();
-            let spare = self.install_event_table(&mut state, table.take());
-            let room = self.check_limits(&state, bytes, limits).and_then(|()| {
-                if event.is_some() {
-                    state.events.reserve()?;
-                }
-                Ok(())
-            });
-            if let Err(e) = room {
+            if let Err(e) = self.check_limits(&state, bytes, limits) {
                 unmark(&job.transfers, job.transfers.len(), false);
                 drop(state);
-                drop(spare);
                 return Err(e);
             }
             if state.held.is_empty() && device.engine().claim(&job) {
                 let id = state.next_id;
                 job.id.store(id, Relaxed);
-                if let Some(ev) = event.take() {
-                    state.events.park_reserved(id, ev);
-                }
+                // Issued: the job's end writes its event.
+                room.keep();
                 self.issue(&mut state, bytes, device);
                 drop(state);
-                drop(spare);
                 device.engine().run_claimed(&job);
                 // Dropping the job reports it (taking the tracker lock)
                 // before SUBMIT returns.
                 return Ok(id);
             }
-            if event.is_some() {
-                state.events.unreserve();
-            }
             drop(state);
-            drop(spare);
             // Queued after all, as a job on the heap, which marks its
             // buffers again. The one left here was never submitted: its
             // drop reports nothing.
@@ -844,7 +861,9 @@ impl JobTracker {
         // engine's dispatch and completion then allocate nothing.
         let prepared = device.engine().prepare(&transfers)?;
         let job = ListArc::pin_init(
-            Job::new(self, device, transfers, bytes, in_fences, out_fence, prepared),
+            Job::new(
+                self, device, transfers, bytes, in_fences, out_fence, prepared, notify,
+            ),
             GFP_KERNEL_ACCOUNT,
         )?;
         mark(&job.transfers)?;
@@ -854,16 +873,9 @@ impl JobTracker {
         // job with an out-fence, or one the stack path could not place).
         let mut claimed = None;
         let mut state = self.state.lock();
-        let spare = self.install_event_table(&mut state, table.take());
         let id = state.next_id;
         job.id.store(id, Relaxed);
-        let mut reserved = false;
-        let mut room = self.check_limits(&state, bytes, limits);
-        if room.is_ok() && event.is_some() {
-            room = state.events.reserve();
-            reserved = room.is_ok();
-        }
-        let queued = room.and_then(|()| {
+        let queued = self.check_limits(&state, bytes, limits).and_then(|()| {
             if let Some(deps) = &job.in_fences {
                 if !device.is_bound() {
                     // Unbind has swept (or is sweeping) the held jobs.
@@ -902,23 +914,16 @@ impl JobTracker {
             Ok(())
         });
         if let Err(e) = queued {
-            // Never queued: undo the marks without counting anything.
+            // Never queued: undo the marks without counting anything (the
+            // event's room goes back with `room`).
             unmark(&undo.transfers, undo.transfers.len(), false);
-            if reserved {
-                state.events.unreserve();
-            }
             drop(state);
-            drop(spare);
             return Err(e);
         }
-        // Parked before the lock goes: the job's end, wherever it runs,
-        // takes the lock to deliver it.
-        if let Some(ev) = event.take() {
-            state.events.park_reserved(id, ev);
-        }
+        // Issued: the job's end, wherever it runs, writes its event.
+        room.keep();
         self.issue(&mut state, bytes, device);
         drop(state);
-        drop(spare);
         drop(order);
         if let Some(e) = failed {
             undo.complete(Err(e));
@@ -1026,18 +1031,26 @@ impl JobTracker {
         Ok(())
     }
 
-    fn finish(&self, id: u64, bytes: u64, result: Result) {
+    /// Job `id`, which moved `bytes`, ended with `result`; `notify` is the
+    /// user data of the event asked for in SUBMIT.
+    fn finish(&self, id: u64, bytes: u64, result: Result, notify: Option<u64>) {
         let errno = match result {
             Ok(()) => 0,
             Err(e) => e.to_errno(),
         };
+        // JOB_NOTIFY events that waited for the job: freed after the lock.
+        let mut spent = List::new();
         let mut state = self.state.lock();
         state.ring.finish(id, errno);
         state.queued = state.queued.saturating_sub(1);
         self.queued_hint.store(state.queued, Relaxed);
         state.inflight_bytes = state.inflight_bytes.saturating_sub(bytes);
         // After the status: a reader of the event finds JOB_WAIT agreeing.
-        let delivered = state.events.deliver(id, errno);
+        let mut delivered = state.events.deliver(id, errno, &mut spent);
+        if let Some(user_data) = notify {
+            state.events.ready_now(id, errno, user_data);
+            delivered = true;
+        }
         if delivered {
             self.events_ready.store(true, Release);
         }
@@ -1045,6 +1058,7 @@ impl JobTracker {
         if delivered {
             self.wake_pollers();
         }
+        drop(spent);
     }
 
     /// Wakes pollers if someone looked since they were last woken (see
@@ -1063,12 +1077,22 @@ impl JobTracker {
     /// for one older than the last `JOB_WINDOW`, ENOSPC past the file's
     /// `file_max_events` or the device's `device_max_events`.
     pub(crate) fn notify(&self, id: u64, user_data: u64) -> Result {
-        // Allocated before the lock, which the completion path takes.
+        // Before the lock, which the completion path takes: the event's
+        // room (growing the ring if full), the event, in case it must wait
+        // for its job, and at the first, the table where it waits.
+        self.take_event_room()?;
+        let room = RoomGuard(Some(&self.room));
         let ev = JobEvent::new(id, user_data)?;
         let table = self.new_event_table()?;
         let mut state = self.state.lock();
         let spare = self.install_event_table(&mut state, table);
-        let r = Self::queue_event(&mut state, id, ev);
+        let (r, unused) = match Self::queue_event(&mut state, id, ev) {
+            Ok(unused) => {
+                room.keep();
+                (Ok(()), unused)
+            }
+            Err((e, unused)) => (Err(e), unused),
+        };
         let ready = state.events.has_ready();
         self.events_ready.store(ready, Release);
         self.wq.wake_all(state);
@@ -1076,7 +1100,26 @@ impl JobTracker {
             self.wake_pollers();
         }
         drop(spare);
+        drop(unused);
         r
+    }
+
+    /// Takes room for one event in the file's ring (see [`EventRoom`]),
+    /// growing the ring first if it is full: ENOSPC past the file's
+    /// `file_max_events` or the device's `device_max_events`. Allocates,
+    /// so call without the tracker lock.
+    fn take_event_room(&self) -> Result {
+        loop {
+            match self.room.take() {
+                Ok(()) => return Ok(()),
+                Err(NoRoom::Full) => return Err(ENOSPC),
+                Err(NoRoom::Grow(size)) => {
+                    let ring = EventRing::new(self.room.next_ring_size(size))?;
+                    let unused = self.state.lock().events.install_ring(ring, &self.room);
+                    drop(unused);
+                }
+            }
+        }
     }
 
     /// The file's table of parked events, allocated (without the lock,
@@ -1102,17 +1145,31 @@ impl JobTracker {
         spare
     }
 
-    fn queue_event(state: &mut TrackerState, id: u64, ev: ListArc<JobEvent>) -> Result {
+    /// Queues JOB_NOTIFY's event `ev` for job `id` (its room taken):
+    /// parked if the job has not ended, else ready at once. Returns the
+    /// event if it was not kept (to be freed after the lock), and on error
+    /// the errno.
+    #[allow(clippy::type_complexity)]
+    fn queue_event(
+        state: &mut TrackerState,
+        id: u64,
+        ev: ListArc<JobEvent>,
+    ) -> core::result::Result<Option<ListArc<JobEvent>>, (Error, Option<ListArc<JobEvent>>)> {
         if id == 0 || id >= state.next_id {
-            return Err(EINVAL);
+            return Err((EINVAL, Some(ev)));
         }
         if state.next_id - id > JOB_WINDOW {
-            return Err(estale());
+            return Err((estale(), Some(ev)));
         }
-        match Self::status_locked(state, id)? {
-            JobStatus::Pending => state.events.queue(ev, None),
-            JobStatus::Done(errno) => state.events.queue(ev, Some(errno)),
-        }
+        let status = match Self::status_locked(state, id) {
+            Ok(JobStatus::Pending) => None,
+            Ok(JobStatus::Done(errno)) => Some(errno),
+            Err(e) => return Err((e, Some(ev))),
+        };
+        state
+            .events
+            .queue(id, ev, status)
+            .map_err(|ev| (EINVAL, Some(ev)))
     }
 
     /// `read(2)` of the file: copies whole ready events to `out`, oldest
@@ -1121,8 +1178,8 @@ impl JobTracker {
     /// if none could be copied; a signal ends the sleep (ERESTARTSYS).
     ///
     /// One reader at a time copies (the others wait, interruptibly): the
-    /// copy runs unlocked and may fault, and what it could not copy goes
-    /// back to the front, so a second reader must not take later events
+    /// copy runs unlocked and may fault, and what it could not copy stays
+    /// at the front, so a second reader must not take later events
     /// meanwhile. Whatever the copy left, and whatever completed during
     /// it, wakes the sleepers and poll() again.
     pub(crate) fn read_events(&self, out: &mut IovIterDest<'_>, wait: ReadWait) -> Result<usize> {
@@ -1143,48 +1200,31 @@ impl JobTracker {
                 return Err(ERESTARTSYS);
             }
         }
-        let mut taken = state.events.take(max);
-        drop(state);
-        // Copied without the lock: user memory may fault, and the
-        // completion path takes the lock. A batch at a time: one copy call
-        // per batch instead of per event.
-        let mut copied = 0u32;
-        let mut done = List::<JobEvent>::new();
+        state.events.begin_read();
+        // A batch at a time: copied from the ring under the lock, then out
+        // without it (user memory may fault, and the completion path takes
+        // the lock). The events stay in the ring until consumed below, so
+        // what a fault keeps from userspace stays, in order.
+        let mut copied = 0usize;
         let mut batch = [uapi::Event::default(); READ_BATCH];
         loop {
-            let mut n = 0;
-            while n < READ_BATCH {
-                let Some(ev) = taken.pop_front() else {
-                    break;
-                };
-                batch[n] = ev.to_uapi();
-                done.push_back(ev);
-                n += 1;
-            }
+            let want = (max - copied).min(READ_BATCH);
+            let n = state.events.peek(copied, &mut batch[..want]);
             if n == 0 {
                 break;
             }
-            // Whole events only: a partly copied one goes back (its bytes
-            // are past what the read returns).
+            drop(state);
+            // Whole events only: a partly copied one stays (its bytes are
+            // past what the read returns).
             let whole = out.copy_to_iter(batch[..n].as_bytes()) / SIZE;
-            copied += whole as u32;
+            copied += whole;
+            state = self.state.lock();
             if whole < n {
-                // The batch's uncopied events, in order, then the rest.
-                let mut back = List::<JobEvent>::new();
-                for _ in 0..n - whole {
-                    if let Some(ev) = done.pop_back() {
-                        back.push_front(ev);
-                    }
-                }
-                while let Some(ev) = taken.pop_front() {
-                    back.push_back(ev);
-                }
-                taken = back;
                 break;
             }
         }
-        let mut state = self.state.lock();
-        state.events.end_read(copied, taken);
+        state.events.end_read(copied);
+        self.room.give_back(copied as u32);
         let ready = state.events.has_ready();
         self.events_ready.store(ready, Release);
         if !ready {
@@ -1192,19 +1232,17 @@ impl JobTracker {
             // lock, which the completion path takes to deliver.)
             self.poll_armed.store(true, Relaxed);
         }
-        // Readers that waited for this one, and ready events: the ones put
-        // back and the ones delivered during the copy, which another
+        // Readers that waited for this one, and ready events: the ones a
+        // fault left and the ones delivered during the copy, which another
         // reader could not take then (an EPOLLET waiter needs a new edge).
         self.wq.wake_all(state);
         if ready {
             self.poll.wake();
         }
-        // The events read are freed here, after the lock.
-        drop(done);
         if copied == 0 {
             return Err(EFAULT);
         }
-        Ok(copied as usize * SIZE)
+        Ok(copied * SIZE)
     }
 
     /// The `poll` file operation: readable while an event is ready.
