@@ -322,13 +322,12 @@ impl EventQueue {
     /// in use, and sets `room`'s ring size; returns the ring not used (the
     /// old one, or `ring`), to be freed outside the lock.
     pub(crate) fn install_ring(&mut self, ring: EventRing, room: &EventRoom) -> EventRing {
-        let mut new = ring.0;
-        if new.len() <= self.ring.len() {
-            return EventRing(new);
+        if ring.size() <= self.ring.len() {
+            return ring;
         }
-        let old = self.ring.len();
+        let mut new = ring.0;
         for i in 0..self.ready {
-            new[i] = self.ring[(self.head + i) % old];
+            new[i] = self.ring[self.slot(i)];
         }
         self.head = 0;
         core::mem::swap(&mut self.ring, &mut new);
@@ -341,13 +340,13 @@ impl EventQueue {
     /// Appends a ready event. Its room was taken ([`EventRoom::take`]), so
     /// the ring has an entry for it. Never allocates.
     fn push(&mut self, ev: uapi::Event) {
-        let size = self.ring.len();
-        if self.ready >= size {
+        if self.ready >= self.ring.len() {
             // Unreachable by the invariants; dropping the event beats
             // overwriting the oldest.
             return;
         }
-        self.ring[(self.head + self.ready) % size] = ev;
+        let at = self.slot(self.ready);
+        self.ring[at] = ev;
         self.ready += 1;
     }
 
@@ -429,10 +428,9 @@ impl EventQueue {
     /// Copies the ready events from the `skip`th oldest on into `out`, as
     /// many as fit and are ready; returns how many.
     pub(crate) fn peek(&self, skip: usize, out: &mut [uapi::Event]) -> usize {
-        let size = self.ring.len();
         let n = self.ready.saturating_sub(skip).min(out.len());
         for (i, slot) in out[..n].iter_mut().enumerate() {
-            *slot = self.ring[(self.head + skip + i) % size];
+            *slot = self.ring[self.slot(skip + i)];
         }
         n
     }
@@ -443,10 +441,23 @@ impl EventQueue {
     pub(crate) fn end_read(&mut self, copied: usize) {
         let n = copied.min(self.ready);
         if n > 0 {
-            self.head = (self.head + n) % self.ring.len();
+            self.head = self.slot(n);
             self.ready -= n;
         }
         self.reading = false;
+    }
+
+    /// The index in the ring of the `i`th oldest ready event (or, for `i
+    /// == ready`, of the next one), `i <= ready <= ring.len()`. (A wrap by
+    /// subtraction: `head < ring.len()`, so no division, which could
+    /// panic on an empty ring.)
+    fn slot(&self, i: usize) -> usize {
+        let at = self.head + i;
+        if at >= self.ring.len() {
+            at - self.ring.len()
+        } else {
+            at
+        }
     }
 }
 
