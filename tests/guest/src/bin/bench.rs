@@ -2445,38 +2445,49 @@ fn fig11(c: &Ctx) {
     }
     drop(cases);
     if c.profile {
-        // JOB_NOTIFY + the reads, with nobody blocked: what the event
-        // path adds to SUBMIT.
         let (d, descs) = &files[0];
-        profile_case("fig11 submit+notify+read (task)", false, 1, || {
+        // `rounds` batches of 64 jobs, each submitted by `submit` (given
+        // the batch's previous id), the last waited for with JOB_WAIT, and
+        // with `read` their 64 events read, each read after an epoll_wait
+        // with `epoll`.
+        let batches = |rounds: usize, submit: &dyn Fn(u64) -> u64, read: bool, epoll: bool| {
             let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
-            for _ in 0..50 {
+            let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EV_FILES];
+            for _ in 0..rounds {
                 let mut last = 0;
                 for _ in 0..64 {
-                    last = d.submit(descs).expect("SUBMIT");
-                    d.job_notify(last, last).expect("JOB_NOTIFY");
+                    last = submit(last);
                 }
                 d.job_wait(last, -1).expect("JOB_WAIT");
                 let mut got = 0;
-                while got < 64 {
+                while read && got < 64 {
+                    if epoll {
+                        // SAFETY: `ready` has room for EV_FILES entries.
+                        let _ = unsafe {
+                            libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1)
+                        };
+                    }
                     got += d.read_events(&mut evs).unwrap_or(0);
                 }
             }
+        };
+        // JOB_NOTIFY + the reads, with nobody blocked: what the event
+        // path adds to SUBMIT.
+        profile_case("fig11 submit+notify+read (task)", false, 1, || {
+            let submit = |_| {
+                let id = d.submit(descs).expect("SUBMIT");
+                d.job_notify(id, id).expect("JOB_NOTIFY");
+                id
+            };
+            batches(50, &submit, true, false);
         });
         // What the event path adds, as the difference of two profiles:
         // 64,000 one-piece jobs (run inside SUBMIT) without events, and
         // the same with SUBMIT_NOTIFY, the file in the epoll set, and the
         // events read 64 at a time. Sampled every 2 us.
-        let one = vec![descs[0]];
-        let one = &one;
+        let one = [descs[0]];
         profile_case_every(2_000, "fig11 inline SUBMIT (task)", false, 1, || {
-            for _ in 0..1000 {
-                let mut last = 0;
-                for _ in 0..64 {
-                    last = d.submit(one).expect("SUBMIT");
-                }
-                d.job_wait(last, -1).expect("JOB_WAIT");
-            }
+            batches(1000, &|_| d.submit(&one).expect("SUBMIT"), false, false);
         });
         profile_case_every(
             2_000,
@@ -2484,39 +2495,14 @@ fn fig11(c: &Ctx) {
             false,
             1,
             || {
-                let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
-                let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EV_FILES];
-                for _ in 0..1000 {
-                    let mut last = 0;
-                    for _ in 0..64 {
-                        last = d.submit_notify(one, last).expect("SUBMIT_NOTIFY");
-                    }
-                    d.job_wait(last, -1).expect("JOB_WAIT");
-                    let mut got = 0;
-                    while got < 64 {
-                        // SAFETY: `ready` has room for EV_FILES entries.
-                        let _ = unsafe {
-                            libc::epoll_wait(ep_fd, ready.as_mut_ptr(), EV_FILES as i32, -1)
-                        };
-                        got += d.read_events(&mut evs).unwrap_or(0);
-                    }
-                }
+                let submit = |last| d.submit_notify(&one, last).expect("SUBMIT_NOTIFY");
+                batches(1000, &submit, true, true);
             },
         );
         // The same with the event asked for in SUBMIT (ABI 1.6).
         profile_case("fig11 submit_notify+read (task)", false, 1, || {
-            let mut evs = [tdrv_uapi::tdrv_event::default(); 64];
-            for _ in 0..50 {
-                let mut last = 0;
-                for _ in 0..64 {
-                    last = d.submit_notify(descs, last).expect("SUBMIT_NOTIFY");
-                }
-                d.job_wait(last, -1).expect("JOB_WAIT");
-                let mut got = 0;
-                while got < 64 {
-                    got += d.read_events(&mut evs).unwrap_or(0);
-                }
-            }
+            let submit = |last| d.submit_notify(descs, last).expect("SUBMIT_NOTIFY");
+            batches(50, &submit, true, false);
         });
     }
 }
