@@ -1080,7 +1080,12 @@ impl JobTracker {
         // Before the lock, which the completion path takes: the event's
         // room (growing the ring if full), the event, in case it must wait
         // for its job, and at the first, the table where it waits.
-        self.take_event_room()?;
+        if let Err(e) = self.take_event_room() {
+            // A bad id is EINVAL or ESTALE whatever the room: checked under
+            // the lock on this path only.
+            Self::check_id(&self.state.lock(), id)?;
+            return Err(e);
+        }
         let room = RoomGuard(Some(&self.room));
         let ev = JobEvent::new(id, user_data)?;
         let table = self.new_event_table()?;
@@ -1155,11 +1160,8 @@ impl JobTracker {
         id: u64,
         ev: ListArc<JobEvent>,
     ) -> core::result::Result<Option<ListArc<JobEvent>>, (Error, Option<ListArc<JobEvent>>)> {
-        if id == 0 || id >= state.next_id {
-            return Err((EINVAL, Some(ev)));
-        }
-        if state.next_id - id > JOB_WINDOW {
-            return Err((estale(), Some(ev)));
+        if let Err(e) = Self::check_id(state, id) {
+            return Err((e, Some(ev)));
         }
         let status = match Self::status_locked(state, id) {
             Ok(JobStatus::Pending) => None,
@@ -1170,6 +1172,18 @@ impl JobTracker {
             .events
             .queue(id, ev, status)
             .map_err(|ev| (EINVAL, Some(ev)))
+    }
+
+    /// EINVAL for an id this file never issued, ESTALE for one older than
+    /// the last `JOB_WINDOW`.
+    fn check_id(state: &TrackerState, id: u64) -> Result {
+        if id == 0 || id >= state.next_id {
+            return Err(EINVAL);
+        }
+        if state.next_id - id > JOB_WINDOW {
+            return Err(estale());
+        }
+        Ok(())
     }
 
     /// `read(2)` of the file: copies whole ready events to `out`, oldest
@@ -1279,12 +1293,7 @@ impl JobTracker {
     /// `Pending` instead of failing.
     pub(crate) fn wait(&self, id: u64, timeout: Timeout) -> Result<JobStatus> {
         let mut state = self.state.lock();
-        if id == 0 || id >= state.next_id {
-            return Err(EINVAL);
-        }
-        if state.next_id - id > JOB_WINDOW {
-            return Err(estale());
-        }
+        Self::check_id(&state, id)?;
         let mut left = match timeout {
             Timeout::Jiffies(j) => j,
             _ => 0,

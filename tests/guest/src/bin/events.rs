@@ -923,7 +923,7 @@ fn main() {
     );
 
     t.run(
-        "file_max_events unread events, then ENOSPC; reading one makes room",
+        "file_max_events unread events, then ENOSPC (a bad id still EINVAL); reading one makes room",
         || -> R {
             let own = ok("open", Dev::open(&path))?;
             let id = ok("submit", own.submit(&pair(&own)?))?;
@@ -934,6 +934,9 @@ fn main() {
                 }
             }
             expect_err("one more", own.job_notify(id, 0), libc::ENOSPC)?;
+            // A bad id is still a bad id when there is no room.
+            expect_err("an id never issued", own.job_notify(id + 1, 0), libc::EINVAL)?;
+            expect_err("id 0", own.job_notify(0, 0), libc::EINVAL)?;
             let mut one = [tdrv_event::default(); 1];
             expect_eq("read", ok("read", own.read_events(&mut one))?, 1)?;
             expect_event(&one[0], id, 0, 0)?;
