@@ -705,11 +705,7 @@ impl SimEngine {
         held: T,
     ) -> core::result::Result<SyncOp<T>, (Error, Option<T>)> {
         if descs.is_empty() {
-            return Ok(SyncOp {
-                op: None,
-                held: Some(held),
-                boxed: None,
-            });
+            return Ok(SyncOp::Empty(held));
         }
         // Boxed first: nothing may fail once the device has the op.
         let boxed = match KBox::new(held, GFP_KERNEL) {
@@ -722,11 +718,7 @@ impl SimEngine {
         };
         let waiter = op.clone_arc();
         self.push(self.next_sync_queue(), op);
-        Ok(SyncOp {
-            op: Some(waiter),
-            held: None,
-            boxed: Some(boxed),
-        })
+        Ok(SyncOp::Pushed(waiter, boxed))
     }
 
     /// COPY_IN/COPY_OUT: DMA between device memory at `dev_addr` and the
@@ -1102,21 +1094,20 @@ struct UserChunk {
 
 /// A synchronous op handed to a queue by [`SimEngine::start_sync`]: what
 /// its descriptors name stays here until [`SyncOp::finish`] saw it end.
-struct SyncOp<T: Any + Send + Sync> {
-    /// The op; `None` for one without descriptors (never pushed).
-    op: Option<Arc<Op>>,
-    /// What an op without descriptors held.
-    held: Option<T>,
-    /// What a pushed op's descriptors name.
-    boxed: Option<KBox<T>>,
+enum SyncOp<T: Any + Send + Sync> {
+    /// No descriptors: nothing was pushed; what it held comes back as is.
+    Empty(T),
+    /// The op, and what its descriptors name.
+    Pushed(Arc<Op>, KBox<T>),
 }
 
 impl<T: Any + Send + Sync> SyncOp<T> {
     /// Waits until the op ended; gives back what it held, or leaves it to
     /// an orphaned op (the device may still write there).
     fn finish(self) -> (Result, Option<T>) {
-        let (Some(op), Some(boxed)) = (self.op, self.boxed) else {
-            return (Ok(()), self.held);
+        let (op, boxed) = match self {
+            SyncOp::Empty(held) => return (Ok(()), Some(held)),
+            SyncOp::Pushed(op, boxed) => (op, boxed),
         };
         op.wait();
         if op.orphaned() {
