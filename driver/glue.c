@@ -95,6 +95,30 @@ bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr)
 	return dma_mapping_error(dev, addr) != 0;
 }
 
+/* How many of the n pinned pages, from the first, are the consecutive
+ * pages of one folio (a huge page's, say): physically contiguous, so one
+ * DMA mapping covers them. At least 1 for n >= 1. */
+unsigned int tdrv_page_run(struct page *const *pages, unsigned int n)
+{
+	struct folio *folio;
+	unsigned int i;
+
+	if (!n)
+		return 0;
+	folio = page_folio(pages[0]);
+	for (i = 1; i < n; i++)
+		if (pages[i] != pages[0] + i || page_folio(pages[i]) != folio)
+			break;
+	return i;
+}
+
+/* The longest single DMA mapping dev can take (swiotlb's slot limit when
+ * it bounces; otherwise no limit). */
+size_t tdrv_dma_max_mapping_size(struct device *dev)
+{
+	return dma_max_mapping_size(dev);
+}
+
 /* Marks the physical range [start, start + size) of a BAR write-combined
  * in the memory-type tracking (PAT), so that user mappings of it inserted
  * page by page on fault get WC rather than uncached. The range must not

@@ -22,6 +22,9 @@ mod ffi {
         // that the FFI lint rejects.)
         pub(super) fn tdrv_vma_init(vma: *mut core::ffi::c_void, wc: bool) -> core::ffi::c_int;
         pub(super) fn tdrv_dma_mapping_error(dev: *mut core::ffi::c_void, addr: u64) -> bool;
+        pub(super) fn tdrv_page_run(pages: *const *mut core::ffi::c_void, n: core::ffi::c_uint)
+            -> core::ffi::c_uint;
+        pub(super) fn tdrv_dma_max_mapping_size(dev: *mut core::ffi::c_void) -> usize;
         pub(super) fn tdrv_io_reserve_wc(start: u64, size: u64) -> core::ffi::c_int;
         pub(super) fn tdrv_io_free_wc(start: u64, size: u64);
         pub(super) fn tdrv_p2p_provider(dev: *mut core::ffi::c_void, bar: core::ffi::c_int) -> *mut core::ffi::c_void;
@@ -175,6 +178,30 @@ pub(crate) unsafe fn vma_init(vma: *mut bindings::vm_area_struct, wc: bool) -> R
 pub(crate) unsafe fn dma_mapping_error(dev: *mut bindings::device, addr: u64) -> bool {
     // SAFETY: The caller guarantees `dev` is valid; the check only reads.
     unsafe { ffi::tdrv_dma_mapping_error(dev.cast(), addr) }
+}
+
+/// How many of `pages`, from the first, are consecutive pages of one folio
+/// (physically contiguous: one DMA mapping covers them); at least 1 unless
+/// `pages` is empty.
+///
+/// # Safety
+///
+/// Every entry of `pages` is a page the caller holds a reference or pin on.
+pub(crate) unsafe fn page_run(pages: &[*mut bindings::page]) -> usize {
+    let n = pages.len().min(u32::MAX as usize) as core::ffi::c_uint;
+    // SAFETY: `pages` holds `n` valid page pointers (the caller's
+    // guarantee), which the call only compares and reads the folio of.
+    unsafe { ffi::tdrv_page_run(pages.as_ptr().cast(), n) as usize }
+}
+
+/// The longest single DMA mapping `dev` takes.
+///
+/// # Safety
+///
+/// `dev` is a valid, bound device.
+pub(crate) unsafe fn dma_max_mapping_size(dev: *mut bindings::device) -> usize {
+    // SAFETY: The caller guarantees `dev` is valid; the call only reads.
+    unsafe { ffi::tdrv_dma_max_mapping_size(dev.cast()) }
 }
 
 /// Reserves the physical range of a BAR as write-combined (PAT); undo with

@@ -1174,7 +1174,10 @@ unsafe impl Send for MappedPages {}
 unsafe impl Sync for MappedPages {}
 
 impl MappedPages {
-    /// Maps `len` bytes of `pages` from byte `off` of the first page.
+    /// Maps `len` bytes of `pages` from byte `off` of the first page: one
+    /// mapping per run of consecutive pages of one folio (a huge page
+    /// gives a few long runs instead of a mapping per 4 KiB page), each at
+    /// most as long as the device takes and a descriptor holds.
     ///
     /// # Safety
     ///
@@ -1187,25 +1190,34 @@ impl MappedPages {
         len: usize,
         dir: bindings::dma_data_direction,
     ) -> Result<Self> {
+        let all = &pages.pages[..];
         let mut m = Self {
             dev,
             dir,
-            maps: KVec::with_capacity(pages.pages.len(), GFP_KERNEL)?,
+            maps: KVec::with_capacity(all.len(), GFP_KERNEL)?,
         };
+        // SAFETY: `dev` is bound (the caller's guarantee).
+        let max = unsafe { glue::dma_max_mapping_size(dev) }.min(DESC_MAX_LEN);
+        let max_pages = (max / PAGE_SIZE).max(1);
         let mut done = 0;
-        for (i, page) in pages.pages.iter().enumerate() {
+        let mut i = 0;
+        while i < all.len() && done < len {
+            // SAFETY: The pages are pinned (the caller's guarantee).
+            let run = unsafe { glue::page_run(&all[i..all.len().min(i + max_pages)]) };
             let o = if i == 0 { off } else { 0 };
-            let n = (PAGE_SIZE - o).min(len - done);
-            // SAFETY: `page` is pinned and `dev` bound (the caller's
-            // guarantee); `[o, o + n)` lies in the page.
-            let addr = unsafe { bindings::dma_map_page_attrs(dev, *page, o, n, dir, 0) };
+            let n = (run * PAGE_SIZE - o).min(len - done);
+            // SAFETY: The run's pages are pinned and `dev` bound (the
+            // caller's guarantee); they are consecutive pages of one folio,
+            // so `[o, o + n)` from the first is physically contiguous.
+            let addr = unsafe { bindings::dma_map_page_attrs(dev, all[i], o, n, dir, 0) };
             // SAFETY: As above.
             if unsafe { glue::dma_mapping_error(dev, addr) } {
                 return Err(ENOMEM);
             }
-            // Within capacity: one entry per page.
+            // Within capacity: at most one entry per page.
             let _ = m.maps.push_within_capacity((addr, n));
             done += n;
+            i += run;
         }
         Ok(m)
     }

@@ -255,7 +255,20 @@ struct Anon {
 }
 
 impl Anon {
+    /// Pages as the kernel chooses: on the bench kernel, as on Debian's,
+    /// large mappings get transparent huge pages.
     fn new(len: usize, fill: u8) -> Anon {
+        Self::with_pages(len, fill, true)
+    }
+
+    /// 4 KiB pages only (MADV_NOHUGEPAGE before any is faulted in): the
+    /// memory of a kernel without transparent huge pages.
+    fn small_pages(len: usize, fill: u8) -> Anon {
+        Self::with_pages(len, fill, false)
+    }
+
+    fn with_pages(len: usize, fill: u8, huge: bool) -> Anon {
+        let populate = if huge { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh private anonymous mapping chosen by the kernel
         // cannot alias any Rust object.
         let p = unsafe {
@@ -263,12 +276,18 @@ impl Anon {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | populate,
                 -1,
                 0,
             )
         };
         assert!(p != libc::MAP_FAILED, "mmap {len}: {}", errno_str());
+        if !huge {
+            // SAFETY: advice on the mapping just made, before any page of
+            // it exists; it changes page sizes, not contents.
+            let r = unsafe { libc::madvise(p, len, libc::MADV_NOHUGEPAGE) };
+            assert!(r == 0, "madvise: {}", errno_str());
+        }
         let ptr = p.cast::<u8>();
         // Touch every page so that no fault lands in a timed loop.
         // SAFETY: the mapping is `len` writable bytes and nothing else
@@ -2900,6 +2919,32 @@ fn fig9_dma(c: &Ctx) {
             ),
             ("job_d2d", Box::new(|| job_copy(&a, &b, size))),
         ];
+        // The same copies from and to 4 KiB pages, for sizes of several
+        // pages: a descriptor per page instead of a few per huge page.
+        let src4k = (size >= MIB).then(|| Anon::small_pages(size, 0x5a));
+        let dst4k = (size >= MIB).then(|| Anon::small_pages(size, 0xa5));
+        if let (Some(s4), Some(d4)) = (&src4k, &dst4k) {
+            let (sp4, dp4) = (s4.ptr, d4.ptr);
+            cases.push((
+                "copy_in_4k",
+                Box::new(move || {
+                    // SAFETY: `src4k` is `size` readable bytes for the
+                    // whole figure and only read.
+                    let s = unsafe { std::slice::from_raw_parts(sp4, size) };
+                    dev.copy_in(handle, 0, s).expect("COPY_IN");
+                }),
+            ));
+            cases.push((
+                "copy_out_4k",
+                Box::new(move || {
+                    // SAFETY: `dst4k` is `size` writable bytes; the cases
+                    // run one at a time, so this is the only live
+                    // reference.
+                    let d = unsafe { std::slice::from_raw_parts_mut(dp4, size) };
+                    dev.copy_out(handle, 0, d).expect("COPY_OUT");
+                }),
+            ));
+        }
         throughput_cases("9", size, 5, &mut cases);
         note(format!("fig9: {size} bytes done"));
     }

@@ -196,6 +196,37 @@ impl Anon {
         Ok(a)
     }
 
+    /// A mapping of `len` bytes whose pages are not touched yet (so that
+    /// madvise can still choose their size).
+    fn reserve(len: usize) -> Result<Anon, String> {
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+        }
+        Ok(Anon { ptr: p.cast(), len })
+    }
+
+    /// madvise(2) of `[at, at + len)` of the mapping.
+    fn advise(&self, at: usize, len: usize, advice: libc::c_int) -> R {
+        assert!(at + len <= self.len);
+        // SAFETY: advises part of our own mapping; the advice used here
+        // changes page sizes only, never contents.
+        if unsafe { libc::madvise(self.ptr.add(at).cast(), len, advice) } != 0 {
+            return Err(format!("madvise: {}", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     fn slice(&self) -> &[u8] {
         // SAFETY: our mapping of `len` bytes, used by one thread; the
         // device writes it only during an ioctl on it, or (the bug this
@@ -237,6 +268,37 @@ impl Drop for Anon {
         // SAFETY: unmaps exactly our mapping.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
+}
+
+/// 10 MiB of anonymous memory whose 6 MiB from the returned offset (2 MiB
+/// aligned) are three huge pages and whose 2 MiB on either side are 4 KiB
+/// pages; or why the kernel gave none.
+fn huge_page_layout() -> Result<(Anon, usize), String> {
+    const MIB: usize = 1 << 20;
+    const HUGE: usize = 2 * MIB;
+    if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+        return Err("kernel without transparent huge pages".into());
+    }
+    let user = Anon::reserve(12 * MIB)?;
+    let huge_at = (user.ptr as usize).next_multiple_of(HUGE) - user.ptr as usize + HUGE;
+    user.advise(0, huge_at, libc::MADV_NOHUGEPAGE)?;
+    user.advise(huge_at, 3 * HUGE, libc::MADV_HUGEPAGE)?;
+    let tail = huge_at + 3 * HUGE;
+    user.advise(tail, user.len - tail, libc::MADV_NOHUGEPAGE)?;
+    let mut user = user;
+    user.slice_mut().fill(1);
+    let pfns = user.pfns()?;
+    let page = |at: usize| pfns[at / 4096];
+    for h in 0..3 {
+        let first = huge_at + h * HUGE;
+        let contiguous = (0..HUGE / 4096).all(|i| page(first + i * 4096) == page(first) + i as u64);
+        if !contiguous || page(first) % 512 != 0 {
+            return Err(format!(
+                "the kernel gave 4 KiB pages where MADV_HUGEPAGE asked (huge page {h}): no free 2 MiB block"
+            ));
+        }
+    }
+    Ok((user, huge_at))
 }
 
 /// Waits (30 s at most) until no queue is dead and none keeps orphans.
@@ -567,7 +629,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(31);
+    let mut t = Tap::new(32);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -704,6 +766,68 @@ fn main() {
             ok("free", dev.free(a.handle))
         },
     );
+
+    // COPY_IN and COPY_OUT map each run of consecutive pages of one folio
+    // with one DMA mapping: a huge page is a run of 512. A range that
+    // starts in 4 KiB pages, crosses three huge pages and ends in 4 KiB
+    // pages again, at odd offsets, puts run ends, chunk ends and page
+    // ends in every combination.
+    {
+        let name = "COPY_IN/COPY_OUT through huge pages between 4 KiB pages: byte-exact";
+        match huge_page_layout() {
+            Err(why) => t.skip(name, &why),
+            Ok((mut user, huge_at)) => t.run(name, || -> R {
+                const MIB: usize = 1 << 20;
+                let a = ok("alloc", dev.alloc(8 * MIB as u64, 0))?;
+                let data = pattern(user.len, 11);
+                user.slice_mut().copy_from_slice(&data);
+                // 4 KiB pages, three huge pages, 4 KiB pages; then the
+                // huge pages alone, exactly.
+                for (start, len, dev_off) in [
+                    (huge_at - MIB + 123, 7 * MIB + 4444, 4096 + 7),
+                    (huge_at, 6 * MIB, 0),
+                ] {
+                    let range = start..start + len;
+                    ok(
+                        "copy_in",
+                        dev.copy_in(a.handle, dev_off, &user.slice()[range.clone()]),
+                    )?;
+                    let back = read_all(&dev, a.handle, 8 * MIB)?;
+                    let got = &back[dev_off as usize..][..len];
+                    if got != &data[range.clone()] {
+                        let first = got
+                            .iter()
+                            .zip(&data[range.clone()])
+                            .position(|(x, y)| x != y);
+                        return Err(format!(
+                            "COPY_IN of {len} at +{start:#x}: first difference at byte {first:?}"
+                        ));
+                    }
+                    let other = pattern(len, 12);
+                    ok("copy_in", dev.copy_in(a.handle, dev_off, &other))?;
+                    ok(
+                        "copy_out",
+                        dev.copy_out(a.handle, dev_off, &mut user.slice_mut()[range.clone()]),
+                    )?;
+                    let mine = user.slice();
+                    if mine[range.clone()] != other[..] {
+                        let first = mine[start..].iter().zip(&other).position(|(x, y)| x != y);
+                        return Err(format!(
+                            "COPY_OUT of {len} at +{start:#x}: first difference at byte {first:?}"
+                        ));
+                    }
+                    expect_eq(
+                        "bytes around the range untouched",
+                        mine[..start] == data[..start]
+                            && mine[start + len..] == data[start + len..],
+                        true,
+                    )?;
+                    user.slice_mut().copy_from_slice(&data);
+                }
+                ok("free", dev.free(a.handle))
+            }),
+        }
+    }
 
     t.run(
         "mmap maps device memory: the CPU, DMA and jobs see the same bytes",
