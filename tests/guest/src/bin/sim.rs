@@ -709,7 +709,7 @@ fn main() {
         },
     );
 
-    // COPY_IN and COPY_OUT pin and start up to 8 MiB of the caller's
+    // COPY_IN and COPY_OUT pin and start up to 16 MiB of the caller's
     // memory at a time; a page that cannot be pinned (another buffer's
     // mapping) ends a window early and goes through the bounce path.
     t.run(
@@ -721,7 +721,8 @@ fn main() {
             let hole = ok("alloc", dev.alloc(MIB as u64, 0))?;
             let mut user = Anon::new(len + 4096, 0)?;
             // The mapping covers [9.5, 10.5) MiB of the range: inside the
-            // second window, across a chunk boundary.
+            // first window, across a chunk boundary; after it a second
+            // window starts.
             let at = 9 * MIB + MIB / 2;
             // SAFETY: MAP_FIXED over pages of `user`, which no Rust
             // reference points into now; `user`'s drop unmaps both.
