@@ -168,30 +168,17 @@ fn completion_path_allocates_nothing(dev: &Dev) -> R {
     r
 }
 
-/// An anonymous private mapping of `len` bytes, every page touched with
-/// `fill`; unmapped on drop.
+/// An anonymous private mapping of `len` bytes ([`Anon::new`] touches
+/// every page); unmapped on drop.
 struct Anon {
     ptr: *mut u8,
     len: usize,
 }
 
 impl Anon {
+    /// Every page touched, with `fill`.
     fn new(len: usize, fill: u8) -> Result<Anon, String> {
-        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
-        }
-        let mut a = Anon { ptr: p.cast(), len };
+        let mut a = Anon::reserve(len)?;
         a.slice_mut().fill(fill);
         Ok(a)
     }
