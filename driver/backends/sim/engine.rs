@@ -134,6 +134,7 @@ use crate::{
     },
     device::{
         raw_device,
+        ActiveGuard,
         TdrvDevice, //
     },
     engine::{
@@ -160,10 +161,10 @@ const WATCH_MS: u32 = 20;
 /// own: a huge page's one descriptor, or up to 512 of 4 KiB pages (which
 /// the queue posts as its ring frees up).
 const USER_CHUNK: usize = 2 << 20;
-/// Bytes of user memory a COPY_IN or COPY_OUT pins at a time, and moves
-/// with one round trip to the device: 16 MiB measured faster than 8
-/// (`make bench`, figure 9s), and pins no more than one large tensor.
-const USER_WINDOW: usize = 16 << 20;
+/// Bytes of user memory a COPY_IN or COPY_OUT pins and starts at a time,
+/// while the window before runs (`make bench`, figure 9s: 4 and 8 MiB
+/// measured alike, both faster than one 16 MiB window at a time).
+const USER_WINDOW: usize = 8 << 20;
 /// Piece of a COPY_IN or COPY_OUT through a bounce buffer (user memory
 /// that cannot be pinned).
 const BOUNCE: usize = 64 << 10;
@@ -725,13 +726,17 @@ impl SimEngine {
 
     /// COPY_IN/COPY_OUT: DMA between device memory at `dev_addr` and the
     /// caller's pages at `user`, a window of up to `USER_WINDOW` bytes at
-    /// a time: the window's chunks are pinned first (with no device
-    /// section held: pinning may fault pages in), then mapped and started
-    /// together inside one section, each chunk an op of its own on the
-    /// least loaded queue, and waited for together. So a queue's ring is
-    /// refilled from the next op while it completes the last, and the
-    /// chunks of a window run on several queues at once: one round trip
-    /// to the device per window instead of one per chunk.
+    /// a time. A window's chunks are pinned, then mapped and started
+    /// together inside a device section, each chunk an op of its own on
+    /// the least loaded queue: one round trip to the device per window,
+    /// with the window's chunks on several queues at once. While a window
+    /// runs, the next is pinned and started, so the guest's pinning and
+    /// mapping overlap the device's copying; that pinning happens inside
+    /// the running window's section, so it must not fault
+    /// (`FOLL_NOFAULT`: a fault may block for ever, and unbind waits for
+    /// the section). Where it would, the window ends there, the running
+    /// one is waited for and its section left, and the pinning goes on
+    /// with faults allowed.
     fn user_dma(
         self: &Arc<Self>,
         device: &TdrvDevice,
@@ -739,6 +744,24 @@ impl SimEngine {
         range: ByteRange,
         user: UserPtr,
         to_device: bool,
+    ) -> Result {
+        let mut running: Option<Started<'_>> = None;
+        let r = self.user_windows(device, buf, range, user, to_device, &mut running);
+        // Every window started is waited for, also after an error.
+        let last = running.map_or(Ok(()), Started::finish);
+        r.and(last)
+    }
+
+    /// The loop of [`Self::user_dma`]; the window still running when it
+    /// returns is left in `running`.
+    fn user_windows<'a>(
+        self: &Arc<Self>,
+        device: &'a TdrvDevice,
+        buf: &Arc<Buffer>,
+        range: ByteRange,
+        user: UserPtr,
+        to_device: bool,
+        running: &mut Option<Started<'a>>,
     ) -> Result {
         let dev_addr = buf.dma_addr() + range.start as u64;
         let len = range.len;
@@ -749,29 +772,15 @@ impl SimEngine {
             if glue::fatal_signal_pending() {
                 return Err(EINTR);
             }
-            // (pages, offset into the first, bytes, bytes of the range
-            // before the chunk)
-            let mut window: KVec<(PinnedPages, usize, usize, usize)> = KVec::new();
-            let mut end = done;
-            while end < len && end - done < USER_WINDOW {
-                let uaddr = base.checked_add(end).ok_or(EFAULT)?;
-                let off = uaddr % PAGE_SIZE;
-                let n = (len - end).min(USER_CHUNK - off);
-                let npages = (off + n).div_ceil(PAGE_SIZE);
-                match PinnedPages::pin(uaddr - off, npages, !to_device) {
-                    Ok(pages) => {
-                        window.push((pages, off, n, end), GFP_KERNEL)?;
-                        end += n;
-                    }
-                    // Memory that cannot be pinned (a PFN mapping, such as
-                    // another buffer's mmap), or a bad address: the window
-                    // ends before it, and it goes through the bounce path,
-                    // whose user copy reports a bad address.
-                    Err(e) if e == EFAULT => break,
-                    Err(e) => return Err(e),
+            let window = pin_window(base, done, len, !to_device, running.is_some())?;
+            let Some(&(_, _, n, at)) = window.last() else {
+                if let Some(prev) = running.take() {
+                    // The next page would fault: wait for the running
+                    // window, leave its section, and pin with faults
+                    // allowed.
+                    prev.finish()?;
+                    continue;
                 }
-            }
-            if window.is_empty() {
                 let uaddr = base.checked_add(done).ok_or(EFAULT)?;
                 let n = (len - done).min(USER_CHUNK - uaddr % PAGE_SIZE);
                 self.bounce_dma(
@@ -787,25 +796,28 @@ impl SimEngine {
                 )?;
                 done += n;
                 continue;
-            }
-            self.window_dma(device, buf, dev_addr, window, to_device)?;
-            done = end;
+            };
+            let next = self.start_window(device, buf, dev_addr, window, to_device)?;
+            // The previous window ends while this one runs.
+            let prev = running.replace(next);
+            prev.map_or(Ok(()), Started::finish)?;
+            done = at + n;
         }
         Ok(())
     }
 
-    /// The device part of [`Self::user_dma`] for one window of pinned
-    /// chunks: every op started is waited for, also after an error, so the
-    /// pages are unmapped and unpinned (drop) only once the device is done
-    /// with them. The first error is returned.
-    fn window_dma(
+    /// Maps and starts the pinned chunks of one window inside a device
+    /// section, which the result holds until [`Started::finish`]. A chunk
+    /// that fails to map or start ends the window there: the ones started
+    /// still run, and `finish` reports the error once they ended.
+    fn start_window<'a>(
         self: &Arc<Self>,
-        device: &TdrvDevice,
+        device: &'a TdrvDevice,
         buf: &Arc<Buffer>,
         dev_addr: u64,
         window: KVec<(PinnedPages, usize, usize, usize)>,
         to_device: bool,
-    ) -> Result {
+    ) -> Result<Started<'a>> {
         let active = device.enter()?;
         let dev = raw_device(device.bound_device(&active));
         let dir = if to_device {
@@ -813,13 +825,16 @@ impl SimEngine {
         } else {
             bindings::dma_data_direction_DMA_FROM_DEVICE
         };
-        let mut started = KVec::with_capacity(window.len(), GFP_KERNEL)?;
-        let mut result = Ok(());
+        let mut started = Started {
+            ops: KVec::with_capacity(window.len(), GFP_KERNEL)?,
+            result: Ok(()),
+            _active: active,
+        };
         for (pages, off, n, at) in window {
-            // SAFETY: `dev` is bound while `active` lives, which is until
-            // every op started here ended and gave its chunk back (or kept
-            // it); the pages are pinned until `pages` drops, after the
-            // mapping.
+            // SAFETY: `dev` is bound while `started` holds the section,
+            // which is until every op started here ended and gave its chunk
+            // back (or kept it); the pages are pinned until `pages` drops,
+            // after the mapping.
             let chunk = unsafe { MappedPages::map(dev, &pages, off, n, dir) }.and_then(|mapped| {
                 let descs = mapped.descs(dev_addr + at as u64, to_device)?;
                 Ok((mapped, descs))
@@ -827,7 +842,7 @@ impl SimEngine {
             let (mapped, descs) = match chunk {
                 Ok(c) => c,
                 Err(e) => {
-                    result = Err(e);
+                    started.result = Err(e);
                     break;
                 }
             };
@@ -842,23 +857,15 @@ impl SimEngine {
             match self.start_sync(descs, held) {
                 // Within capacity: one entry per chunk of the window.
                 Ok(op) => {
-                    let _ = started.push_within_capacity(op);
+                    let _ = started.ops.push_within_capacity(op);
                 }
                 Err((e, _held)) => {
-                    result = Err(e);
+                    started.result = Err(e);
                     break;
                 }
             }
         }
-        for op in started {
-            let (r, back) = op.finish();
-            drop(back);
-            if result.is_ok() {
-                result = r;
-            }
-        }
-        drop(active);
-        result
+        Ok(started)
     }
 
     /// [`Self::user_dma`] of `range` of `buf` for user memory that cannot be
@@ -1094,6 +1101,66 @@ struct UserChunk {
     _buf: Arc<Buffer>,
 }
 
+/// The ops of one COPY_IN/COPY_OUT window, started, and the device
+/// section they need: the pages stay mapped and pinned, and the device
+/// bound, until [`Started::finish`] waited for every op.
+struct Started<'a> {
+    ops: KVec<SyncOp<UserChunk>>,
+    /// The first error while starting the window.
+    result: Result,
+    _active: ActiveGuard<'a>,
+}
+
+impl Started<'_> {
+    /// Waits for every op (unmapping and unpinning each chunk the device
+    /// gave back), then leaves the section; the first error.
+    fn finish(self) -> Result {
+        let mut result = self.result;
+        for op in self.ops {
+            let (r, back) = op.finish();
+            drop(back);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    }
+}
+
+/// Pins the chunks of the next COPY_IN/COPY_OUT window: from byte `done`
+/// of the `len` bytes at user address `base`, up to `USER_WINDOW` bytes
+/// in chunks of up to `USER_CHUNK`, each as (pages, offset into the
+/// first, bytes, bytes of the range before it). The window ends before
+/// memory that cannot be pinned (a PFN mapping, such as another buffer's
+/// mmap, or a bad address: the bounce path deals with it) or, with
+/// `nofault`, that would need a page fault first. Empty if the first
+/// chunk cannot be pinned so.
+fn pin_window(
+    base: usize,
+    done: usize,
+    len: usize,
+    write: bool,
+    nofault: bool,
+) -> Result<KVec<(PinnedPages, usize, usize, usize)>> {
+    let mut window = KVec::new();
+    let mut end = done;
+    while end < len && end - done < USER_WINDOW {
+        let uaddr = base.checked_add(end).ok_or(EFAULT)?;
+        let off = uaddr % PAGE_SIZE;
+        let n = (len - end).min(USER_CHUNK - off);
+        let npages = (off + n).div_ceil(PAGE_SIZE);
+        match PinnedPages::pin(uaddr - off, npages, write, nofault) {
+            Ok(pages) => {
+                window.push((pages, off, n, end), GFP_KERNEL)?;
+                end += n;
+            }
+            Err(e) if e == EFAULT => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(window)
+}
+
 /// A synchronous op handed to a queue by [`SimEngine::start_sync`]: what
 /// its descriptors name stays here until [`SyncOp::finish`] saw it end.
 enum SyncOp<T: Any + Send + Sync> {
@@ -1122,10 +1189,14 @@ impl<T: Any + Send + Sync> SyncOp<T> {
 
 impl PinnedPages {
     /// Pins `n` pages from the page-aligned user address `start`; EFAULT
-    /// unless all of them can be pinned (writable ones if `write`).
-    fn pin(start: usize, n: usize, write: bool) -> Result<Self> {
+    /// unless all of them can be pinned (writable ones if `write`), and
+    /// with `nofault`, unless they can without a page fault.
+    fn pin(start: usize, n: usize, write: bool, nofault: bool) -> Result<Self> {
         let mut pages = KVec::with_capacity(n, GFP_KERNEL)?;
-        let flags = if write { bindings::FOLL_WRITE } else { 0 };
+        let mut flags = if write { bindings::FOLL_WRITE } else { 0 };
+        if nofault {
+            flags |= bindings::FOLL_NOFAULT;
+        }
         // SAFETY: `pages` has room for `n` entries; the call checks the
         // user range and fills at most `n` entries.
         let got =

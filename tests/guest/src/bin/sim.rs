@@ -616,7 +616,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(32);
+    let mut t = Tap::new(33);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -696,7 +696,7 @@ fn main() {
         },
     );
 
-    // COPY_IN and COPY_OUT pin and start up to 16 MiB of the caller's
+    // COPY_IN and COPY_OUT pin and start up to 8 MiB of the caller's
     // memory at a time; a page that cannot be pinned (another buffer's
     // mapping) ends a window early and goes through the bounce path.
     t.run(
@@ -708,8 +708,8 @@ fn main() {
             let hole = ok("alloc", dev.alloc(MIB as u64, 0))?;
             let mut user = Anon::new(len + 4096, 0)?;
             // The mapping covers [9.5, 10.5) MiB of the range: inside the
-            // first window, across a chunk boundary; after it a second
-            // window starts.
+            // second window, across a chunk boundary, while the first
+            // runs.
             let at = 9 * MIB + MIB / 2;
             // SAFETY: MAP_FIXED over pages of `user`, which no Rust
             // reference points into now; `user`'s drop unmaps both.
@@ -751,6 +751,36 @@ fn main() {
             )?;
             drop(user);
             ok("free", dev.free(hole.handle))?;
+            ok("free", dev.free(a.handle))
+        },
+    );
+
+    // While a window runs, the next is pinned without faulting pages in
+    // (it holds the device section); memory never touched needs a fault
+    // for every page, so each window after the first waits for the one
+    // before and is pinned again with faults allowed.
+    t.run(
+        "COPY_OUT into 36 MiB never touched and COPY_IN from 36 MiB never touched: byte-exact",
+        || -> R {
+            const MIB: usize = 1 << 20;
+            let len = 36 * MIB;
+            let a = ok("alloc", dev.alloc(len as u64, 1))?;
+            let data = pattern(len, 13);
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            let mut out = Anon::reserve(len)?;
+            ok("copy_out", dev.copy_out(a.handle, 0, out.slice_mut()))?;
+            if out.slice() != &data[..] {
+                let first = out.slice().iter().zip(&data).position(|(x, y)| x != y);
+                return Err(format!("COPY_OUT: first difference at byte {first:?}"));
+            }
+            let fresh = Anon::reserve(len)?;
+            ok("copy_in", dev.copy_in(a.handle, 0, fresh.slice()))?;
+            let back = read_all(&dev, a.handle, len)?;
+            expect_eq(
+                "untouched memory read as zero",
+                back.iter().position(|&b| b != 0),
+                None,
+            )?;
             ok("free", dev.free(a.handle))
         },
     );
