@@ -107,7 +107,7 @@ unsigned int tdrv_page_run(struct page *const *pages, unsigned int n)
 		return 0;
 	folio = page_folio(pages[0]);
 	for (i = 1; i < n; i++)
-		if (pages[i] != pages[0] + i || page_folio(pages[i]) != folio)
+		if (page_folio(pages[i]) != folio || pages[i] != pages[0] + i)
 			break;
 	return i;
 }

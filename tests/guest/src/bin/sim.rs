@@ -288,6 +288,18 @@ fn huge_page_layout() -> Result<(Anon, usize), String> {
     Ok((user, huge_at))
 }
 
+/// Fails with `what` and the first byte where `got` and `want` differ
+/// (or their lengths) unless they are equal.
+fn same_bytes(what: &str, got: &[u8], want: &[u8]) -> R {
+    if got == want {
+        return Ok(());
+    }
+    match got.iter().zip(want).position(|(x, y)| x != y) {
+        Some(first) => Err(format!("{what}: first difference at byte {first}")),
+        None => Err(format!("{what}: {} bytes, want {}", got.len(), want.len())),
+    }
+}
+
 /// Waits (30 s at most) until no queue is dead and none keeps orphans.
 fn wait_queues_alive(node: &str) -> R {
     let t0 = Instant::now();
@@ -685,12 +697,7 @@ fn main() {
                 let mut back = vec![0u8; len + 128];
                 let out = &mut back[(skew + 5) % 64..][..len];
                 ok("copy_out", dev.copy_out(a.handle, off as u64, out))?;
-                if out != data {
-                    let first = out.iter().zip(data).position(|(x, y)| x != y).unwrap_or(0);
-                    return Err(format!(
-                        "offset {off} len {len} skew {skew}: first difference at byte {first}"
-                    ));
-                }
+                same_bytes(&format!("offset {off} len {len} skew {skew}"), out, data)?;
             }
             ok("free", dev.free(a.handle))
         },
@@ -732,18 +739,12 @@ fn main() {
             let skew = 5;
             ok("copy_in", dev.copy_in(a.handle, 0, &user.slice()[skew..skew + len]))?;
             let back = read_all(&dev, a.handle, len)?;
-            if back[..] != data[skew..skew + len] {
-                let first = back.iter().zip(&data[skew..]).position(|(x, y)| x != y);
-                return Err(format!("COPY_IN: first difference at byte {first:?}"));
-            }
+            same_bytes("COPY_IN", &back, &data[skew..skew + len])?;
             let other = pattern(len, 10);
             ok("copy_in", dev.copy_in(a.handle, 0, &other))?;
             ok("copy_out", dev.copy_out(a.handle, 0, &mut user.slice_mut()[skew..skew + len]))?;
             let got = user.slice();
-            if got[skew..skew + len] != other[..] {
-                let first = got[skew..].iter().zip(&other).position(|(x, y)| x != y);
-                return Err(format!("COPY_OUT: first difference at byte {first:?}"));
-            }
+            same_bytes("COPY_OUT", &got[skew..skew + len], &other)?;
             expect_eq(
                 "bytes around the range untouched",
                 got[..skew] == data[..skew] && got[skew + len..] == data[skew + len..],
@@ -769,10 +770,7 @@ fn main() {
             ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
             let mut out = Anon::reserve(len)?;
             ok("copy_out", dev.copy_out(a.handle, 0, out.slice_mut()))?;
-            if out.slice() != &data[..] {
-                let first = out.slice().iter().zip(&data).position(|(x, y)| x != y);
-                return Err(format!("COPY_OUT: first difference at byte {first:?}"));
-            }
+            same_bytes("COPY_OUT", out.slice(), &data)?;
             let fresh = Anon::reserve(len)?;
             ok("copy_in", dev.copy_in(a.handle, 0, fresh.slice()))?;
             let back = read_all(&dev, a.handle, len)?;
@@ -812,15 +810,11 @@ fn main() {
                     )?;
                     let back = read_all(&dev, a.handle, 8 * MIB)?;
                     let got = &back[dev_off as usize..][..len];
-                    if got != &data[range.clone()] {
-                        let first = got
-                            .iter()
-                            .zip(&data[range.clone()])
-                            .position(|(x, y)| x != y);
-                        return Err(format!(
-                            "COPY_IN of {len} at +{start:#x}: first difference at byte {first:?}"
-                        ));
-                    }
+                    same_bytes(
+                        &format!("COPY_IN of {len} at +{start:#x}"),
+                        got,
+                        &data[range.clone()],
+                    )?;
                     let other = pattern(len, 12);
                     ok("copy_in", dev.copy_in(a.handle, dev_off, &other))?;
                     ok(
@@ -828,12 +822,11 @@ fn main() {
                         dev.copy_out(a.handle, dev_off, &mut user.slice_mut()[range.clone()]),
                     )?;
                     let mine = user.slice();
-                    if mine[range.clone()] != other[..] {
-                        let first = mine[start..].iter().zip(&other).position(|(x, y)| x != y);
-                        return Err(format!(
-                            "COPY_OUT of {len} at +{start:#x}: first difference at byte {first:?}"
-                        ));
-                    }
+                    same_bytes(
+                        &format!("COPY_OUT of {len} at +{start:#x}"),
+                        &mine[range.clone()],
+                        &other,
+                    )?;
                     expect_eq(
                         "bytes around the range untouched",
                         mine[..start] == data[..start]
