@@ -32,15 +32,30 @@ _tdrv_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TDRV_SHARED_KERNEL=${TDRV_SHARED_KERNEL:-$_tdrv_root/../shared/kernel}
 
 # Unpacks tarball $1 into the cache (once per content hash), prints the tree.
+# Callers run this in a command substitution, where `set -e` does not
+# reach: every failure exits here, explicitly. The tree is unpacked under
+# a temporary name and renamed into place, under a lock, so that two builds
+# starting together (make test and make bench, say) neither unpack over
+# each other nor use a half-unpacked tree, and a tree once there is never
+# removed while another build uses it.
 unpack_kernel_tarball() {
-	local tar=$1 sum dir
-	sum=$(sha256sum "$tar" | cut -c1-16)
+	local tar=$1 sum dir tmp
+	[ -f "$tar" ] || die "kernel source tarball $tar not found"
+	sum=$(sha256sum "$tar" | cut -c1-16) && [ ${#sum} = 16 ] ||
+		die "cannot read $tar"
 	dir=$TDRV_CACHE/src/$sum
 	if [ ! -e "$dir/.unpacked" ]; then
-		stage "kernel: unpacking $(basename "$tar")"
-		rm -rf "$dir" && mkdir -p "$dir"
-		tar -xf "$tar" -C "$dir" --strip-components=1
-		touch "$dir/.unpacked"
+		mkdir -p "$TDRV_CACHE/src" || die "cannot create $TDRV_CACHE/src"
+		(
+			flock 9 || die "cannot lock $dir.lock"
+			[ ! -e "$dir/.unpacked" ] || exit 0
+			stage "kernel: unpacking $(basename "$tar")"
+			tmp=$dir.partial
+			rm -rf "$tmp" "$dir" && mkdir -p "$tmp" &&
+				tar -xf "$tar" -C "$tmp" --strip-components=1 &&
+				touch "$tmp/.unpacked" && mv "$tmp" "$dir" ||
+				die "unpacking $tar into $dir failed"
+		) 9>"$dir.lock" || exit 1
 	fi
 	echo "$dir"
 }
@@ -63,7 +78,8 @@ debian_source_tarball() {
 			apt-get update -qq >/dev/null
 		fi
 		stage "kernel: installing $pkg"
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null ||
+			die "apt could not install $pkg: set KSRC to a Linux 7.2 source tarball or tree"
 	fi
 	echo "$tar"
 }
@@ -87,7 +103,9 @@ kernel_source() {
 		fi
 		unpack_kernel_tarball "$shared_tar"
 	else
-		unpack_kernel_tarball "$(debian_source_tarball)"
+		local tar
+		tar=$(debian_source_tarball) || exit 1
+		unpack_kernel_tarball "$tar"
 	fi
 }
 
