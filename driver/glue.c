@@ -95,19 +95,21 @@ bool tdrv_dma_mapping_error(struct device *dev, dma_addr_t addr)
 	return dma_mapping_error(dev, addr) != 0;
 }
 
-/* How many of the n pinned pages, from the first, are the consecutive
- * pages of one folio (a huge page's, say): physically contiguous, so one
- * DMA mapping covers them. At least 1 for n >= 1. */
+/* How many of the n pinned pages, from the first, are physically
+ * consecutive: the pages of a huge page, or 4 KiB pages that the page
+ * allocator handed out in order (as it mostly does to memory faulted in
+ * one sweep). One DMA mapping covers them: the DMA API maps a physical
+ * range, whatever folios it spans. At least 1 for n >= 1. */
 unsigned int tdrv_page_run(struct page *const *pages, unsigned int n)
 {
-	struct folio *folio;
+	unsigned long pfn;
 	unsigned int i;
 
 	if (!n)
 		return 0;
-	folio = page_folio(pages[0]);
+	pfn = page_to_pfn(pages[0]);
 	for (i = 1; i < n; i++)
-		if (page_folio(pages[i]) != folio || pages[i] != pages[0] + i)
+		if (page_to_pfn(pages[i]) != pfn + i)
 			break;
 	return i;
 }

@@ -180,9 +180,8 @@ pub(crate) unsafe fn dma_mapping_error(dev: *mut bindings::device, addr: u64) ->
     unsafe { ffi::tdrv_dma_mapping_error(dev.cast(), addr) }
 }
 
-/// How many of `pages`, from the first, are consecutive pages of one folio
-/// (physically contiguous: one DMA mapping covers them); at least 1 unless
-/// `pages` is empty.
+/// How many of `pages`, from the first, are physically consecutive (one
+/// DMA mapping covers them); at least 1 unless `pages` is empty.
 ///
 /// # Safety
 ///

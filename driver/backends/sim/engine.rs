@@ -1248,9 +1248,10 @@ unsafe impl Sync for MappedPages {}
 
 impl MappedPages {
     /// Maps `len` bytes of `pages` from byte `off` of the first page: one
-    /// mapping per run of consecutive pages of one folio (a huge page
-    /// gives a few long runs instead of a mapping per 4 KiB page), each at
-    /// most as long as the device takes and a descriptor holds.
+    /// mapping per run of physically consecutive pages (a huge page, or
+    /// 4 KiB pages the allocator handed out in order, gives a few long
+    /// runs instead of a mapping per page), each at most as long as the
+    /// device takes and a descriptor holds.
     ///
     /// # Safety
     ///
@@ -1280,8 +1281,8 @@ impl MappedPages {
             let o = if i == 0 { off } else { 0 };
             let n = (run * PAGE_SIZE - o).min(len - done);
             // SAFETY: The run's pages are pinned and `dev` bound (the
-            // caller's guarantee); they are consecutive pages of one folio,
-            // so `[o, o + n)` from the first is physically contiguous.
+            // caller's guarantee); they are physically consecutive, so
+            // `[o, o + n)` from the first is one physical range.
             let addr = unsafe { bindings::dma_map_page_attrs(dev, all[i], o, n, dir, 0) };
             // SAFETY: As above.
             if unsafe { glue::dma_mapping_error(dev, addr) } {

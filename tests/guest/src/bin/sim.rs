@@ -288,6 +288,104 @@ fn huge_page_layout() -> Result<(Anon, usize), String> {
     Ok((user, huge_at))
 }
 
+/// 4 KiB pages in physically consecutive runs of 1 to 17 pages, a break
+/// between each two: the blocks are faulted in from the last to the first,
+/// each from its first page on, so that a page allocator handing out free
+/// pages in ascending order (as Linux's does from a fresh free block) puts
+/// every block below the one faulted before it (once a primer has taken
+/// the pages freed last, which come first). Returns the mapping and
+/// its runs of more than one page (each at least two folios).
+fn page_run_layout() -> Result<(Anon, usize), String> {
+    const PAGE: usize = 4096;
+    const PAGES: usize = 1024;
+    let mut user = Anon::reserve(PAGES * PAGE)?;
+    if std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+        user.advise(0, user.len, libc::MADV_NOHUGEPAGE)?;
+    }
+    let mut blocks = Vec::new();
+    let mut at = 0;
+    while at < PAGES {
+        let n = (blocks.len() % 17 + 1).min(PAGES - at);
+        blocks.push(at..at + n);
+        at += n;
+    }
+    // The pages freed last come first, in the order their frees left
+    // them: a primer takes those, and what is left comes from free blocks.
+    let _primer = Anon::new(8 << 20, 0)?;
+    for b in blocks.iter().rev() {
+        for page in b.clone() {
+            user.slice_mut()[page * PAGE] = 1;
+        }
+    }
+    let pfns = user.pfns()?;
+    let mut runs = 0;
+    let mut breaks = 0;
+    let mut len = 1;
+    for i in 1..PAGES {
+        if pfns[i] == pfns[i - 1] + 1 {
+            len += 1;
+            continue;
+        }
+        breaks += 1;
+        runs += usize::from(len > 1);
+        len = 1;
+    }
+    runs += usize::from(len > 1);
+    if runs < 16 || breaks < 16 {
+        return Err(format!(
+            "the page allocator did not lay the pages out in runs ({runs} runs of several pages, {breaks} breaks)"
+        ));
+    }
+    Ok((user, runs))
+}
+
+/// COPY_IN from and COPY_OUT into `user` at each `(start, len, dev_off)`
+/// through a buffer of `dev_size` bytes: byte-exact, the bytes around
+/// each range untouched.
+fn copy_both_ways(
+    dev: &Dev,
+    user: &mut Anon,
+    dev_size: usize,
+    ranges: &[(usize, usize, u64)],
+) -> R {
+    let a = ok("alloc", dev.alloc(dev_size as u64, 0))?;
+    let data = pattern(user.len, 11);
+    user.slice_mut().copy_from_slice(&data);
+    for &(start, len, dev_off) in ranges {
+        let range = start..start + len;
+        ok(
+            "copy_in",
+            dev.copy_in(a.handle, dev_off, &user.slice()[range.clone()]),
+        )?;
+        let back = read_all(dev, a.handle, dev_size)?;
+        let got = &back[dev_off as usize..][..len];
+        same_bytes(
+            &format!("COPY_IN of {len} at +{start:#x}"),
+            got,
+            &data[range.clone()],
+        )?;
+        let other = pattern(len, 12);
+        ok("copy_in", dev.copy_in(a.handle, dev_off, &other))?;
+        ok(
+            "copy_out",
+            dev.copy_out(a.handle, dev_off, &mut user.slice_mut()[range.clone()]),
+        )?;
+        let mine = user.slice();
+        same_bytes(
+            &format!("COPY_OUT of {len} at +{start:#x}"),
+            &mine[range.clone()],
+            &other,
+        )?;
+        expect_eq(
+            "bytes around the range untouched",
+            mine[..start] == data[..start] && mine[start + len..] == data[start + len..],
+            true,
+        )?;
+        user.slice_mut().copy_from_slice(&data);
+    }
+    ok("free", dev.free(a.handle))
+}
+
 /// Fails with `what` and the first byte where `got` and `want` differ
 /// (or their lengths) unless they are equal.
 fn same_bytes(what: &str, got: &[u8], want: &[u8]) -> R {
@@ -794,48 +892,38 @@ fn main() {
             Err(why) => t.skip(name, &why),
             Ok((mut user, huge_at)) => t.run(name, || -> R {
                 const MIB: usize = 1 << 20;
-                let a = ok("alloc", dev.alloc(8 * MIB as u64, 0))?;
-                let data = pattern(user.len, 11);
-                user.slice_mut().copy_from_slice(&data);
                 // 4 KiB pages, three huge pages, 4 KiB pages; then the
                 // huge pages alone, exactly.
-                for (start, len, dev_off) in [
-                    (huge_at - MIB + 123, 7 * MIB + 4444, 4096 + 7),
-                    (huge_at, 6 * MIB, 0),
-                ] {
-                    let range = start..start + len;
-                    ok(
-                        "copy_in",
-                        dev.copy_in(a.handle, dev_off, &user.slice()[range.clone()]),
-                    )?;
-                    let back = read_all(&dev, a.handle, 8 * MIB)?;
-                    let got = &back[dev_off as usize..][..len];
-                    same_bytes(
-                        &format!("COPY_IN of {len} at +{start:#x}"),
-                        got,
-                        &data[range.clone()],
-                    )?;
-                    let other = pattern(len, 12);
-                    ok("copy_in", dev.copy_in(a.handle, dev_off, &other))?;
-                    ok(
-                        "copy_out",
-                        dev.copy_out(a.handle, dev_off, &mut user.slice_mut()[range.clone()]),
-                    )?;
-                    let mine = user.slice();
-                    same_bytes(
-                        &format!("COPY_OUT of {len} at +{start:#x}"),
-                        &mine[range.clone()],
-                        &other,
-                    )?;
-                    expect_eq(
-                        "bytes around the range untouched",
-                        mine[..start] == data[..start]
-                            && mine[start + len..] == data[start + len..],
-                        true,
-                    )?;
-                    user.slice_mut().copy_from_slice(&data);
-                }
-                ok("free", dev.free(a.handle))
+                copy_both_ways(
+                    &dev,
+                    &mut user,
+                    8 * MIB,
+                    &[
+                        (huge_at - MIB + 123, 7 * MIB + 4444, 4096 + 7),
+                        (huge_at, 6 * MIB, 0),
+                    ],
+                )
+            }),
+        }
+    }
+
+    // 4 KiB pages that happen to be physically consecutive are mapped as
+    // one run too, across folios; a run ends where the next page is
+    // elsewhere, at any page of a chunk.
+    {
+        let name =
+            "COPY_IN/COPY_OUT through 4 KiB pages in physically consecutive runs: byte-exact";
+        match page_run_layout() {
+            Err(why) => t.skip(name, &why),
+            Ok((mut user, runs)) => t.run(name, || -> R {
+                let len = user.len;
+                copy_both_ways(
+                    &dev,
+                    &mut user,
+                    len + 8192,
+                    &[(123, len - 4444, 4096 + 7), (0, len, 0)],
+                )
+                .map_err(|e| format!("{e} ({runs} runs of several pages)"))
             }),
         }
     }
