@@ -726,7 +726,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(33);
+    let mut t = Tap::new(34);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
