@@ -2920,7 +2920,8 @@ fn fig9_dma(c: &Ctx) {
             ("job_d2d", Box::new(|| job_copy(&a, &b, size))),
         ];
         // The same copies from and to 4 KiB pages, for sizes of several
-        // pages: a descriptor per page instead of a few per huge page.
+        // pages: a mapping per run of physically consecutive pages instead
+        // of one per huge page.
         let src4k = (size >= MIB).then(|| Anon::small_pages(size, 0x5a));
         let dst4k = (size >= MIB).then(|| Anon::small_pages(size, 0xa5));
         if let (Some(s4), Some(d4)) = (&src4k, &dst4k) {
