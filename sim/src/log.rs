@@ -106,8 +106,30 @@ impl Log {
 /// every queue.
 pub fn stderr() -> Arc<Log> {
     static LOG: OnceLock<Arc<Log>> = OnceLock::new();
-    LOG.get_or_init(|| Arc::new(Log::new(Box::new(std::io::stderr()), INTERVAL, BURST)))
+    LOG.get_or_init(|| Arc::new(Log::new(Box::new(Stderr), INTERVAL, BURST)))
         .clone()
+}
+
+/// Standard error. In the crate's unit tests it goes through `eprint!`,
+/// which libtest captures per test: written straight to the file, a line
+/// of a queue thread could land inside the harness's own `test ... ok`
+/// line when both streams go to one log, which then no longer counts.
+/// (`eprint!` panics where a write fails, so the binary keeps the plain
+/// writer, whose errors the log ignores.)
+struct Stderr;
+
+impl Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if cfg!(test) {
+            eprint!("{}", String::from_utf8_lossy(buf));
+            Ok(buf.len())
+        } else {
+            std::io::stderr().write(buf)
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
 }
 
 /// A sink for tests: what was written, shared with the test.
@@ -171,6 +193,44 @@ mod tests {
         assert_eq!(
             cap.text(),
             "a\ntdrv-sim: 2 log lines suppressed (rate limit)\n"
+        );
+    }
+
+    /// Run by `lines_of_the_process_log_stay_inside_their_test`, in a
+    /// child process: logs one line through the process's log.
+    #[test]
+    fn child_logs_a_line() {
+        if std::env::var_os("TDRV_SIM_LOG_CHILD").is_some() {
+            stderr().line(format_args!("tdrv-sim: a line from inside a test"));
+        }
+    }
+
+    /// A line of the process's log written during a passing test is
+    /// captured with the test's output, not written to the process's
+    /// standard error between the harness's lines.
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri does not start processes")]
+    fn lines_of_the_process_log_stay_inside_their_test() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "log::tests::child_logs_a_line",
+                "--test-threads=1",
+            ])
+            .env("TDRV_SIM_LOG_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "child: {stdout} {stderr}");
+        assert!(stdout.contains("1 passed"), "child ran nothing: {stdout}");
+        assert!(
+            !stderr.contains("a line from inside a test"),
+            "stderr: {stderr}"
+        );
+        assert!(
+            !stdout.contains("a line from inside a test"),
+            "stdout: {stdout}"
         );
     }
 }
