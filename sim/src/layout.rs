@@ -107,6 +107,11 @@ pub mod inject {
     /// (the late writes of a device that was only slow), then answers a
     /// reset requested meanwhile. Ignored unless the queue hangs.
     pub const RESUME: u32 = 5;
+    /// Not a fault: before its next descriptor the queue times a host
+    /// memcpy of [`PROBE_BYTES`](crate::probe::PROBE_BYTES) and keeps the
+    /// result for its exit statistics (`make bench`'s figure 9s baseline,
+    /// see [`crate::probe`]).
+    pub const MEMCPY_PROBE: u32 = 6;
 }
 
 /// Completion status of a descriptor.

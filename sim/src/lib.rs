@@ -17,6 +17,7 @@
 pub mod dma;
 pub mod layout;
 pub mod log;
+pub mod probe;
 pub mod queue;
 pub mod server;
 pub mod shm;
@@ -187,7 +188,13 @@ impl Device {
         self.stats
             .iter()
             .enumerate()
-            .map(|(i, s)| format!("tdrv-sim: stats queue={i} {s}\n"))
+            .map(|(i, s)| {
+                let mut line = format!("tdrv-sim: stats queue={i} {s}\n");
+                if let Some(probes) = s.probe_line() {
+                    line += &format!("tdrv-sim: memcpy probes queue={i} {probes}\n");
+                }
+                line
+            })
             .collect()
     }
 }

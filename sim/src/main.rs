@@ -88,24 +88,6 @@ struct Args {
     measure_memcpy: bool,
 }
 
-/// Median host nanoseconds of `rounds` copies of `bytes` between two
-/// buffers of this process (after one copy that faults their pages in).
-fn host_memcpy_ns(bytes: usize, rounds: usize) -> u64 {
-    let src = vec![0x5au8; bytes];
-    let mut dst = vec![0u8; bytes];
-    dst.copy_from_slice(&src);
-    let mut ns: Vec<u64> = (0..rounds)
-        .map(|_| {
-            let t = std::time::Instant::now();
-            dst.copy_from_slice(std::hint::black_box(&src));
-            std::hint::black_box(&mut dst);
-            t.elapsed().as_nanos() as u64
-        })
-        .collect();
-    ns.sort_unstable();
-    ns[rounds / 2]
-}
-
 /// Blocks the stop signals in every thread (the queue threads inherit the
 /// mask) and returns a signalfd that becomes readable when one arrives.
 fn stop_signals() -> io::Result<OwnedFd> {
@@ -187,7 +169,7 @@ fn run(args: &Args) -> io::Result<()> {
         const ROUNDS: usize = 9;
         eprintln!(
             "tdrv-sim: host memcpy bytes={BYTES} rounds={ROUNDS} median_ns={}",
-            host_memcpy_ns(BYTES, ROUNDS)
+            tdrv_sim::probe::host_memcpy_ns(BYTES, ROUNDS)
         );
     }
     result

@@ -13,6 +13,9 @@ use crate::layout::Layout;
 use crate::layout::Status;
 use crate::layout::FLAG_IRQ;
 use crate::log::Log;
+use crate::probe::MemcpyProbe;
+use crate::probe::PROBES_KEPT;
+use crate::probe::PROBE_BYTES;
 use std::fmt;
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::AtomicU64;
@@ -20,6 +23,7 @@ use std::sync::atomic::Ordering::Acquire;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::Ordering::Release;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// Raises a queue's interrupt (MSI-X vector `q` of the guest).
@@ -85,6 +89,11 @@ pub struct QueueStats {
     pub solo_bytes: AtomicU64,
     /// Host nanoseconds they spent being checked and copied.
     pub solo_copy_ns: AtomicU64,
+    /// Host memcpy probes (`inject::MEMCPY_PROBE`): the nanoseconds of
+    /// each of the first [`PROBES_KEPT`], in order.
+    pub probe_ns: Mutex<Vec<u64>>,
+    /// Probes run in all, kept or not.
+    pub probes: AtomicU64,
 }
 
 /// Descriptors from this size on get the time split of [`QueueStats`].
@@ -93,6 +102,29 @@ pub const BIG_DESC: u32 = 1 << 20;
 impl QueueStats {
     fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Relaxed);
+    }
+
+    fn add_probe(&self, ns: u64) {
+        Self::add(&self.probes, 1);
+        let mut kept = self.probe_ns.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < PROBES_KEPT {
+            kept.push(ns);
+        }
+    }
+
+    /// The memcpy probes as `bytes=B probes=N ns=T1,T2,...` (the kept
+    /// ones, in order), or None if there were none.
+    pub fn probe_line(&self) -> Option<String> {
+        let kept = self.probe_ns.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.is_empty() {
+            return None;
+        }
+        let ns: Vec<String> = kept.iter().map(u64::to_string).collect();
+        Some(format!(
+            "bytes={PROBE_BYTES} probes={} ns={}",
+            self.probes.load(Relaxed),
+            ns.join(",")
+        ))
     }
 }
 
@@ -154,6 +186,8 @@ pub struct Engine {
     rate: Option<u64>,
     /// Where the guest-triggered complaints go (rate-limited).
     log: Arc<Log>,
+    /// The buffers of `inject::MEMCPY_PROBE`.
+    probe: MemcpyProbe,
 }
 
 impl Engine {
@@ -178,6 +212,7 @@ impl Engine {
             dma_off: false,
             rate: None,
             log: crate::log::stderr(),
+            probe: MemcpyProbe::default(),
         };
         e.set_status(qstatus::IDLE);
         e
@@ -258,6 +293,10 @@ impl Engine {
                     self.set_status(qstatus::BUSY);
                 }
                 inject::RESUME => {}
+                inject::MEMCPY_PROBE => {
+                    let ns = self.probe.run();
+                    self.stats.add_probe(ns);
+                }
                 _ => self.log.line(format_args!(
                     "tdrv-sim: queue {}: unknown fault command {cmd} ignored",
                     self.q
@@ -718,6 +757,32 @@ mod tests {
         assert_eq!(stats.injected.load(Relaxed), 1);
         // Both completions still raised their interrupts.
         assert_eq!(irqs.count(), 2);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "a 16 MiB copy takes minutes under Miri")]
+    fn a_memcpy_probe_runs_before_the_next_descriptor_and_is_kept_in_order() {
+        let (drv, mut e, stats) = Drv::new(16);
+        let irqs = Irqs::default();
+        assert_eq!(stats.probe_line(), None);
+        drv.mem.ram.as_ref().unwrap().write_bytes(0, b"p");
+        drv.inject(inject::MEMCPY_PROBE);
+        drv.post(h2d(1, 1));
+        assert_eq!(e.service(&irqs), 1);
+        // The probe is not a fault: the descriptor copied and completed OK.
+        assert_eq!(drv.reap(), vec![(1, 0, 1)]);
+        assert_eq!(stats.probes.load(Relaxed), 1);
+        assert_eq!(stats.fault.load(Relaxed), 0);
+        drv.inject(inject::MEMCPY_PROBE);
+        e.poll_control();
+        let kept = stats.probe_ns.lock().unwrap().clone();
+        assert_eq!(kept.len(), 2);
+        assert!(kept.iter().all(|&ns| ns > 0), "{kept:?}");
+        let line = stats.probe_line().unwrap();
+        assert_eq!(
+            line,
+            format!("bytes={} probes=2 ns={},{}", PROBE_BYTES, kept[0], kept[1])
+        );
     }
 
     #[test]

@@ -50,6 +50,9 @@
 //! `resume`), each optionally followed by a queue number; without one the
 //! fault goes to the queue of the next op (job or transfer), and `resume`
 //! to every queue. `fail_job` fails the next job's first descriptor.
+//! `memcpy_probe` [queue] is no fault: the simulator times a host memcpy
+//! before that queue's next descriptor, for `make bench` (figure 9s's
+//! baseline, interleaved with the rows it is the baseline of).
 //! `hold_job` keeps the next job the scheduler would dispatch pending, and
 //! dispatches no job at all, until `release` (see [`engine::Hold`]); unlike
 //! `stall`, which the watchdog ends after `sim_timeout_ms`, a hold lasts
@@ -119,6 +122,7 @@ use super::{
         INJECT_FAIL_NEXT,
         INJECT_HANG,
         INJECT_LOSE_IRQ,
+        INJECT_MEMCPY_PROBE,
         INJECT_RESUME,
         INJECT_STALL, //
     },
@@ -1563,6 +1567,7 @@ impl Engine for SimBackend {
             Some(b"lose_irq") => INJECT_LOSE_IRQ,
             Some(b"hang") => INJECT_HANG,
             Some(b"resume") => INJECT_RESUME,
+            Some(b"memcpy_probe") => INJECT_MEMCPY_PROBE,
             _ => return Err(EINVAL),
         };
         let queue = match words.next() {

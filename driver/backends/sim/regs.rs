@@ -117,6 +117,9 @@ pub(crate) const INJECT_LOSE_IRQ: u32 = 3;
 pub(crate) const INJECT_HANG: u32 = 4;
 /// A hung queue executes what is pending, then answers a pending reset.
 pub(crate) const INJECT_RESUME: u32 = 5;
+/// Not a fault: before its next descriptor the queue times a host memcpy
+/// for the simulator's statistics (`make bench`'s figure 9s baseline).
+pub(crate) const INJECT_MEMCPY_PROBE: u32 = 6;
 
 /// Registers of a queue block, at `queue_offset + q * queue_stride`.
 pub(crate) mod queue {

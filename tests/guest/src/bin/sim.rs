@@ -21,6 +21,7 @@ use std::{
 
 use tdrv_guest_tests::{
     desc, expect_eq, expect_err, inject,
+    inject::inject_file,
     kmsg::{dma_api_errors, kernel_log, new_reports},
     ok, open_device_or_skip,
     raw::Dev,
@@ -726,7 +727,7 @@ fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
 
 fn main() {
     let (dev, path, v) = open_device_or_skip("/dev/tdrv2", Some(TDRV_DEVICE_SIM));
-    let mut t = Tap::new(34);
+    let mut t = Tap::new(35);
 
     t.run(
         "buffers live in HBM: dma_addr is a device address in its channel",
@@ -1288,6 +1289,37 @@ fn main() {
             )?;
             job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, 9000)])?;
             expect_eq("data", read_all(&dev, b.handle, 9000)?, vec![2; 9000])?;
+            ok("free", dev.free(a.handle))?;
+            ok("free", dev.free(b.handle))
+        },
+    );
+
+    t.run(
+        "memcpy_probe is no fault: accepted with or without a queue, the job after it moves its bytes; a bad queue or word is EINVAL",
+        || -> R {
+            let len = 64 << 10;
+            let data = pattern(len, 33);
+            let a = ok("alloc", dev.alloc(len as u64, 0))?;
+            let b = ok("alloc", dev.alloc(len as u64, 0))?;
+            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            inject(&path, "memcpy_probe")?;
+            job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, len as u64)])?;
+            expect_eq("data after a probe", read_all(&dev, b.handle, len)?, data.clone())?;
+            inject(&path, "memcpy_probe 0")?;
+            ok("copy_out", dev.copy_out(b.handle, 0, &mut vec![0; len]))?;
+            expect_eq(
+                "latch after probes",
+                ok("buf_info", dev.buf_info(b.handle))?.error,
+                0,
+            )?;
+            for bad in ["memcpy_probe 64", "memcpy_probe 0 0", "memcpy_probes"] {
+                let r = std::fs::write(inject_file(&path), bad);
+                expect_eq(
+                    &format!("inject {bad:?}"),
+                    r.map_err(|e| e.raw_os_error()),
+                    Err(Some(libc::EINVAL)),
+                )?;
+            }
             ok("free", dev.free(a.handle))?;
             ok("free", dev.free(b.handle))
         },
