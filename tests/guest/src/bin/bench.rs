@@ -2198,9 +2198,12 @@ fn new_eventfd() -> Arc<OwnedFd> {
 /// against the same job waited with JOB_WAIT, an eventfd write → read and
 /// sw_sync → poll. Two triggers:
 ///
-/// - from SUBMIT (`event_submit`): SUBMIT, then JOB_NOTIFY, until the
-///   reader runs; the baseline is `eventfd`. JOB_WAIT cannot be timed so:
-///   it needs the job's id, which exists only once SUBMIT returned.
+/// - from SUBMIT (`event_submit_notify`): SUBMIT asking for the job's
+///   event itself (`TDRV_SUBMIT_NOTIFY`, ABI 1.6) until the reader runs;
+///   the baseline is `eventfd`. `event_submit` is the same with a
+///   JOB_NOTIFY after SUBMIT (the way before ABI 1.6). JOB_WAIT cannot be
+///   timed so: it needs the job's id, which exists only once SUBMIT
+///   returned.
 /// - from a gate (`event_gated`, `job_wait_gated`): the job is submitted
 ///   behind an sw_sync in-fence and (for the event) JOB_NOTIFY'd, the
 ///   waiter blocks, and the sample runs from the gate's SW_SYNC_IOC_INC
@@ -2235,6 +2238,15 @@ fn fig10(c: &Ctx) {
             fire: Box::new(move |_| {
                 let id = dev.submit(descs).expect("SUBMIT");
                 dev.job_notify(id, id).expect("JOB_NOTIFY");
+            }),
+        },
+        WakeMethod {
+            name: "event_submit_notify",
+            arm: Box::new(|| 0),
+            wait: Box::new(move |_| read_one_event(dev)),
+            fire: Box::new(move |_| {
+                dev.submit_notify(descs, 1)
+                    .expect("SUBMIT with TDRV_SUBMIT_NOTIFY");
             }),
         },
         WakeMethod {
