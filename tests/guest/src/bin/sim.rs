@@ -719,6 +719,16 @@ fn job_ok(dev: &Dev, descs: &[tdrv_copy_desc]) -> R {
     )
 }
 
+/// Two buffers of `len` bytes, the first holding `pattern(len, seed)`:
+/// their handles and the pattern.
+fn source_and_destination(dev: &Dev, len: usize, seed: u64) -> Result<(u64, u64, Vec<u8>), String> {
+    let data = pattern(len, seed);
+    let a = ok("alloc", dev.alloc(len as u64, 0))?.handle;
+    let b = ok("alloc", dev.alloc(len as u64, 0))?.handle;
+    ok("copy_in", dev.copy_in(a, 0, &data))?;
+    Ok((a, b, data))
+}
+
 fn read_all(dev: &Dev, handle: u64, len: usize) -> Result<Vec<u8>, String> {
     let mut v = vec![0u8; len];
     ok("copy_out", dev.copy_out(handle, 0, &mut v))?;
@@ -1298,20 +1308,13 @@ fn main() {
         "memcpy_probe is no fault: accepted with or without a queue, the job after it moves its bytes; a bad queue or word is EINVAL",
         || -> R {
             let len = 64 << 10;
-            let data = pattern(len, 33);
-            let a = ok("alloc", dev.alloc(len as u64, 0))?;
-            let b = ok("alloc", dev.alloc(len as u64, 0))?;
-            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            let (a, b, data) = source_and_destination(&dev, len, 33)?;
             inject(&path, "memcpy_probe")?;
-            job_ok(&dev, &[desc(a.handle, 0, b.handle, 0, len as u64)])?;
-            expect_eq("data after a probe", read_all(&dev, b.handle, len)?, data.clone())?;
+            job_ok(&dev, &[desc(a, 0, b, 0, len as u64)])?;
+            expect_eq("data after a probe", read_all(&dev, b, len)?, data)?;
             inject(&path, "memcpy_probe 0")?;
-            ok("copy_out", dev.copy_out(b.handle, 0, &mut vec![0; len]))?;
-            expect_eq(
-                "latch after probes",
-                ok("buf_info", dev.buf_info(b.handle))?.error,
-                0,
-            )?;
+            ok("copy_out", dev.copy_out(b, 0, &mut vec![0; len]))?;
+            expect_eq("latch after probes", ok("buf_info", dev.buf_info(b))?.error, 0)?;
             for bad in ["memcpy_probe 64", "memcpy_probe 0 0", "memcpy_probes"] {
                 let r = std::fs::write(inject_file(&path), bad);
                 expect_eq(
@@ -1320,8 +1323,8 @@ fn main() {
                     Err(Some(libc::EINVAL)),
                 )?;
             }
-            ok("free", dev.free(a.handle))?;
-            ok("free", dev.free(b.handle))
+            ok("free", dev.free(a))?;
+            ok("free", dev.free(b))
         },
     );
 
@@ -1389,33 +1392,26 @@ fn main() {
         "fail_desc on COPY: EIO, the destination's error latched, the source's not; a good COPY clears it",
         || -> R {
             let len = 64 << 10;
-            let data = pattern(len, 23);
-            let a = ok("alloc", dev.alloc(len as u64, 0))?;
-            let b = ok("alloc", dev.alloc(len as u64, 0))?;
-            ok("copy_in", dev.copy_in(a.handle, 0, &data))?;
+            let (a, b, data) = source_and_destination(&dev, len, 23)?;
             inject(&path, "fail_desc")?;
             expect_err(
                 "COPY with a failed descriptor",
-                dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)),
+                dev.copy(desc(a, 0, b, 0, len as u64)),
                 libc::EIO,
             )?;
-            expect_eq(
-                "destination's latch",
-                ok("buf_info", dev.buf_info(b.handle))?.error,
-                -libc::EIO,
-            )?;
-            expect_eq("source's latch", ok("buf_info", dev.buf_info(a.handle))?.error, 0)?;
+            expect_eq("destination's latch", ok("buf_info", dev.buf_info(b))?.error, -libc::EIO)?;
+            expect_eq("source's latch", ok("buf_info", dev.buf_info(a))?.error, 0)?;
             let mut out = vec![0u8; len];
             expect_err(
                 "COPY_OUT of the undefined destination",
-                dev.copy_out(b.handle, 0, &mut out),
+                dev.copy_out(b, 0, &mut out),
                 libc::EIO,
             )?;
-            ok("copy", dev.copy(desc(a.handle, 0, b.handle, 0, len as u64)))?;
-            expect_eq("latch after a good COPY", ok("buf_info", dev.buf_info(b.handle))?.error, 0)?;
-            expect_eq("data", read_all(&dev, b.handle, len)? == data, true)?;
-            ok("free", dev.free(a.handle))?;
-            ok("free", dev.free(b.handle))
+            ok("copy", dev.copy(desc(a, 0, b, 0, len as u64)))?;
+            expect_eq("latch after a good COPY", ok("buf_info", dev.buf_info(b))?.error, 0)?;
+            expect_eq("data", read_all(&dev, b, len)? == data, true)?;
+            ok("free", dev.free(a))?;
+            ok("free", dev.free(b))
         },
     );
 
